@@ -1,0 +1,1 @@
+"""Actor: the trainable model (peft LoRA adapters), optimizer, checkpoints."""

@@ -1,0 +1,187 @@
+"""The actor engine: LoRA adapters via peft on the base model, AdamW, grad clipping.
+
+Adapters: ``default`` (trained) and ``old`` (frozen, refreshed by the algorithm's schedule);
+the reference policy is the base model with adapters disabled. The actor never samples
+trajectories; it trains on what the rollout produced and exports versioned LoRA deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import Tensor
+
+from diffrl.data.tokenizer import hash_ids
+from diffrl.errors import DiffrlError, check
+from diffrl.models.convention import VelocityModel
+from diffrl.sync.weights import LoraDelta, WeightUpdate
+from diffrl.types import TrainBatch, check_token_hashes
+
+log = logging.getLogger(__name__)
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    rank: int = 32
+    alpha: float = 32.0  # LoRA scale = alpha / rank
+    targets: list[str] = field(default_factory=list)  # empty = the model family's explicit list
+
+    def validate(self) -> None:
+        check(self.rank >= 1, "rank", self.rank, "must be >= 1")
+        check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        check("all-linear" not in self.targets, "targets", self.targets,
+              "name target modules explicitly (contract 2: no 'all-linear')")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    micro_batch: int = 64  # samples per forward/backward; gradients accumulate to the batch
+    max_nonfinite_steps: int = 3  # consecutive NaN/inf losses before training stops
+    lora: AdapterConfig = field(default_factory=AdapterConfig)
+
+    def validate(self) -> None:
+        check(self.lr > 0, "lr", self.lr, "must be > 0")
+        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
+        check(self.micro_batch >= 1, "micro_batch", self.micro_batch, "must be >= 1")
+
+
+class NonFiniteLoss(DiffrlError):
+    """The loss or gradients stayed NaN/inf for too many steps."""
+
+
+class ActorEngine:
+    def __init__(self, model: VelocityModel, cfg: ActorConfig, targets: list[str], algorithm,
+                 algo_cfg, device: torch.device, seed: int = 0) -> None:
+        self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
+        lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=list(targets),
+                          lora_dropout=0.0, init_lora_weights=True)
+        self.model = get_peft_model(model.to(device), lora)
+        self.model.add_adapter("old", lora)
+        self.model.base_model.set_adapter("default")
+        self.layers = {name.removeprefix(PEFT_PREFIX): m for name, m in self.model.named_modules()
+                       if isinstance(m, LoraLayer)}
+        missing = [t for t in targets
+                   if not any(n == t or n.endswith("." + t) for n in self.layers)]
+        if missing or not self.layers:
+            raise DiffrlError(f"LoRA targets {missing or targets} matched no module of the model")
+        self.update_old(decay=0.0)  # old == default at start (peft inits A randomly per adapter)
+        self.params = [p for n, p in self.model.named_parameters() if ".default." in n]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                     weight_decay=cfg.weight_decay)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.version = 0  # optimizer steps taken
+        self.nonfinite = 0
+
+    # --- the Policy the algorithms see -------------------------------------------------
+    def velocity(self, x: Tensor, sigma: Tensor, input_ids: Tensor,
+                 adapter: str | None = "default") -> Tensor:
+        if adapter is None:
+            with self.model.disable_adapter():
+                return self.model(x, sigma, input_ids)
+        if adapter == "default":
+            return self.model(x, sigma, input_ids)
+        self._activate(adapter)
+        try:
+            return self.model(x, sigma, input_ids)
+        finally:
+            self._activate("default")
+
+    def _activate(self, adapter: str) -> None:
+        # peft's set_adapter also flips requires_grad; keep "old" frozen whatever is active
+        for layer in self.layers.values():
+            layer.set_adapter(adapter)
+            for name in ("lora_A", "lora_B"):
+                getattr(layer, name)["old"].requires_grad_(False)
+
+    # --- training -----------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        check_token_hashes(batch, hash_ids)
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        n, metrics = len(batch), {}
+        if n == 0:
+            return {"actor/skipped_empty": 1.0}
+        total = 0.0
+        for start in range(0, n, self.cfg.micro_batch):
+            mb = _slice(batch, start, start + self.cfg.micro_batch, self.device)
+            loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
+            (loss * len(mb) / n).backward()
+            total += float(loss.detach()) * len(mb) / n
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v * len(mb) / n
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        if not (torch.isfinite(torch.tensor(total)) and torch.isfinite(torch.tensor(grad_norm))):
+            self.nonfinite += 1
+            self.opt.zero_grad(set_to_none=True)
+            log.warning("non-finite loss/grad (loss=%s, grad_norm=%s): update skipped", total,
+                        grad_norm)
+            if self.nonfinite >= self.cfg.max_nonfinite_steps:
+                raise NonFiniteLoss(f"loss or gradients were NaN/inf for {self.nonfinite} steps in "
+                                    "a row; lower actor.lr or check the rewards")
+            return {**metrics, "actor/loss": total, "actor/skipped_nonfinite": 1.0}
+        self.nonfinite = 0
+        self.opt.step()
+        self.version += 1
+        return {**metrics, "actor/loss": total, "actor/grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def update_old(self, decay: float) -> None:
+        """old <- decay * old + (1 - decay) * default (decay=0: a copy)."""
+        for layer in self.layers.values():
+            for name in ("lora_A", "lora_B"):
+                mods = getattr(layer, name)
+                mods["old"].weight.mul_(decay).add_(mods["default"].weight, alpha=1 - decay)
+
+    def export_weights(self, adapter: str = "default") -> WeightUpdate:
+        deltas = {name: LoraDelta(a=layer.lora_A[adapter].weight.detach().float().cpu().clone(),
+                                  b=layer.lora_B[adapter].weight.detach().float().cpu().clone(),
+                                  scale=float(layer.scaling[adapter]))
+                  for name, layer in self.layers.items()}
+        return WeightUpdate.build(self.version, adapter, deltas)
+
+    # --- checkpoints (tensors only; loaded with weights_only=True) ------------------------
+    def adapter_tensors(self) -> dict[str, Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()
+                if "lora_" in n}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "version": self.version,
+                "gen": self.gen.get_state(), "nonfinite": self.nonfinite}
+
+    def load_state(self, adapters: dict[str, Tensor], state: dict) -> None:
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(params) & {n for n in params if "lora_" in n} - set(adapters))
+        if missing:
+            raise DiffrlError(f"checkpoint lacks adapter tensors {missing[:4]}")
+        with torch.no_grad():
+            for n, t in adapters.items():
+                if n not in params or params[n].shape != t.shape:
+                    raise DiffrlError(f"checkpoint tensor {n} {tuple(t.shape)} does not fit the "
+                                      "model (different LoRA rank or targets?)")
+                params[n].copy_(t)
+        self.opt.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.gen.set_state(state["gen"])
+        self.nonfinite = int(state["nonfinite"])
+
+
+def _slice(batch: TrainBatch, a: int, b: int, device) -> TrainBatch:
+    def cut(t):
+        return None if t is None else t[a:b].to(device)
+
+    return TrainBatch(input_ids=cut(batch.input_ids), ids_hash=batch.ids_hash[a:b],
+                      x0=cut(batch.x0), weights=cut(batch.weights), seeds=cut(batch.seeds),
+                      group=cut(batch.group), latents=cut(batch.latents),
+                      log_probs=cut(batch.log_probs), sigmas=batch.sigmas, pairs=None)

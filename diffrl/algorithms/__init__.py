@@ -1,0 +1,1 @@
+"""Algorithms: small pure functions over typed batches, registered by name."""

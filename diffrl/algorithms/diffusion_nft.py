@@ -1,0 +1,139 @@
+"""DiffusionNFT: online diffusion RL with forward-process negative-aware finetuning
+(Zheng et al., 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process").
+
+With the frozen old policy v_old (the sampler of the data) and the trained policy v_theta:
+
+    v+ = beta * v_theta + (1 - beta) * v_old          (implicit positive policy)
+    v- = (1 + beta) * v_old - beta * v_theta          (implicit negative policy)
+    L  = E_{x0, sigma, eps} [ r * ||v+ - v||^2 + (1 - r) * ||v- - v||^2 ] / beta
+
+on freshly noised clean samples x_sigma = (1 - sigma) x0 + sigma eps with v = eps - x0, where the
+optimality r in [0, 1] comes from group-normalised rewards: r = 1/2 + 1/2 * clip(A / Z, -1, 1).
+Note v+ + v- = 2 v_old. "adaptive" weighting (the reference's) measures the error in x0 space,
+x0_hat = x_sigma - sigma * v_pm, divided by its own detached mean absolute error per sample.
+``old`` is refreshed from ``default`` every ``old_every`` steps (copy) or by EMA, and the
+rollout samples with ``old``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from diffrl.algorithms.advantage import group_advantages
+from diffrl.algorithms.registry import Algorithm, AlgorithmConfig, Policy, register_algorithm
+from diffrl.errors import check, check_choice
+from diffrl.types import ScoredBatch, TrainBatch
+
+
+@dataclass(frozen=True)
+class NFTConfig(AlgorithmConfig):
+    name: str = "diffusion_nft"
+    beta: float = 1.0  # guidance strength of the implicit policies
+    adv_clip: float = 2.0  # Z in r = 1/2 + 1/2 clip(A/Z, -1, 1)
+    global_std: bool = False  # normalise advantages by the batch std instead of the group's
+    weighting: str = "adaptive"  # adaptive (x0-space, self-normalised) | uniform (velocity MSE)
+    timesteps_per_sample: int = 2  # fresh (sigma, eps) draws per sample per update
+    sigma_min: float = 0.02  # training sigmas ~ U(sigma_min, sigma_max)
+    sigma_max: float = 0.98
+    kl_coef: float = 0.0  # optional anchor ||v_theta - v_ref||^2, ref = adapters disabled
+    old_update: str = "copy"  # copy (delayed) | ema
+    old_every: int = 2  # copy default -> old every N steps
+    old_ema: float = 0.5  # ema: old <- old_ema * old + (1 - old_ema) * default, every step
+
+    def validate(self) -> None:
+        check(self.beta > 0, "beta", self.beta, "must be > 0")
+        check(self.adv_clip > 0, "adv_clip", self.adv_clip, "must be > 0")
+        check_choice("weighting", self.weighting, ("adaptive", "uniform"))
+        check(self.timesteps_per_sample >= 1, "timesteps_per_sample", self.timesteps_per_sample,
+              "must be >= 1")
+        check(0 <= self.sigma_min < self.sigma_max <= 1, "sigma_max", self.sigma_max,
+              "need 0 <= sigma_min < sigma_max <= 1")
+        check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        check_choice("old_update", self.old_update, ("copy", "ema"))
+        check(self.old_every >= 1, "old_every", self.old_every, "must be >= 1")
+        check(0 <= self.old_ema < 1, "old_ema", self.old_ema, "must be in [0, 1)")
+
+
+def optimality(advantages: Tensor, z: float) -> Tensor:
+    """r = 1/2 + 1/2 * clip(A / Z, -1, 1), in [0, 1]."""
+    return 0.5 + 0.5 * (advantages / z).clamp(-1.0, 1.0)
+
+
+def prepare(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
+    traj = scored.traj
+    adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
+    keep = scored.valid.nonzero().squeeze(1)
+    p = traj.prompts
+    return TrainBatch(input_ids=p.input_ids[keep], ids_hash=tuple(p.ids_hash[i] for i in keep),
+                      x0=traj.x0[keep], weights=optimality(adv[keep], cfg.adv_clip),
+                      seeds=traj.seeds[keep], group=traj.group[keep])
+
+
+def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    v_pos = beta * v_theta + (1 - beta) * v_old
+    v_neg = (1 + beta) * v_old - beta * v_theta
+    return v_pos, v_neg
+
+
+def _per_sample_error(v_pm: Tensor, v: Tensor, x: Tensor, x0: Tensor, sigma: Tensor,
+                      weighting: str) -> Tensor:
+    """(B,) error of one implicit policy against the target velocity."""
+    if weighting == "uniform":
+        return (v_pm - v).pow(2).flatten(1).mean(1)
+    s = sigma.view(-1, 1, 1, 1)
+    x0_hat = x - s * v_pm  # the implicit policy's clean-sample estimate
+    scale = (x0_hat.detach() - x0).abs().flatten(1).mean(1).clamp(min=1e-5)
+    return (x0_hat - x0).pow(2).flatten(1).mean(1) / scale
+
+
+def loss(policy: Policy, batch: TrainBatch, cfg: NFTConfig,
+         gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+    x0, ids, r = batch.x0, batch.input_ids, batch.weights.to(batch.x0)
+    total, metrics = x0.new_zeros(()), {"nft/r_mean": float(r.mean())}
+    for _ in range(cfg.timesteps_per_sample):
+        sigma = torch.empty(len(x0)).uniform_(cfg.sigma_min, cfg.sigma_max, generator=gen).to(x0)
+        eps = torch.randn(x0.shape, generator=gen).to(x0)
+        s = sigma.view(-1, 1, 1, 1)
+        x = (1 - s) * x0 + s * eps
+        v = eps - x0
+        with torch.no_grad():
+            v_old = policy.velocity(x, sigma, ids, adapter="old")
+        v_theta = policy.velocity(x, sigma, ids, adapter="default")
+        v_pos, v_neg = implicit_policies(v_theta, v_old, cfg.beta)
+        l_pos = _per_sample_error(v_pos, v, x, x0, sigma, cfg.weighting)
+        l_neg = _per_sample_error(v_neg, v, x, x0, sigma, cfg.weighting)
+        step_loss = ((r * l_pos + (1 - r) * l_neg) / cfg.beta).mean()
+        if cfg.kl_coef > 0:
+            with torch.no_grad():
+                v_ref = policy.velocity(x, sigma, ids, adapter=None)
+            kl = (v_theta - v_ref).pow(2).mean()
+            step_loss = step_loss + cfg.kl_coef * kl
+            metrics["nft/kl"] = metrics.get("nft/kl", 0.0) + float(kl.detach()) / cfg.timesteps_per_sample
+        total = total + step_loss / cfg.timesteps_per_sample
+        for key, value in (("nft/loss_pos", l_pos), ("nft/loss_neg", l_neg)):
+            metrics[key] = metrics.get(key, 0.0) + float(value.detach().mean()) / cfg.timesteps_per_sample
+    return total, metrics
+
+
+def rollout_adapter(cfg: NFTConfig) -> str:
+    return "old"  # as the reference implementation: sample with the old policy
+
+
+def after_step(actor, step: int, cfg: NFTConfig) -> bool:
+    """Refresh ``old`` (step counts from 1); True when the rollout's weights changed."""
+    if cfg.old_update == "ema":
+        actor.update_old(decay=cfg.old_ema)
+        return True
+    if step % cfg.old_every == 0:
+        actor.update_old(decay=0.0)
+        return True
+    return False
+
+
+ALGORITHM = register_algorithm(Algorithm(
+    name="diffusion_nft", config_cls=NFTConfig, prepare=prepare, loss=loss,
+    rollout_adapter=rollout_adapter, after_step=after_step, needs_logprobs=False,
+))

@@ -1,0 +1,133 @@
+"""The root config: typed, frozen dataclasses per component, loaded from a YAML recipe plus
+``key=value`` overrides (OmegaConf dotlist syntax). Each component's config lives next to the
+component; this module only assembles them and turns every mistake into a ``ConfigError`` that
+names the key, the value and what is allowed, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from diffrl.actor.engine import ActorConfig
+from diffrl.algorithms.registry import AlgorithmConfig, get_algorithm, registered_algorithms
+from diffrl.data.prompts import DataConfig
+from diffrl.errors import ConfigError, FieldError, check, check_choice
+from diffrl.models.registry import ModelConfig
+from diffrl.reward.pool import RewardConfig
+from diffrl.rollout.engine import RolloutConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPE = "recipes/shapes_nft.yaml"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "shapes_nft"  # run directory is <out_dir>/<name>
+    out_dir: str = "runs"
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    steps: int = 60  # RL steps (one rollout + one update each)
+    eval_every: int = 10  # held-out eval (and sample grid) every N steps; also at start and end
+    save_every: int = 10  # checkpoint every N steps; also at the end
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    resume: bool = True  # continue from the run directory's latest checkpoint if there is one
+    max_minutes: float = 0.0  # stop (after a checkpoint) when the wall budget is spent; 0 = off
+    tensorboard: bool = True
+
+    def validate(self) -> None:
+        check(bool(self.name) and "/" not in self.name, "name", self.name, "a non-empty name")
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+              "device", self.device, "auto, cpu, cuda or cuda:N")
+        check(self.steps >= 0, "steps", self.steps, "must be >= 0")
+        check(self.eval_every > 0, "eval_every", self.eval_every, "must be > 0")
+        check(self.save_every > 0, "save_every", self.save_every, "must be > 0")
+        check(self.threads >= 0, "threads", self.threads, "must be >= 0")
+        check(self.max_minutes >= 0, "max_minutes", self.max_minutes, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: Any = None  # the registered algorithm's own frozen config dataclass
+
+
+def resolve_recipe(path: str | None) -> Path:
+    """A recipe path as given, else relative to the repository (so ``diffrl train`` works
+    from any directory)."""
+    path = path or DEFAULT_RECIPE
+    for candidate in (Path(path), REPO_ROOT / path, REPO_ROOT / "recipes" / path):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"recipe {path!r} not found (looked in . and {REPO_ROOT / 'recipes'})")
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Recipe YAML (optional) + ``key=value`` overrides -> validated, frozen ``Config``."""
+    overrides = list(overrides or [])
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.beta=0.1)")
+    try:
+        raw = OmegaConf.load(resolve_recipe(str(recipe))) if recipe is not None else OmegaConf.create()
+        raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"could not read the recipe/overrides: {e}") from None
+    algo_name = OmegaConf.select(raw, "algorithm.name", default=AlgorithmConfig.name)
+    if algo_name not in registered_algorithms():
+        raise ConfigError(
+            f"config key 'algorithm.name' = {algo_name!r}: must be one of {registered_algorithms()}"
+        )
+    schema = OmegaConf.structured(Config(algorithm=get_algorithm(algo_name).config_cls()))
+    try:
+        merged = OmegaConf.merge(schema, raw)
+        cfg = OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        parent = e.full_key.rsplit(".", 1)[0] if "." in e.full_key else ""
+        node = OmegaConf.select(schema, parent) if parent else schema
+        allowed = sorted(node.keys()) if hasattr(node, "keys") else []
+        raise ConfigError(f"unknown config key '{e.full_key}'; allowed here: {allowed}") from None
+    except ValidationError as e:
+        raise ConfigError(f"bad value for config key '{e.full_key}': {e.msg}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad config: {e}") from None
+    validate_tree(cfg)
+    return cfg
+
+
+def validate_tree(node: Any, path: str = "") -> None:
+    """Call ``validate()`` on every config dataclass, prefixing errors with the dotted key."""
+    if not dataclasses.is_dataclass(node):
+        return
+    if hasattr(node, "validate"):
+        try:
+            node.validate()
+        except FieldError as e:
+            key = f"{path}.{e.field}" if path else e.field
+            raise ConfigError(f"config key '{key}' = {e.value!r}: {e.allowed}") from None
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        child = f"{path}.{f.name}" if path else f.name
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                validate_tree(item, f"{child}[{i}]")
+        else:
+            validate_tree(value, child)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+__all__ = ["Config", "ConfigError", "RunConfig", "AlgorithmConfig", "load_config", "to_yaml",
+           "check_choice"]

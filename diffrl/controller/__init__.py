@@ -1,0 +1,1 @@
+"""Controllers: the training loop (sync mode), one readable file each."""

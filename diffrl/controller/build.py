@@ -1,0 +1,94 @@
+"""Assemble the engines from a config (shared by the controllers and the CLI)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diffrl.actor.engine import ActorEngine
+from diffrl.algorithms.registry import Algorithm, get_algorithm
+from diffrl.config import Config
+from diffrl.data.prompts import PromptSet, PromptSource, build_data
+from diffrl.data.shapes import render, split_prompts
+from diffrl.data.tokenizer import WordTokenizer
+from diffrl.errors import ConfigError
+from diffrl.models.convention import ProbeReport, probe_convention
+from diffrl.models.registry import load_model, lora_targets
+from diffrl.reward.pool import RewardPool
+from diffrl.rollout.engine import RolloutEngine
+
+
+@dataclass
+class Parts:
+    cfg: Config
+    device: torch.device
+    tokenizer: WordTokenizer
+    prompts: PromptSource
+    eval_set: PromptSet
+    rollout: RolloutEngine
+    evaluator: RolloutEngine  # samples with the trained adapter for held-out eval
+    rewards: RewardPool
+    actor: ActorEngine
+    algorithm: Algorithm
+    probe: ProbeReport | None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'run.device' = {name!r}: CUDA is not available here")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def probe_data(tok: WordTokenizer, n: int = 16, seed: int = 0):
+    """Renderer ground truth for the convention probe: x0 (n,3,H,W) in [-1,1] and ids."""
+    rng = np.random.default_rng(seed)
+    prompts = split_prompts("train")[:n]
+    imgs = np.stack([render(p, rng) for p in prompts])
+    x0 = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1
+    return x0, tok.encode([p.text for p in prompts])
+
+
+def build(cfg: Config) -> Parts:
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    seed_everything(cfg.run.seed)
+    device = pick_device(cfg.run.device)
+    tok, source, eval_set = build_data(cfg.data, cfg.run.seed)
+    base = load_model(cfg.model, device)
+    if base.net.cfg.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model vocab ({base.net.cfg.vocab_size}) is smaller than the "
+                          f"tokenizer's ({tok.vocab_size})")
+    probe = None
+    if cfg.model.probe:
+        x0, ids = probe_data(tok)
+        probe = probe_convention(base, x0.to(device, next(base.parameters()).dtype), ids.to(device))
+    targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model.family))
+    algorithm = get_algorithm(cfg.algorithm.name)
+    rollout = RolloutEngine(base, cfg.rollout, _expanded_targets(base, targets), tok.null_id, device)
+    evaluator = RolloutEngine(base, cfg.rollout, _expanded_targets(base, targets), tok.null_id,
+                              device)
+    rewards = RewardPool(cfg.reward)
+    rewards.check_inputs(produced={"image"})
+    actor = ActorEngine(base, cfg.actor, targets, algorithm, cfg.algorithm, device, cfg.run.seed)
+    return Parts(cfg, device, tok, source, eval_set, rollout, evaluator, rewards, actor,
+                 algorithm, probe)
+
+
+def _expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """Suffix targets ("attn.qkv") -> the full module names the rollout must receive."""
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             and any(n == t or n.endswith("." + t) for t in targets)]
+    if not names:
+        raise ConfigError(f"LoRA targets {targets} match no Linear module of the model")
+    return names

@@ -1,0 +1,107 @@
+"""The run directory: runs/<name>/ with metrics.jsonl, TensorBoard events, sample grids,
+the reward / accuracy curve and the resolved config."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+
+class RunDir:
+    def __init__(self, root: Path, tensorboard: bool = True) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "samples").mkdir(exist_ok=True)
+        self.metrics_path = root / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(root / "tb"))
+
+    def write_config(self, text: str) -> None:
+        (self.root / "config.yaml").write_text(text)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop metrics logged after the checkpoint we resume from."""
+        if not self.metrics_path.exists():
+            return
+        keep = [ln for ln in self.metrics_path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time": time.time(), **{k: _num(v) for k, v in metrics.items()}}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
+
+    def save_grid(self, step: int, images: np.ndarray, texts: list[str], ok: list[bool],
+                  cols: int = 8, scale: int = 3) -> Path:
+        """images (N, H, W, 3) uint8 -> samples/step_XXXXXX.png, captioned, green/red border
+        for verifier pass/fail."""
+        n, h, w, _ = images.shape
+        cell_w, cell_h = w * scale + 8, h * scale + 30
+        rows = math.ceil(n / cols)
+        canvas = Image.new("RGB", (cols * cell_w, rows * cell_h), (255, 255, 255))
+        draw = ImageDraw.Draw(canvas)
+        for i in range(n):
+            x, y = (i % cols) * cell_w, (i // cols) * cell_h
+            border = (30, 170, 60) if ok[i] else (210, 40, 40)
+            draw.rectangle([x + 1, y + 1, x + w * scale + 6, y + h * scale + 6], fill=border)
+            tile = Image.fromarray(images[i]).resize((w * scale, h * scale), Image.NEAREST)
+            canvas.paste(tile, (x + 4, y + 4))
+            words, lines = texts[i].split(), ["", ""]
+            for word in words:  # two short caption lines
+                j = 0 if len(lines[0]) + len(word) < 16 else 1
+                lines[j] = (lines[j] + " " + word).strip()
+            draw.text((x + 2, y + h * scale + 8), "\n".join(lines), fill=(0, 0, 0))
+        path = self.root / "samples" / f"step_{step:06d}.png"
+        canvas.save(path)
+        return path
+
+    def save_curves(self) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = self.read_metrics()
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+        tr = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+        ev = [(r["step"], r["eval/overall"]) for r in rows if "eval/overall" in r]
+        if tr:
+            ax[0].plot(*zip(*tr, strict=True), color="tab:blue")
+        ax[0].set(title="train reward (mean)", xlabel="step")
+        if ev:
+            ax[1].plot(*zip(*ev, strict=True), marker="o", color="tab:green")
+        ax[1].set(title="held-out ShapesBench accuracy", xlabel="step", ylim=(0, 1))
+        for a in ax:
+            a.grid(alpha=0.3)
+        fig.tight_layout()
+        path = self.root / "curves.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _num(v):
+    return float(v) if isinstance(v, (int, float, np.floating)) else v

@@ -1,0 +1,112 @@
+"""The synchronous (on-policy) controller: generate -> score -> advantage -> update -> sync.
+
+Each step streams the rollout's micro-batches through a channel into the reward pool, so
+scoring of micro-batch i overlaps generation of micro-batch i+1; the update waits for the
+whole step's scores. Weights move to the rollout only through versioned, verified syncs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from diffrl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from diffrl.channel import Channel
+from diffrl.config import Config, to_yaml
+from diffrl.controller.build import Parts, build
+from diffrl.controller.evaluate import evaluate, grid_pick
+from diffrl.controller.run_dir import RunDir
+from diffrl.types import ScoredBatch
+
+
+async def rollout_and_score(parts: Parts, step: int):
+    """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics)."""
+    channel = Channel(capacity=2)
+    producer = asyncio.create_task(
+        parts.rollout.stream(parts.prompts.at(step), seed=parts.cfg.run.seed * 1_000_003 + step,
+                             channel=channel))
+    scored, metrics = [], {}
+    async for traj in channel:  # unblocked by each finished micro-batch, ends on close
+        s, m = await parts.rewards.score(traj)
+        scored.append(s)
+        for k, v in m.items():  # sample-weighted mean over micro-batches
+            metrics[k] = metrics.get(k, 0.0) + v * len(s)
+    await producer
+    batch = ScoredBatch.concat(scored)
+    return batch, {k: v / len(batch) for k, v in metrics.items()}
+
+
+async def run_eval(parts: Parts, run: RunDir, step: int) -> dict[str, float]:
+    parts.evaluator.load_weights(parts.actor.export_weights("default"))
+    cfg = parts.cfg
+    metrics, images, texts, ok = await evaluate(parts.evaluator, parts.eval_set,
+                                                cfg.data.eval_samples_per_prompt,
+                                                cfg.data.eval_seed, cfg.rollout.eval_num_steps)
+    idx = grid_pick(texts, cfg.data.eval_samples_per_prompt)
+    run.save_grid(step, images[idx], [texts[i] for i in idx], [ok[i] for i in idx])
+    return metrics
+
+
+def sync_rollout(parts: Parts):
+    adapter = parts.algorithm.rollout_adapter(parts.cfg.algorithm)
+    return parts.rollout.load_weights(parts.actor.export_weights(adapter))
+
+
+def checkpoint(parts: Parts, run: RunDir, step: int, wall: float) -> None:
+    save_checkpoint(run.root / "checkpoints", step, parts.actor.adapter_tensors(),
+                    parts.actor.state_dict(), {"step": step, "wall_s": wall})
+
+
+def resume(parts: Parts, run: RunDir) -> tuple[int, float]:
+    ckpt = latest_checkpoint(run.root / "checkpoints")
+    if not parts.cfg.run.resume or ckpt is None:
+        run.truncate_after(-1)  # a fresh run starts a fresh metrics file
+        return 0, 0.0
+    adapters, actor_state, state = load_checkpoint(ckpt)
+    parts.actor.load_state(adapters, actor_state)
+    run.truncate_after(state["step"])
+    return state["step"], state["wall_s"]
+
+
+async def train(cfg: Config) -> Path:
+    parts = build(cfg)
+    run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
+    run.write_config(to_yaml(cfg))
+    start, wall0 = resume(parts, run)
+    sync_rollout(parts)
+    t0, samples, eval_m = time.time() - wall0, 0, {}
+    if start == 0:
+        eval_m = await run_eval(parts, run, 0)
+        run.log(0, {**eval_m, "probe/cosine": parts.probe.cosine if parts.probe else float("nan")})
+    bar = tqdm(range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train")
+    t_rate = time.time()
+    for step in bar:
+        scored, r_metrics = await rollout_and_score(parts, step)
+        batch = parts.algorithm.prepare(scored, cfg.algorithm)
+        metrics = parts.actor.train_step(batch)
+        if parts.algorithm.after_step(parts.actor, step + 1, cfg.algorithm):
+            metrics.update(sync_rollout(parts).as_metrics())
+        samples += len(scored)
+        done = step + 1
+        metrics.update(r_metrics)
+        metrics.update({"perf/samples_per_s": samples / (time.time() - t_rate),
+                        "perf/wall_s": time.time() - t0})
+        out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
+        if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
+            eval_m = await run_eval(parts, run, done)
+            metrics.update(eval_m)
+        run.log(done, metrics)
+        bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                        eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+                        samples_s=f"{metrics['perf/samples_per_s']:.1f}")
+        if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
+            checkpoint(parts, run, done, time.time() - t0)
+            run.save_curves()
+        if out_of_time:
+            break
+    run.save_curves()
+    run.close()
+    return run.root

@@ -1,0 +1,92 @@
+"""Contract 1: one time convention inside diffrl.
+
+Inside diffrl sigma in [0, 1], sigma=1 is pure noise, x_sigma = (1-sigma)*x0 + sigma*eps and the
+velocity is v = eps - x0. A model adapter declares its native convention and converts at its
+boundary; ``probe_convention`` checks the declaration against a trained model at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from diffrl.errors import ContractError
+
+
+@dataclass(frozen=True)
+class TimeConvention:
+    name: str
+    to_native: Callable[[Tensor], Tensor]  # canonical sigma -> the model's time input
+    velocity_sign: float  # native velocity * sign = canonical velocity (eps - x0)
+
+
+CONVENTIONS: dict[str, TimeConvention] = {
+    # diffrl's own: sigma in [0,1], v = eps - x0
+    "sigma": TimeConvention("sigma", lambda s: s, 1.0),
+    # diffusers' flow-matching transformers (SD3, FLUX, Wan): timestep = 1000*sigma, v = eps - x0
+    "sigma_x1000": TimeConvention("sigma_x1000", lambda s: 1000.0 * s, 1.0),
+    # data-progress time t = 1 - sigma (t=1 is data) with v = x0 - eps (e.g. some video models)
+    "data_progress": TimeConvention("data_progress", lambda s: 1.0 - s, -1.0),
+}
+
+
+def get_convention(name: str) -> TimeConvention:
+    if name not in CONVENTIONS:
+        raise ContractError(f"unknown time convention {name!r}; known: {sorted(CONVENTIONS)}")
+    return CONVENTIONS[name]
+
+
+class VelocityModel(nn.Module):
+    """Wraps a native network; ``forward`` takes canonical sigma and returns eps - x0."""
+
+    def __init__(self, net: nn.Module, convention: str) -> None:
+        super().__init__()
+        self.net = net
+        self.convention = get_convention(convention)
+
+    def forward(self, x: Tensor, sigma: Tensor, input_ids: Tensor) -> Tensor:
+        native = self.net(x, self.convention.to_native(sigma), input_ids)
+        return native * self.convention.velocity_sign
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    cosine: float  # mean cos(v_pred, eps - x0) at the declared convention
+    flipped_time_better: bool  # feeding 1 - sigma fit the data better than sigma
+    conclusive: bool
+
+
+@torch.no_grad()
+def probe_convention(model: VelocityModel, x0: Tensor, input_ids: Tensor, seed: int = 0) -> ProbeReport:
+    """Check the declared convention on real data: a trained model's velocity must point
+    along eps - x0, and the declared time must fit better than the mirrored time. Raises
+    ``ContractError`` when the declaration is wrong; an untrained model is inconclusive."""
+    g = torch.Generator().manual_seed(seed)
+    eps = torch.randn(x0.shape, generator=g).to(x0)
+    target = eps - x0
+    cos, err_declared, err_flipped = [], 0.0, 0.0
+    for s in (0.25, 0.5, 0.75):
+        sigma = torch.full((x0.shape[0],), s, device=x0.device, dtype=x0.dtype)
+        x = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * eps
+        v = model(x, sigma, input_ids)
+        cos.append(torch.nn.functional.cosine_similarity(v.flatten(1), target.flatten(1)).mean())
+        err_declared += (v - target).pow(2).mean().item()
+        err_flipped += (model(x, 1 - sigma, input_ids) - target).pow(2).mean().item()
+    cosine = float(torch.stack(cos).mean())
+    conclusive = abs(cosine) > 0.2
+    report = ProbeReport(cosine, err_flipped < 0.8 * err_declared, conclusive)
+    if conclusive and cosine < 0:
+        raise ContractError(
+            f"time-convention probe: velocity points the wrong way (cos={cosine:.2f} against "
+            f"eps - x0) under declared convention {model.convention.name!r}; the model likely "
+            "predicts x0 - eps (try 'data_progress')"
+        )
+    if conclusive and report.flipped_time_better:
+        raise ContractError(
+            f"time-convention probe: the model fits the data better when fed 1 - sigma than "
+            f"sigma under declared convention {model.convention.name!r}; check the time input"
+        )
+    return report

@@ -1,0 +1,149 @@
+"""A tiny pixel-space DiT for the built-in tasks.
+
+Patchified 32x32 RGB image tokens and text tokens attend jointly (in-context text, as in
+SD3's MMDiT but with shared weights); sigma conditions every block through AdaLN-zero
+(DiT, Peebles & Xie 2023). Native convention is diffrl's canonical one: sigma=1 is noise,
+the network predicts v = eps - x0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from diffrl.errors import check
+
+
+@dataclass(frozen=True)
+class TinyDiTConfig:
+    image_size: int = 32
+    channels: int = 3
+    patch: int = 4
+    hidden: int = 128
+    depth: int = 6
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    vocab_size: int = 64
+    max_text_len: int = 12
+
+    def validate(self) -> None:
+        check(self.image_size % self.patch == 0, "patch", self.patch, "must divide image_size")
+        check(self.hidden % self.heads == 0, "heads", self.heads, "must divide hidden")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sigma_embedding(sigma: Tensor, dim: int) -> Tensor:
+    """Sinusoidal features of 1000*sigma: (B,) -> (B, dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=sigma.device) / half)
+    args = 1000.0 * sigma.float()[:, None] * freqs[None]
+    return torch.cat([args.cos(), args.sin()], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)  # fused q, k, v: (B, N, 3*dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, key_mask: Tensor | None) -> Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # key_mask: (B, N) True = attend; broadcast over heads and queries
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, N, d/heads)
+        return self.proj(out.transpose(1, 2).reshape(b, n, d))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.ada = nn.Linear(dim, 6 * dim)  # AdaLN-zero: shift/scale/gate for attn and mlp
+        nn.init.zeros_(self.ada.weight)
+        nn.init.zeros_(self.ada.bias)
+
+    def forward(self, x: Tensor, c: Tensor, key_mask: Tensor | None) -> Tensor:
+        s1, sc1, g1, s2, sc2, g2 = self.ada(F.silu(c)).chunk(6, dim=-1)  # each (B, dim)
+        x = x + g1[:, None] * self.attn(modulate(self.norm1(x), s1, sc1), key_mask)
+        return x + g2[:, None] * self.mlp(modulate(self.norm2(x), s2, sc2))
+
+
+class TinyDiT(nn.Module):
+    """forward(x (B,C,H,W), sigma (B,), input_ids (B,L)) -> v = eps - x0, (B,C,H,W)."""
+
+    def __init__(self, cfg: TinyDiTConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d, p = cfg.hidden, cfg.patch
+        self.grid = cfg.image_size // p
+        self.patch_in = nn.Linear(cfg.channels * p * p, d)
+        self.pos_img = nn.Parameter(torch.randn(1, self.grid * self.grid, d) * 0.02)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
+        self.pos_txt = nn.Parameter(torch.randn(1, cfg.max_text_len, d) * 0.02)
+        self.sigma_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+        self.blocks = nn.ModuleList(Block(d, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
+        self.norm_out = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.ada_out = nn.Linear(d, 2 * d)
+        self.patch_out = nn.Linear(d, cfg.channels * p * p)
+        for zero in (self.ada_out, self.patch_out):  # start as v = 0 (DiT's zero init)
+            nn.init.zeros_(zero.weight)
+            nn.init.zeros_(zero.bias)
+
+    def patchify(self, x: Tensor) -> Tensor:  # (B,C,H,W) -> (B, grid*grid, C*p*p)
+        b, c, _, _ = x.shape
+        p, g = self.cfg.patch, self.grid
+        return x.view(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
+
+    def unpatchify(self, t: Tensor) -> Tensor:  # inverse of patchify
+        b = t.shape[0]
+        c, p, g = self.cfg.channels, self.cfg.patch, self.grid
+        return t.view(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, g * p, g * p)
+
+    def forward(self, x: Tensor, sigma: Tensor, input_ids: Tensor) -> Tensor:
+        b, n_txt = x.shape[0], input_ids.shape[1]
+        if n_txt > self.cfg.max_text_len:
+            raise ValueError(f"input_ids has {n_txt} tokens, model max_text_len is "
+                             f"{self.cfg.max_text_len}")
+        if sigma.ndim == 0:
+            sigma = sigma.expand(b)
+        img = self.patch_in(self.patchify(x)) + self.pos_img  # (B, Ni, d)
+        txt = self.tok_emb(input_ids) + self.pos_txt[:, :n_txt]  # (B, L, d)
+        h = torch.cat([txt, img], dim=1)  # (B, L+Ni, d)
+        key_mask = torch.cat([input_ids != 0, torch.ones(b, img.shape[1], dtype=torch.bool,
+                                                          device=x.device)], dim=1)
+        c = self.sigma_mlp(sigma_embedding(sigma, self.cfg.hidden).to(x.dtype))  # (B, d)
+        for block in self.blocks:
+            h = block(h, c, key_mask)
+        shift, scale = self.ada_out(F.silu(c)).chunk(2, dim=-1)
+        h = modulate(self.norm_out(h[:, n_txt:]), shift, scale)
+        return self.unpatchify(self.patch_out(h))
+
+
+# LoRA targets are named explicitly per family (contract 2: never "all-linear").
+TINY_DIT_LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")

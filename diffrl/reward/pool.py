@@ -1,0 +1,111 @@
+"""The scorer pool: runs every scorer concurrently on a trajectory and combines them.
+
+Combined reward = sum_k weight_k * score_k over valid samples. A ``required`` scorer that
+raises stops training with its error; an optional one that raises (or returns NaN) marks its
+samples missing (``valid=False``) so they are excluded from advantages, never scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diffrl.errors import DiffrlError, check
+from diffrl.reward.scorer import Scorer, build_scorer, check_fields, missing_fields
+from diffrl.types import ScoredBatch, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    name: str = "shapes"
+    weight: float = 1.0
+    required: bool = True  # failure stops training; else its samples are marked missing
+    params: dict[str, Any] = field(default_factory=dict)  # passed to the scorer's constructor
+
+    def validate(self) -> None:
+        check(bool(self.name), "name", self.name, "a registered scorer name")
+        check(self.weight == self.weight, "weight", self.weight, "must be a number")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    scorers: list[ScorerConfig] = field(default_factory=lambda: [ScorerConfig()])
+
+    def validate(self) -> None:
+        check(len(self.scorers) > 0, "scorers", self.scorers, "at least one scorer")
+        names = [s.name for s in self.scorers]
+        check(len(set(names)) == len(names), "scorers", names, "scorer names must be unique")
+
+
+class RewardFailure(DiffrlError):
+    """A required scorer failed; training stops with this error."""
+
+
+class RewardPool:
+    def __init__(self, cfg: RewardConfig) -> None:
+        self.cfg = cfg
+        self.scorers: list[tuple[ScorerConfig, Scorer]] = []
+        for sc in cfg.scorers:
+            try:
+                self.scorers.append((sc, build_scorer(sc.name, sc.params)))
+            except (KeyError, ValueError) as e:
+                raise DiffrlError(f"reward.scorers: {e}") from None
+
+    def check_inputs(self, produced: set[str]) -> None:
+        """Start-up check: every scorer's declared inputs are produced by the rollout."""
+        for _, scorer in self.scorers:
+            missing = missing_fields(scorer.needs, produced)
+            if missing:
+                raise DiffrlError(f"scorer {scorer.name!r} needs {missing}, which the rollout "
+                                  f"does not produce (it produces {sorted(produced)})")
+
+    async def _run(self, sc: ScorerConfig, scorer: Scorer, traj: Trajectory):
+        try:
+            check_fields(scorer, traj)
+            result = await scorer.score(traj)
+            if result.scores.shape != (len(traj),):
+                raise ValueError(f"returned {tuple(result.scores.shape)} scores for "
+                                 f"{len(traj)} samples")
+            return result
+        except Exception as e:
+            if sc.required:
+                raise RewardFailure(f"required scorer {sc.name!r} failed: {e}") from e
+            log.warning("optional scorer %r failed, its samples are marked missing: %s",
+                        sc.name, e)
+            return e
+
+    async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]:
+        """Consumes one trajectory; waits for every scorer; returns rewards and metrics."""
+        results = await asyncio.gather(*(self._run(sc, s, traj) for sc, s in self.scorers))
+        n = len(traj)
+        total = torch.zeros(n)
+        valid = torch.ones(n, dtype=torch.bool)
+        per_scorer, metrics = {}, {}
+        for (sc, _), res in zip(self.scorers, results, strict=True):
+            if isinstance(res, Exception):
+                scores, ok = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bool)
+                metrics[f"reward/{sc.name}/failed"] = 1.0
+            else:
+                ok = res.valid & torch.isfinite(res.scores)
+                scores = torch.where(ok, res.scores, torch.full_like(res.scores, float("nan")))
+                for k, v in res.metrics.items():
+                    metrics[f"reward/{sc.name}/{k}"] = v
+            if sc.required and not bool(ok.all()):
+                raise RewardFailure(f"required scorer {sc.name!r} returned {int((~ok).sum())} "
+                                    "missing/NaN scores")
+            per_scorer[sc.name] = scores
+            valid &= ok
+            total += sc.weight * torch.nan_to_num(scores, nan=0.0)  # masked by `valid` below
+            if ok.any():
+                metrics[f"reward/{sc.name}/mean"] = float(scores[ok].mean())
+            metrics[f"reward/{sc.name}/valid_frac"] = float(ok.float().mean())
+        total = torch.where(valid, total, torch.full_like(total, float("nan")))
+        if valid.any():
+            metrics["reward/mean"] = float(total[valid].mean())
+        return ScoredBatch(traj, total, per_scorer, valid), metrics

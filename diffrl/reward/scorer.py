@@ -1,0 +1,87 @@
+"""The scorer protocol and registry.
+
+A scorer declares which trajectory fields it reads (``needs``, e.g. {"image"}); the pool checks
+them at start-up against what the rollout produces, and again on every batch, so a missing
+field is an error naming the field and its producer rather than a silent zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from diffrl.types import Trajectory
+
+# which engine sets which extra field (for error messages)
+PRODUCERS = {"image": "the rollout engine (decoded x0)", "video": "the rollout engine (omni)",
+             "audio": "the rollout engine (omni audio decoder)"}
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    scores: Tensor  # (B,) float32; NaN where a sample could not be scored
+    valid: Tensor  # (B,) bool; False = missing (excluded from advantages, never treated as 0)
+    metrics: dict[str, float] = field(default_factory=dict)  # scorer-specific, e.g. accuracy
+
+    def __post_init__(self) -> None:
+        if self.scores.ndim != 1 or self.valid.shape != self.scores.shape:
+            raise ValueError(f"scores must be (B,) with a matching valid mask, got "
+                             f"{tuple(self.scores.shape)} and {tuple(self.valid.shape)}")
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    name: str
+    needs: frozenset[str]
+
+    async def score(self, traj: Trajectory) -> ScoreResult: ...
+
+
+def missing_fields(needs: frozenset[str], available: set[str]) -> list[str]:
+    return sorted(needs - available)
+
+
+def check_fields(scorer: Scorer, traj: Trajectory) -> None:
+    missing = missing_fields(scorer.needs, set(traj.extra_fields))
+    if missing:
+        who = "; ".join(f"{m!r} is set by {PRODUCERS.get(m, 'an unknown producer')}"
+                        for m in missing)
+        raise KeyError(f"scorer {scorer.name!r} needs extra_fields {missing} that the trajectory "
+                       f"lacks ({who}); present: {sorted(traj.extra_fields)}")
+
+
+def finite_result(scores: Tensor) -> ScoreResult:
+    """Wrap raw scores; NaN/inf become invalid (never 0)."""
+    scores = scores.float()
+    return ScoreResult(scores, torch.isfinite(scores))
+
+
+_SCORERS: dict[str, Callable[..., Scorer]] = {}
+
+
+def register_scorer(name: str):
+    def deco(factory):
+        _SCORERS[name] = factory
+        return factory
+    return deco
+
+
+def build_scorer(name: str, params: dict[str, Any] | None = None) -> Scorer:
+    import diffrl.reward.scorers  # noqa: F401  (registers the built-in scorers)
+
+    if name not in _SCORERS:
+        raise KeyError(f"unknown scorer {name!r}; registered: {sorted(_SCORERS)}")
+    try:
+        return _SCORERS[name](**(params or {}))
+    except TypeError as e:
+        raise ValueError(f"bad params for scorer {name!r}: {e}") from None
+
+
+def registered_scorers() -> list[str]:
+    import diffrl.reward.scorers  # noqa: F401
+
+    return sorted(_SCORERS)

@@ -1,0 +1,3 @@
+"""Built-in scorers; importing this package registers them."""
+
+from diffrl.reward.scorers import shapes  # noqa: F401

@@ -1,0 +1,148 @@
+"""The rollout engine: samples G trajectories per prompt with its own copy of the weights.
+
+It holds a frozen base model plus the LoRA delta merged in (a fused serving layout), and
+changes weights only through ``load_weights`` (versioned, verified; see ``diffrl.sync``).
+Generation runs in a worker thread (torch releases the GIL), so the event loop stays free for
+scorers of the previous step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from diffrl.channel import Channel
+from diffrl.errors import check, check_choice
+from diffrl.models.convention import VelocityModel
+from diffrl.rollout.samplers import euler_step, sde_step_with_logprob, sigma_schedule
+from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncReport, WeightUpdate
+from diffrl.types import PromptBatch, Trajectory, images_to_uint8
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8  # G samples per prompt
+    num_steps: int = 10  # sampler steps T
+    sampler: str = "ode"  # ode (Euler) | sde (FlowGRPO step with log-probs)
+    noise_level: float = 0.7  # SDE a in s = a*sqrt(sigma/(1-sigma))
+    shift: float = 1.0  # sigma-schedule time shift
+    cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
+    max_batch: int = 128  # samples per forward (the scheduler's micro-batch)
+    keep_latents: bool = False  # keep x at every step (GRPO/log-prob recompute need it)
+    eval_num_steps: int = 10  # steps for held-out eval sampling (ODE)
+
+    def validate(self) -> None:
+        check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+        check(self.num_steps >= 1, "num_steps", self.num_steps, "must be >= 1")
+        check_choice("sampler", self.sampler, ("ode", "sde"))
+        check(self.noise_level >= 0, "noise_level", self.noise_level, "must be >= 0")
+        check(self.shift > 0, "shift", self.shift, "must be > 0")
+        check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
+        check(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
+        check(self.eval_num_steps >= 1, "eval_num_steps", self.eval_num_steps, "must be >= 1")
+
+
+def sample_seeds(base_seed: int, n: int) -> Tensor:
+    """(n,) int64 per-sample seeds derived from one step seed (reproducible, distinct)."""
+    g = torch.Generator().manual_seed(int(base_seed))
+    return torch.randint(0, 2**62, (n,), generator=g, dtype=torch.int64)
+
+
+def noise_from_seeds(seeds: Tensor, shape: tuple[int, ...], device) -> Tensor:
+    """(B, *shape) standard normal; row i depends only on seeds[i] (batching-invariant)."""
+    rows = [torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+    return torch.stack(rows).to(device)
+
+
+class RolloutEngine:
+    def __init__(self, model: VelocityModel, cfg: RolloutConfig, lora_targets: list[str],
+                 null_id: int, device: torch.device, slot_map: SlotMap | None = None) -> None:
+        self.model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
+        self.cfg = cfg
+        self.null_id = null_id
+        self.device = device
+        self.version = 0
+        self.target = MergedLoraTarget(self.model, lora_targets, slot_map)
+
+    def load_weights(self, update: WeightUpdate) -> SyncReport:
+        if update.version < self.version:
+            raise ValueError(f"stale weight update v{update.version} < current v{self.version}")
+        report = self.target.apply(update)
+        self.version = update.version
+        return report
+
+    async def stream(self, prompts: PromptBatch, seed: int, channel: Channel, *,
+                     group_size: int | None = None, sampler: str | None = None,
+                     num_steps: int | None = None) -> None:
+        """Produces one ``Trajectory`` per micro-batch of whole groups into ``channel`` as
+        each finishes (so scoring overlaps generation), then closes the channel. Waits only
+        on the worker thread and on channel back-pressure."""
+        g = group_size or self.cfg.group_size
+        per = max(1, self.cfg.max_batch // g)  # prompts per micro-batch
+        seeds = sample_seeds(seed, len(prompts) * g)
+        try:
+            for k in range(0, len(prompts), per):
+                sub = prompts.select(torch.arange(k, min(k + per, len(prompts))))
+                traj = await asyncio.to_thread(
+                    self._generate, sub, seeds[k * g : (k + len(sub)) * g], g, k,
+                    sampler or self.cfg.sampler, num_steps or self.cfg.num_steps)
+                await channel.put(traj, traj.policy_version)
+        finally:
+            channel.close()
+
+    async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory:
+        """The whole batch as one trajectory (micro-batches joined)."""
+        channel = Channel()
+        producer = asyncio.create_task(self.stream(prompts, seed, channel, **kw))
+        parts = [t async for t in channel]
+        await producer
+        return Trajectory.concat(parts)
+
+    @torch.no_grad()
+    def _generate(self, prompts: PromptBatch, seeds: Tensor, g: int, group_offset: int,
+                  sampler: str, num_steps: int) -> Trajectory:
+        batch = prompts.repeat(g)
+        sigmas = sigma_schedule(num_steps, self.cfg.shift)
+        x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, sampler)
+        group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
+        return Trajectory(prompts=batch, group=group, seeds=seeds, x0=x0.cpu(), sigmas=sigmas,
+                          policy_version=self.version,
+                          latents=latents.cpu() if self.cfg.keep_latents else None,
+                          log_probs=log_probs.cpu(),
+                          extra_fields={"image": images_to_uint8(x0.cpu())})
+
+    def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor) -> Tensor:
+        if self.cfg.cfg_scale == 1.0:
+            return self.model(x, sigma, ids)
+        null = torch.zeros_like(ids)
+        null[:, 0] = self.null_id
+        v_c, v_u = self.model(torch.cat([x, x]), torch.cat([sigma, sigma]),
+                              torch.cat([ids, null])).chunk(2)
+        return v_u + self.cfg.cfg_scale * (v_c - v_u)
+
+    def _sample(self, ids: Tensor, seeds: Tensor, sigmas: Tensor, sampler: str):
+        """One micro-batch: returns x0 (b,C,H,W), latents (b,T+1,C,H,W), log_probs (b,T)."""
+        net = self.model.net
+        shape = (net.cfg.channels, net.cfg.image_size, net.cfg.image_size)
+        t_steps = len(sigmas) - 1
+        dtype = next(self.model.parameters()).dtype
+        # the initial noise and every SDE step's noise come from the sample's own seed
+        noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
+        x, ids = noise[:, 0], ids.to(self.device)
+        latents, log_probs = [x], []
+        for i in range(t_steps):
+            sigma = sigmas[i].expand(x.shape[0]).to(self.device, dtype)
+            sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
+            v = self.velocity(x, sigma, ids)
+            if sampler == "sde" and self.cfg.noise_level > 0 and i < t_steps - 1:
+                x, lp, _, _ = sde_step_with_logprob(x, v, sigma, sigma_next, self.cfg.noise_level,
+                                                    float(sigmas[1]), noise=noise[:, i + 1])
+            else:  # the last step to sigma=0 is deterministic (the SDE std there is 0)
+                x, lp = euler_step(x, v, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
+            latents.append(x)
+            log_probs.append(lp)
+        return x.float(), torch.stack(latents, 1).float(), torch.stack(log_probs, 1).float()

@@ -1,0 +1,76 @@
+"""Sampler steps as pure functions over tensors, in diffrl's convention
+(sigma=1 noise -> sigma=0 data, x_sigma = (1-sigma) x0 + sigma eps, v = eps - x0).
+
+A step moves x from ``sigma`` to ``sigma_next < sigma`` (so d_sigma = sigma_next - sigma < 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def sigma_schedule(num_steps: int, shift: float = 1.0, device=None) -> Tensor:
+    """(T+1,) sigmas from 1 to 0; ``shift`` > 1 spends more steps at high noise (SD3's
+    time shift sigma' = shift*sigma / (1 + (shift-1)*sigma))."""
+    s = torch.linspace(1.0, 0.0, num_steps + 1, device=device)
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def _bcast(t: Tensor, like: Tensor) -> Tensor:
+    """(B,) or scalar -> broadcastable against (B, C, H, W)."""
+    t = torch.as_tensor(t, dtype=like.dtype, device=like.device)
+    return t.view(-1, *([1] * (like.ndim - 1))) if t.ndim == 1 else t
+
+
+def euler_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """Deterministic probability-flow ODE step: x' = x + v * (sigma_next - sigma)."""
+    return x + v * _bcast(sigma_next - sigma, x)
+
+
+def sde_std(sigma: Tensor, noise_level: float, sigma_cap: float) -> Tensor:
+    """FlowGRPO's diffusion scale s = a * sqrt(sigma / (1 - sigma)); at sigma=1 (where it is
+    infinite) sigma is replaced by ``sigma_cap`` (the schedule's second sigma)."""
+    sigma = torch.as_tensor(sigma)
+    safe = torch.where(sigma >= 1.0, torch.as_tensor(sigma_cap, dtype=sigma.dtype), sigma)
+    return noise_level * torch.sqrt(safe / (1 - safe))
+
+
+def sde_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, s: Tensor) -> Tensor:
+    """mu = x + [v + s^2 / (2 sigma) * (x + (1 - sigma) v)] * d_sigma (FlowGRPO, eq. 9)."""
+    sig, ds, s = _bcast(sigma, x), _bcast(sigma_next - sigma, x), _bcast(s, x)
+    return x + (v + s.pow(2) / (2 * sig) * (x + (1 - sig) * v)) * ds
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Per-sample log N(x; mean, std^2), averaged (not summed) over all non-batch dims, so the
+    number is comparable across image sizes. Rollout and training both use this: (B,)."""
+    std = _bcast(std, x)
+    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.flatten(1).mean(dim=1)
+
+
+def sde_step_with_logprob(
+    x: Tensor,
+    v: Tensor,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    noise_level: float,
+    sigma_cap: float,
+    noise: Tensor | None = None,
+    x_next: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One FlowGRPO SDE step: x' = mu + s * sqrt(-d_sigma) * eps.
+
+    Give ``noise`` to sample x', or ``x_next`` to score a stored x' (training).
+    Returns (x_next, log_prob (B,), mean, std (B,) or scalar)."""
+    s = sde_std(sigma, noise_level, sigma_cap).to(x)
+    mean = sde_mean(x, v, sigma, sigma_next, s)
+    std = s * torch.sqrt((sigma - sigma_next).to(x))
+    if x_next is None:
+        if noise is None:
+            raise ValueError("sde_step_with_logprob needs noise (to sample) or x_next (to score)")
+        x_next = mean + _bcast(std, x) * noise
+    return x_next, gaussian_log_prob(x_next, mean, std), mean, std

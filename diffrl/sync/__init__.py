@@ -1,0 +1,1 @@
+"""Actor -> rollout weight sync: map each trained LoRA tensor to its rollout slot, verify."""
