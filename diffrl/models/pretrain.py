@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from dataclasses import dataclass
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +47,9 @@ class PretrainConfig:
     device: str = "auto"
     threads: int = 0
     eval_samples: int = 4  # per held-out prompt, for the score stored with the checkpoint
+    bank_per_prompt: int = 128  # ground-truth renders per train prompt, drawn once up front
+    workers: int = 0  # processes rendering the bank; 0 = all cores
+    snapshots: list[int] = field(default_factory=list)  # also save+eval at these steps
     out: str = str(BUILTIN["builtin:shapes_dit"])
 
     def validate(self) -> None:
@@ -72,6 +77,25 @@ def render_batch(prompts, rng: np.random.Generator) -> torch.Tensor:
     return torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
+def _render_many(args) -> np.ndarray:
+    prompt, n, seed = args
+    rng = np.random.default_rng(seed)
+    return np.stack([render(prompt, rng) for _ in range(n)])
+
+
+def render_bank(prompts, per_prompt: int, seed: int, workers: int) -> torch.Tensor:
+    """(len(prompts), per_prompt, 3, H, W) uint8 ground truth, rendered in parallel once so
+    the training loop is not bound by the (CPU) renderer."""
+    jobs = [(p, per_prompt, seed * 100_003 + i) for i, p in enumerate(prompts)]
+    workers = workers or os.cpu_count() or 1
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            parts = list(pool.map(_render_many, jobs, chunksize=4))
+    else:
+        parts = [_render_many(j) for j in jobs]
+    return torch.from_numpy(np.stack(parts)).permute(0, 1, 4, 2, 3).contiguous()
+
+
 def pretrain(cfg: PretrainConfig) -> Path:
     from diffrl.controller.build import pick_device
 
@@ -88,13 +112,15 @@ def pretrain(cfg: PretrainConfig) -> Path:
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
+    bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers)
     null = torch.zeros(1, tok.max_len, dtype=torch.long)
     null[0, 0] = tok.null_id
     t0 = time.time()
     bar = tqdm(range(cfg.steps), desc="pretrain")
     for step in bar:
         idx = rng.integers(0, len(train), cfg.batch)
-        x0 = render_batch([train.prompts[i] for i in idx], rng).to(device)
+        pick = rng.integers(0, cfg.bank_per_prompt, cfg.batch)
+        x0 = (bank[idx, pick].float() / 127.5 - 1).to(device)
         ids = train.input_ids[idx].clone()
         drop = torch.from_numpy(rng.random(cfg.batch) < cfg.text_dropout)
         ids[drop] = null
@@ -113,13 +139,23 @@ def pretrain(cfg: PretrainConfig) -> Path:
                 pe.lerp_(pm, 1 - decay)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
-    out = Path(cfg.out)
-    save_model(ema, out, {"pretrain_steps": str(cfg.steps), "pretrain_s": f"{time.time()-t0:.0f}"})
+        if step + 1 in cfg.snapshots and step + 1 != cfg.steps:
+            out = Path(cfg.out)
+            save_and_score(ema, out.with_name(f"{out.stem}_step{step + 1}{out.suffix}"), cfg,
+                           step + 1, time.time() - t0)
+    return save_and_score(ema, Path(cfg.out), cfg, cfg.steps, time.time() - t0)
+
+
+def save_and_score(model: VelocityModel, out: Path, cfg: PretrainConfig, steps: int,
+                   seconds: float) -> Path:
+    """Save, evaluate on held-out prompts, and store the score in the file's metadata."""
+    meta = {"pretrain_steps": str(steps), "pretrain_s": f"{seconds:.0f}",
+            "pretrain_batch": str(cfg.batch)}
+    save_model(model, out, meta)
     metrics = evaluate_checkpoint(str(out), cfg.eval_samples, 10, cfg.device)
-    save_model(ema, out, {"pretrain_steps": str(cfg.steps), "pretrain_s": f"{time.time()-t0:.0f}",
-                          "shapes_eval": str({k: round(v, 4) for k, v in metrics.items()})})
-    for k, v in metrics.items():
-        print(f"{k:28s} {v:.3f}")
+    save_model(model, out, {**meta, "shapes_eval": str({k: round(v, 4)
+                                                        for k, v in metrics.items()})})
+    print(f"[{out.name}] steps={steps} " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
     return out
 
 
