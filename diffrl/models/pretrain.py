@@ -9,6 +9,7 @@ is chosen so the base model is clearly imperfect on held-out prompts, leaving RL
 from __future__ import annotations
 
 import asyncio
+import math
 import copy
 import time
 import os
@@ -77,6 +78,14 @@ def render_batch(prompts, rng: np.random.Generator) -> torch.Tensor:
     return torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
+def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
+    """LR multiplier: linear warm-up, then cosine decay to ``floor``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def _render_many(args) -> np.ndarray:
     prompt, n, seed = args
     rng = np.random.default_rng(seed)
@@ -111,7 +120,8 @@ def pretrain(cfg: PretrainConfig) -> Path:
     model = VelocityModel(TinyDiT(arch), "sigma").to(device)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.steps))
+    ema_params, params = list(ema.parameters()), list(model.parameters())
     bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers)
     null = torch.zeros(1, tok.max_len, dtype=torch.long)
     null[0, 0] = tok.null_id
@@ -135,8 +145,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         sched.step()
         decay = min(cfg.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
-                pe.lerp_(pm, 1 - decay)
+            torch._foreach_lerp_(ema_params, params, 1 - decay)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if step + 1 in cfg.snapshots and step + 1 != cfg.steps:
