@@ -5,18 +5,20 @@ set -uo pipefail
 OUTDIR=${1:?outdir}; STEPS=${2:-80}
 export PYTHONUNBUFFERED=1
 declare -A RUNS=(
-  [base]="actor.lr=1e-3"
-  [lr2]="actor.lr=2e-3"
-  [lr4]="actor.lr=4e-3"
-  [lr2_z1]="actor.lr=2e-3 algorithm.adv_clip=1.0"
-  [lr2_t1]="actor.lr=2e-3 algorithm.timesteps_per_sample=1"
-  [lr4_z1]="actor.lr=4e-3 algorithm.adv_clip=1.0"
-  [lr2_uni]="actor.lr=2e-3 algorithm.weighting=uniform"
-  [lr2_o1]="actor.lr=2e-3 algorithm.old_every=1"
+  [base_s1]="run.seed=1"
+  [t4]="algorithm.timesteps_per_sample=4"
+  [t4_lr5]="algorithm.timesteps_per_sample=4 actor.lr=5e-4"
+  [kl_lr2]="algorithm.kl_coef=0.01 actor.lr=2e-3"
+  [overall]="@benchmarks/recipes/shapes_nft_overall.yaml"
+  [z1]="algorithm.adv_clip=1.0"
+  [ema5]="algorithm.old_update=ema algorithm.old_ema=0.5"
+  [g16p8]="rollout.group_size=16 data.prompts_per_step=8"
 )
 i=0
 for name in "${!RUNS[@]}"; do
-  python3 -m diffrl.cli train recipes/shapes_nft.yaml ${RUNS[$name]} run.steps=$STEPS \
+  args="${RUNS[$name]}"; recipe=recipes/shapes_nft.yaml
+  if [[ $args == @* ]]; then recipe=${args#@}; args=""; fi
+  python3 -m diffrl.cli train $recipe $args run.steps=$STEPS \
     run.device=cuda run.out_dir=/tmp/runs run.name=$name run.tensorboard=false data.eval_samples_per_prompt=4 \
     > /tmp/$name.log 2>&1 &
   i=$((i+1)); if (( i % 4 == 0 )); then wait; fi

@@ -81,8 +81,9 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     try:
         raw = OmegaConf.load(resolve_recipe(str(recipe))) if recipe is not None else OmegaConf.create()
         raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"could not read the recipe/overrides: {e}") from None
+    except (OmegaConfBaseException, TypeError, ValueError) as e:
+        raise ConfigError(f"could not read the recipe/overrides: {e} (to change a list such as "
+                          "reward.scorers, give the whole list in YAML flow syntax)") from None
     algo_name = OmegaConf.select(raw, "algorithm.name", default=AlgorithmConfig.name)
     if algo_name not in registered_algorithms():
         raise ConfigError(
