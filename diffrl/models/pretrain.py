@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 from diffrl.data.prompts import PromptSet
-from diffrl.data.shapes import render, split_prompts
+from diffrl.data.shapes import ShapesPrompt, all_prompts, render, split_prompts
 from diffrl.data.tokenizer import WordTokenizer
 from diffrl.errors import ConfigError, check
 from diffrl.models.convention import VelocityModel
@@ -48,6 +48,10 @@ class PretrainConfig:
     device: str = "auto"
     threads: int = 0
     eval_samples: int = 4  # per held-out prompt, for the score stored with the checkpoint
+    # fraction of training images drawn for a near-miss prompt (one word changed: count,
+    # colour, shape or position) while keeping the original caption, like loosely captioned
+    # web data: the base model learns image quality but follows prompts only partly.
+    caption_noise: float = 0.0
     bank_per_prompt: int = 128  # ground-truth renders per train prompt, drawn once up front
     workers: int = 0  # processes rendering the bank; 0 = all cores
     snapshots: list[int] = field(default_factory=list)  # also save+eval at these steps
@@ -57,6 +61,7 @@ class PretrainConfig:
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         check(self.batch >= 1, "batch", self.batch, "must be >= 1")
         check(0 <= self.text_dropout < 1, "text_dropout", self.text_dropout, "in [0, 1)")
+        check(0 <= self.caption_noise < 1, "caption_noise", self.caption_noise, "in [0, 1)")
 
 
 def load_pretrain_config(overrides: list[str]) -> PretrainConfig:
@@ -86,16 +91,28 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def near_misses(prompt: ShapesPrompt) -> list[ShapesPrompt]:
+    """Prompts of the same category whose text differs from ``prompt`` in exactly one word."""
+    words = prompt.text.split()
+    return [q for q in all_prompts() if q.category == prompt.category and q != prompt
+            and len(qw := q.text.split()) == len(words)
+            and sum(a != b for a, b in zip(words, qw, strict=True)) == 1]
+
+
 def _render_many(args) -> np.ndarray:
-    prompt, n, seed = args
+    prompt, n, seed, noise = args
     rng = np.random.default_rng(seed)
-    return np.stack([render(prompt, rng) for _ in range(n)])
+    misses = near_misses(prompt) if noise > 0 else []
+    drawn = [misses[rng.integers(len(misses))] if misses and rng.random() < noise else prompt
+             for _ in range(n)]
+    return np.stack([render(p, rng) for p in drawn])
 
 
-def render_bank(prompts, per_prompt: int, seed: int, workers: int) -> torch.Tensor:
-    """(len(prompts), per_prompt, 3, H, W) uint8 ground truth, rendered in parallel once so
-    the training loop is not bound by the (CPU) renderer."""
-    jobs = [(p, per_prompt, seed * 100_003 + i) for i, p in enumerate(prompts)]
+def render_bank(prompts, per_prompt: int, seed: int, workers: int,
+                caption_noise: float = 0.0) -> torch.Tensor:
+    """(len(prompts), per_prompt, 3, H, W) uint8 images for each caption, rendered in parallel
+    once so the training loop is not bound by the (CPU) renderer."""
+    jobs = [(p, per_prompt, seed * 100_003 + i, caption_noise) for i, p in enumerate(prompts)]
     workers = workers or os.cpu_count() or 1
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -122,7 +139,8 @@ def pretrain(cfg: PretrainConfig) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.steps))
     ema_params, params = list(ema.parameters()), list(model.parameters())
-    bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers)
+    bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers,
+                       cfg.caption_noise)
     null = torch.zeros(1, tok.max_len, dtype=torch.long)
     null[0, 0] = tok.null_id
     t0 = time.time()
@@ -159,7 +177,7 @@ def save_and_score(model: VelocityModel, out: Path, cfg: PretrainConfig, steps: 
                    seconds: float) -> Path:
     """Save, evaluate on held-out prompts, and store the score in the file's metadata."""
     meta = {"pretrain_steps": str(steps), "pretrain_s": f"{seconds:.0f}",
-            "pretrain_batch": str(cfg.batch)}
+            "pretrain_batch": str(cfg.batch), "caption_noise": str(cfg.caption_noise)}
     save_model(model, out, meta)
     metrics = evaluate_checkpoint(str(out), cfg.eval_samples, 10, cfg.device)
     save_model(model, out, {**meta, "shapes_eval": str({k: round(v, 4)
