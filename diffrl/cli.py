@@ -33,8 +33,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from diffrl.models.pretrain import evaluate_checkpoint
 
-    metrics = evaluate_checkpoint(args.checkpoint, samples_per_prompt=args.samples,
-                                  num_steps=args.steps, device=args.device)
+    metrics = evaluate_checkpoint(
+        args.checkpoint, samples_per_prompt=args.samples, num_steps=args.steps, device=args.device
+    )
     for k, v in metrics.items():
         print(f"{k:28s} {v:.3f}")
     return 0

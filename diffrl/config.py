@@ -42,8 +42,12 @@ class RunConfig:
 
     def validate(self) -> None:
         check(bool(self.name) and "/" not in self.name, "name", self.name, "a non-empty name")
-        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-              "device", self.device, "auto, cpu, cuda or cuda:N")
+        check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            self.device,
+            "auto, cpu, cuda or cuda:N",
+        )
         check(self.steps >= 0, "steps", self.steps, "must be >= 0")
         check(self.eval_every > 0, "eval_every", self.eval_every, "must be > 0")
         check(self.save_every > 0, "save_every", self.save_every, "must be > 0")
@@ -79,11 +83,17 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.beta=0.1)")
     try:
-        raw = OmegaConf.load(resolve_recipe(str(recipe))) if recipe is not None else OmegaConf.create()
+        raw = (
+            OmegaConf.load(resolve_recipe(str(recipe)))
+            if recipe is not None
+            else OmegaConf.create()
+        )
         raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
     except (OmegaConfBaseException, TypeError, ValueError) as e:
-        raise ConfigError(f"could not read the recipe/overrides: {e} (to change a list such as "
-                          "reward.scorers, give the whole list in YAML flow syntax)") from None
+        raise ConfigError(
+            f"could not read the recipe/overrides: {e} (to change a list such as "
+            "reward.scorers, give the whole list in YAML flow syntax)"
+        ) from None
     algo_name = OmegaConf.select(raw, "algorithm.name", default=AlgorithmConfig.name)
     if algo_name not in registered_algorithms():
         raise ConfigError(
@@ -130,5 +140,12 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-__all__ = ["Config", "ConfigError", "RunConfig", "AlgorithmConfig", "load_config", "to_yaml",
-           "check_choice"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "RunConfig",
+    "AlgorithmConfig",
+    "load_config",
+    "to_yaml",
+    "check_choice",
+]

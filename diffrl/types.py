@@ -89,16 +89,25 @@ class Trajectory:
             return None if vals[0] is None else torch.cat(vals)
 
         pb = [p.prompts for p in parts]
-        prompts = PromptBatch(texts=sum((b.texts for b in pb), ()),
-                              input_ids=torch.cat([b.input_ids for b in pb]),
-                              ids_hash=sum((b.ids_hash for b in pb), ()),
-                              prompt_ids=torch.cat([b.prompt_ids for b in pb]))
-        return Trajectory(prompts=prompts, group=cat(lambda p: p.group),
-                          seeds=cat(lambda p: p.seeds), x0=cat(lambda p: p.x0),
-                          sigmas=first.sigmas, policy_version=first.policy_version,
-                          latents=cat(lambda p: p.latents), log_probs=cat(lambda p: p.log_probs),
-                          extra_fields={k: torch.cat([p.extra_fields[k] for p in parts])
-                                        for k in first.extra_fields})
+        prompts = PromptBatch(
+            texts=sum((b.texts for b in pb), ()),
+            input_ids=torch.cat([b.input_ids for b in pb]),
+            ids_hash=sum((b.ids_hash for b in pb), ()),
+            prompt_ids=torch.cat([b.prompt_ids for b in pb]),
+        )
+        return Trajectory(
+            prompts=prompts,
+            group=cat(lambda p: p.group),
+            seeds=cat(lambda p: p.seeds),
+            x0=cat(lambda p: p.x0),
+            sigmas=first.sigmas,
+            policy_version=first.policy_version,
+            latents=cat(lambda p: p.latents),
+            log_probs=cat(lambda p: p.log_probs),
+            extra_fields={
+                k: torch.cat([p.extra_fields[k] for p in parts]) for k in first.extra_fields
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -116,11 +125,14 @@ class ScoredBatch:
 
     @staticmethod
     def concat(parts: list[ScoredBatch]) -> ScoredBatch:
-        return ScoredBatch(traj=Trajectory.concat([p.traj for p in parts]),
-                           rewards=torch.cat([p.rewards for p in parts]),
-                           per_scorer={k: torch.cat([p.per_scorer[k] for p in parts])
-                                       for k in parts[0].per_scorer},
-                           valid=torch.cat([p.valid for p in parts]))
+        return ScoredBatch(
+            traj=Trajectory.concat([p.traj for p in parts]),
+            rewards=torch.cat([p.rewards for p in parts]),
+            per_scorer={
+                k: torch.cat([p.per_scorer[k] for p in parts]) for k in parts[0].per_scorer
+            },
+            valid=torch.cat([p.valid for p in parts]),
+        )
 
 
 @dataclass(frozen=True)
@@ -155,4 +167,6 @@ def check_token_hashes(batch: TrainBatch, hash_fn) -> None:
 
 def images_to_uint8(x: Tensor) -> Tensor:
     """(B, C, H, W) in [-1, 1] -> (B, H, W, C) uint8, the form scorers read."""
-    return ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    return (
+        ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    )

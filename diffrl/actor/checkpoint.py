@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def save_checkpoint(root: Path, step: int, adapters: dict, actor_state: dict,
-                    controller_state: dict, keep: int = 2) -> Path:
+def save_checkpoint(
+    root: Path, step: int, adapters: dict, actor_state: dict, controller_state: dict, keep: int = 2
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"

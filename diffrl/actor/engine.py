@@ -34,8 +34,12 @@ class AdapterConfig:
     def validate(self) -> None:
         check(self.rank >= 1, "rank", self.rank, "must be >= 1")
         check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
-        check("all-linear" not in self.targets, "targets", self.targets,
-              "name target modules explicitly (contract 2: no 'all-linear')")
+        check(
+            "all-linear" not in self.targets,
+            "targets",
+            self.targets,
+            "name target modules explicitly (contract 2: no 'all-linear')",
+        )
 
 
 @dataclass(frozen=True)
@@ -60,33 +64,52 @@ class NonFiniteLoss(DiffrlError):
 
 
 class ActorEngine:
-    def __init__(self, model: VelocityModel, cfg: ActorConfig, targets: list[str], algorithm,
-                 algo_cfg, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: VelocityModel,
+        cfg: ActorConfig,
+        targets: list[str],
+        algorithm,
+        algo_cfg,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
         self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
-        lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=list(targets),
-                          lora_dropout=0.0, init_lora_weights=True)
+        lora = LoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            target_modules=list(targets),
+            lora_dropout=0.0,
+            init_lora_weights=True,
+        )
         self.model = get_peft_model(model.to(device), lora)
         self.model.add_adapter("old", lora)
         self.model.base_model.set_adapter("default")
-        self.layers = {name.removeprefix(PEFT_PREFIX): m for name, m in self.model.named_modules()
-                       if isinstance(m, LoraLayer)}
-        missing = [t for t in targets
-                   if not any(n == t or n.endswith("." + t) for n in self.layers)]
+        self.layers = {
+            name.removeprefix(PEFT_PREFIX): m
+            for name, m in self.model.named_modules()
+            if isinstance(m, LoraLayer)
+        }
+        missing = [
+            t for t in targets if not any(n == t or n.endswith("." + t) for n in self.layers)
+        ]
         if missing or not self.layers:
             raise DiffrlError(f"LoRA targets {missing or targets} matched no module of the model")
         self.update_old(decay=0.0)  # old == default at start (peft inits A randomly per adapter)
         self.params = [p for n, p in self.model.named_parameters() if ".default." in n]
         for p in self.params:
             p.requires_grad_(True)
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
-                                     weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0  # optimizer steps taken
         self.nonfinite = 0
 
     # --- the Policy the algorithms see -------------------------------------------------
-    def velocity(self, x: Tensor, sigma: Tensor, input_ids: Tensor,
-                 adapter: str | None = "default") -> Tensor:
+    def velocity(
+        self, x: Tensor, sigma: Tensor, input_ids: Tensor, adapter: str | None = "default"
+    ) -> Tensor:
         if adapter is None:
             with self.model.disable_adapter():
                 return self.model(x, sigma, input_ids)
@@ -125,11 +148,14 @@ class ActorEngine:
         if not (torch.isfinite(torch.tensor(total)) and torch.isfinite(torch.tensor(grad_norm))):
             self.nonfinite += 1
             self.opt.zero_grad(set_to_none=True)
-            log.warning("non-finite loss/grad (loss=%s, grad_norm=%s): update skipped", total,
-                        grad_norm)
+            log.warning(
+                "non-finite loss/grad (loss=%s, grad_norm=%s): update skipped", total, grad_norm
+            )
             if self.nonfinite >= self.cfg.max_nonfinite_steps:
-                raise NonFiniteLoss(f"loss or gradients were NaN/inf for {self.nonfinite} steps in "
-                                    "a row; lower actor.lr or check the rewards")
+                raise NonFiniteLoss(
+                    f"loss or gradients were NaN/inf for {self.nonfinite} steps in "
+                    "a row; lower actor.lr or check the rewards"
+                )
             return {**metrics, "actor/loss": total, "actor/skipped_nonfinite": 1.0}
         self.nonfinite = 0
         self.opt.step()
@@ -145,20 +171,29 @@ class ActorEngine:
                 mods["old"].weight.mul_(decay).add_(mods["default"].weight, alpha=1 - decay)
 
     def export_weights(self, adapter: str = "default") -> WeightUpdate:
-        deltas = {name: LoraDelta(a=layer.lora_A[adapter].weight.detach().float().cpu().clone(),
-                                  b=layer.lora_B[adapter].weight.detach().float().cpu().clone(),
-                                  scale=float(layer.scaling[adapter]))
-                  for name, layer in self.layers.items()}
+        deltas = {
+            name: LoraDelta(
+                a=layer.lora_A[adapter].weight.detach().float().cpu().clone(),
+                b=layer.lora_B[adapter].weight.detach().float().cpu().clone(),
+                scale=float(layer.scaling[adapter]),
+            )
+            for name, layer in self.layers.items()
+        }
         return WeightUpdate.build(self.version, adapter, deltas)
 
     # --- checkpoints (tensors only; loaded with weights_only=True) ------------------------
     def adapter_tensors(self) -> dict[str, Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()
-                if "lora_" in n}
+        return {
+            n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if "lora_" in n
+        }
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.opt.state_dict(), "version": self.version,
-                "gen": self.gen.get_state(), "nonfinite": self.nonfinite}
+        return {
+            "optimizer": self.opt.state_dict(),
+            "version": self.version,
+            "gen": self.gen.get_state(),
+            "nonfinite": self.nonfinite,
+        }
 
     def load_state(self, adapters: dict[str, Tensor], state: dict) -> None:
         params = dict(self.model.named_parameters())
@@ -168,8 +203,10 @@ class ActorEngine:
         with torch.no_grad():
             for n, t in adapters.items():
                 if n not in params or params[n].shape != t.shape:
-                    raise DiffrlError(f"checkpoint tensor {n} {tuple(t.shape)} does not fit the "
-                                      "model (different LoRA rank or targets?)")
+                    raise DiffrlError(
+                        f"checkpoint tensor {n} {tuple(t.shape)} does not fit the "
+                        "model (different LoRA rank or targets?)"
+                    )
                 params[n].copy_(t)
         self.opt.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
@@ -181,7 +218,15 @@ def _slice(batch: TrainBatch, a: int, b: int, device) -> TrainBatch:
     def cut(t):
         return None if t is None else t[a:b].to(device)
 
-    return TrainBatch(input_ids=cut(batch.input_ids), ids_hash=batch.ids_hash[a:b],
-                      x0=cut(batch.x0), weights=cut(batch.weights), seeds=cut(batch.seeds),
-                      group=cut(batch.group), latents=cut(batch.latents),
-                      log_probs=cut(batch.log_probs), sigmas=batch.sigmas, pairs=None)
+    return TrainBatch(
+        input_ids=cut(batch.input_ids),
+        ids_hash=batch.ids_hash[a:b],
+        x0=cut(batch.x0),
+        weights=cut(batch.weights),
+        seeds=cut(batch.seeds),
+        group=cut(batch.group),
+        latents=cut(batch.latents),
+        log_probs=cut(batch.log_probs),
+        sigmas=batch.sigmas,
+        pairs=None,
+    )

@@ -47,10 +47,18 @@ class NFTConfig(AlgorithmConfig):
         check(self.beta > 0, "beta", self.beta, "must be > 0")
         check(self.adv_clip > 0, "adv_clip", self.adv_clip, "must be > 0")
         check_choice("weighting", self.weighting, ("adaptive", "uniform"))
-        check(self.timesteps_per_sample >= 1, "timesteps_per_sample", self.timesteps_per_sample,
-              "must be >= 1")
-        check(0 <= self.sigma_min < self.sigma_max <= 1, "sigma_max", self.sigma_max,
-              "need 0 <= sigma_min < sigma_max <= 1")
+        check(
+            self.timesteps_per_sample >= 1,
+            "timesteps_per_sample",
+            self.timesteps_per_sample,
+            "must be >= 1",
+        )
+        check(
+            0 <= self.sigma_min < self.sigma_max <= 1,
+            "sigma_max",
+            self.sigma_max,
+            "need 0 <= sigma_min < sigma_max <= 1",
+        )
         check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
         check_choice("old_update", self.old_update, ("copy", "ema"))
         check(self.old_every >= 1, "old_every", self.old_every, "must be >= 1")
@@ -67,9 +75,14 @@ def prepare(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
     adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
     keep = scored.valid.nonzero().squeeze(1)
     p = traj.prompts
-    return TrainBatch(input_ids=p.input_ids[keep], ids_hash=tuple(p.ids_hash[i] for i in keep),
-                      x0=traj.x0[keep], weights=optimality(adv[keep], cfg.adv_clip),
-                      seeds=traj.seeds[keep], group=traj.group[keep])
+    return TrainBatch(
+        input_ids=p.input_ids[keep],
+        ids_hash=tuple(p.ids_hash[i] for i in keep),
+        x0=traj.x0[keep],
+        weights=optimality(adv[keep], cfg.adv_clip),
+        seeds=traj.seeds[keep],
+        group=traj.group[keep],
+    )
 
 
 def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
@@ -78,8 +91,9 @@ def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tens
     return v_pos, v_neg
 
 
-def _per_sample_error(v_pm: Tensor, v: Tensor, x: Tensor, x0: Tensor, sigma: Tensor,
-                      weighting: str) -> Tensor:
+def _per_sample_error(
+    v_pm: Tensor, v: Tensor, x: Tensor, x0: Tensor, sigma: Tensor, weighting: str
+) -> Tensor:
     """(B,) error of one implicit policy against the target velocity."""
     if weighting == "uniform":
         return (v_pm - v).pow(2).flatten(1).mean(1)
@@ -89,8 +103,9 @@ def _per_sample_error(v_pm: Tensor, v: Tensor, x: Tensor, x0: Tensor, sigma: Ten
     return (x0_hat - x0).pow(2).flatten(1).mean(1) / scale
 
 
-def loss(policy: Policy, batch: TrainBatch, cfg: NFTConfig,
-         gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+def loss(
+    policy: Policy, batch: TrainBatch, cfg: NFTConfig, gen: torch.Generator
+) -> tuple[Tensor, dict[str, float]]:
     x0, ids, r = batch.x0, batch.input_ids, batch.weights.to(batch.x0)
     total, metrics = x0.new_zeros(()), {"nft/r_mean": float(r.mean())}
     for _ in range(cfg.timesteps_per_sample):
@@ -111,10 +126,14 @@ def loss(policy: Policy, batch: TrainBatch, cfg: NFTConfig,
                 v_ref = policy.velocity(x, sigma, ids, adapter=None)
             kl = (v_theta - v_ref).pow(2).mean()
             step_loss = step_loss + cfg.kl_coef * kl
-            metrics["nft/kl"] = metrics.get("nft/kl", 0.0) + float(kl.detach()) / cfg.timesteps_per_sample
+            metrics["nft/kl"] = (
+                metrics.get("nft/kl", 0.0) + float(kl.detach()) / cfg.timesteps_per_sample
+            )
         total = total + step_loss / cfg.timesteps_per_sample
         for key, value in (("nft/loss_pos", l_pos), ("nft/loss_neg", l_neg)):
-            metrics[key] = metrics.get(key, 0.0) + float(value.detach().mean()) / cfg.timesteps_per_sample
+            metrics[key] = (
+                metrics.get(key, 0.0) + float(value.detach().mean()) / cfg.timesteps_per_sample
+            )
     return total, metrics
 
 
@@ -133,7 +152,14 @@ def after_step(actor, step: int, cfg: NFTConfig) -> bool:
     return False
 
 
-ALGORITHM = register_algorithm(Algorithm(
-    name="diffusion_nft", config_cls=NFTConfig, prepare=prepare, loss=loss,
-    rollout_adapter=rollout_adapter, after_step=after_step, needs_logprobs=False,
-))
+ALGORITHM = register_algorithm(
+    Algorithm(
+        name="diffusion_nft",
+        config_cls=NFTConfig,
+        prepare=prepare,
+        loss=loss,
+        rollout_adapter=rollout_adapter,
+        after_step=after_step,
+        needs_logprobs=False,
+    )
+)

@@ -31,8 +31,9 @@ class Policy(Protocol):
     """What a loss may call: the canonical velocity under an adapter (None = reference,
     i.e. adapters disabled)."""
 
-    def velocity(self, x: Tensor, sigma: Tensor, input_ids: Tensor,
-                 adapter: str | None = "default") -> Tensor: ...
+    def velocity(
+        self, x: Tensor, sigma: Tensor, input_ids: Tensor, adapter: str | None = "default"
+    ) -> Tensor: ...
 
 
 @dataclass(frozen=True)

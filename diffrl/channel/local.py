@@ -58,11 +58,16 @@ class Channel:
         if item is _CLOSE:
             self._q.put_nowait(_CLOSE)  # let other consumers see the close too
             raise ChannelClosed("channel closed")
-        if (self.max_staleness is not None and current_version is not None
-                and current_version - item.version > self.max_staleness):
-            raise StaleRecord(f"record from policy v{item.version} is "
-                              f"{current_version - item.version} versions old "
-                              f"(max_staleness={self.max_staleness})")
+        if (
+            self.max_staleness is not None
+            and current_version is not None
+            and current_version - item.version > self.max_staleness
+        ):
+            raise StaleRecord(
+                f"record from policy v{item.version} is "
+                f"{current_version - item.version} versions old "
+                f"(max_staleness={self.max_staleness})"
+            )
         return item.record
 
     async def __aiter__(self) -> AsyncIterator[Any]:

@@ -67,28 +67,37 @@ def build(cfg: Config) -> Parts:
     tok, source, eval_set = build_data(cfg.data, cfg.run.seed)
     base = load_model(cfg.model, device)
     if base.net.cfg.vocab_size < tok.vocab_size:
-        raise ConfigError(f"model vocab ({base.net.cfg.vocab_size}) is smaller than the "
-                          f"tokenizer's ({tok.vocab_size})")
+        raise ConfigError(
+            f"model vocab ({base.net.cfg.vocab_size}) is smaller than the "
+            f"tokenizer's ({tok.vocab_size})"
+        )
     probe = None
     if cfg.model.probe:
         x0, ids = probe_data(tok)
         probe = probe_convention(base, x0.to(device, next(base.parameters()).dtype), ids.to(device))
     targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model.family))
     algorithm = get_algorithm(cfg.algorithm.name)
-    rollout = RolloutEngine(base, cfg.rollout, _expanded_targets(base, targets), tok.null_id, device)
-    evaluator = RolloutEngine(base, cfg.rollout, _expanded_targets(base, targets), tok.null_id,
-                              device)
+    rollout = RolloutEngine(
+        base, cfg.rollout, _expanded_targets(base, targets), tok.null_id, device
+    )
+    evaluator = RolloutEngine(
+        base, cfg.rollout, _expanded_targets(base, targets), tok.null_id, device
+    )
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced={"image"})
     actor = ActorEngine(base, cfg.actor, targets, algorithm, cfg.algorithm, device, cfg.run.seed)
-    return Parts(cfg, device, tok, source, eval_set, rollout, evaluator, rewards, actor,
-                 algorithm, probe)
+    return Parts(
+        cfg, device, tok, source, eval_set, rollout, evaluator, rewards, actor, algorithm, probe
+    )
 
 
 def _expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """Suffix targets ("attn.qkv") -> the full module names the rollout must receive."""
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-             and any(n == t or n.endswith("." + t) for t in targets)]
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in targets)
+    ]
     if not names:
         raise ConfigError(f"LoRA targets {targets} match no Linear module of the model")
     return names

@@ -9,11 +9,13 @@ from diffrl.data.shapes import category_accuracy, parse_prompt, score_batch
 from diffrl.rollout.engine import RolloutEngine
 
 
-async def evaluate(engine: RolloutEngine, eval_set: PromptSet, samples_per_prompt: int,
-                   seed: int, num_steps: int):
+async def evaluate(
+    engine: RolloutEngine, eval_set: PromptSet, samples_per_prompt: int, seed: int, num_steps: int
+):
     """-> (metrics {"eval/overall", "eval/<category>"}, images (N,H,W,3), texts, ok)."""
-    traj = await engine.generate(eval_set.all(), seed, group_size=samples_per_prompt,
-                                 sampler="ode", num_steps=num_steps)
+    traj = await engine.generate(
+        eval_set.all(), seed, group_size=samples_per_prompt, sampler="ode", num_steps=num_steps
+    )
     images = traj.extra_fields["image"].numpy()
     prompts = [parse_prompt(t) for t in traj.prompts.texts]
     verdicts = score_batch(images, prompts)

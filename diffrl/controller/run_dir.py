@@ -31,8 +31,11 @@ class RunDir:
         """On resume: drop metrics logged after the checkpoint we resume from."""
         if not self.metrics_path.exists():
             return
-        keep = [ln for ln in self.metrics_path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        keep = [
+            ln
+            for ln in self.metrics_path.read_text().splitlines()
+            if ln.strip() and json.loads(ln).get("step", 0) <= step
+        ]
         self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -50,8 +53,15 @@ class RunDir:
             return []
         return [json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
 
-    def save_grid(self, step: int, images: np.ndarray, texts: list[str], ok: list[bool],
-                  cols: int = 8, scale: int = 3) -> Path:
+    def save_grid(
+        self,
+        step: int,
+        images: np.ndarray,
+        texts: list[str],
+        ok: list[bool],
+        cols: int = 8,
+        scale: int = 3,
+    ) -> Path:
         """images (N, H, W, 3) uint8 -> samples/step_XXXXXX.png, captioned, green/red border
         for verifier pass/fail."""
         n, h, w, _ = images.shape

@@ -26,8 +26,10 @@ async def rollout_and_score(parts: Parts, step: int):
     """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics)."""
     channel = Channel(capacity=2)
     producer = asyncio.create_task(
-        parts.rollout.stream(parts.prompts.at(step), seed=parts.cfg.run.seed * 1_000_003 + step,
-                             channel=channel))
+        parts.rollout.stream(
+            parts.prompts.at(step), seed=parts.cfg.run.seed * 1_000_003 + step, channel=channel
+        )
+    )
     scored, metrics = [], {}
     async for traj in channel:  # unblocked by each finished micro-batch, ends on close
         s, m = await parts.rewards.score(traj)
@@ -42,9 +44,13 @@ async def rollout_and_score(parts: Parts, step: int):
 async def run_eval(parts: Parts, run: RunDir, step: int) -> dict[str, float]:
     parts.evaluator.load_weights(parts.actor.export_weights("default"))
     cfg = parts.cfg
-    metrics, images, texts, ok = await evaluate(parts.evaluator, parts.eval_set,
-                                                cfg.data.eval_samples_per_prompt,
-                                                cfg.data.eval_seed, cfg.rollout.eval_num_steps)
+    metrics, images, texts, ok = await evaluate(
+        parts.evaluator,
+        parts.eval_set,
+        cfg.data.eval_samples_per_prompt,
+        cfg.data.eval_seed,
+        cfg.rollout.eval_num_steps,
+    )
     idx = grid_pick(texts, cfg.data.eval_samples_per_prompt)
     run.save_grid(step, images[idx], [texts[i] for i in idx], [ok[i] for i in idx])
     return metrics
@@ -56,8 +62,13 @@ def sync_rollout(parts: Parts):
 
 
 def checkpoint(parts: Parts, run: RunDir, step: int, wall: float) -> None:
-    save_checkpoint(run.root / "checkpoints", step, parts.actor.adapter_tensors(),
-                    parts.actor.state_dict(), {"step": step, "wall_s": wall})
+    save_checkpoint(
+        run.root / "checkpoints",
+        step,
+        parts.actor.adapter_tensors(),
+        parts.actor.state_dict(),
+        {"step": step, "wall_s": wall},
+    )
 
 
 def resume(parts: Parts, run: RunDir) -> tuple[int, float]:
@@ -92,16 +103,22 @@ async def train(cfg: Config) -> Path:
         samples += len(scored)
         done = step + 1
         metrics.update(r_metrics)
-        metrics.update({"perf/samples_per_s": samples / (time.time() - t_rate),
-                        "perf/wall_s": time.time() - t0})
+        metrics.update(
+            {
+                "perf/samples_per_s": samples / (time.time() - t_rate),
+                "perf/wall_s": time.time() - t0,
+            }
+        )
         out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
         if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
             eval_m = await run_eval(parts, run, done)
             metrics.update(eval_m)
         run.log(done, metrics)
-        bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                        eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
-                        samples_s=f"{metrics['perf/samples_per_s']:.1f}")
+        bar.set_postfix(
+            reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+            eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+            samples_s=f"{metrics['perf/samples_per_s']:.1f}",
+        )
         if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
             checkpoint(parts, run, done, time.time() - t0)
             run.save_curves()

@@ -60,7 +60,9 @@ class ProbeReport:
 
 
 @torch.no_grad()
-def probe_convention(model: VelocityModel, x0: Tensor, input_ids: Tensor, seed: int = 0) -> ProbeReport:
+def probe_convention(
+    model: VelocityModel, x0: Tensor, input_ids: Tensor, seed: int = 0
+) -> ProbeReport:
     """Check the declared convention on real data: a trained model's velocity must point
     along eps - x0, and the declared time must fit better than the mirrored time. Raises
     ``ContractError`` when the declaration is wrong; an untrained model is inconclusive."""

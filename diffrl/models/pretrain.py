@@ -9,10 +9,10 @@ is chosen so the base model is clearly imperfect on held-out prompts, leaving RL
 from __future__ import annotations
 
 import asyncio
-import math
 import copy
-import time
+import math
 import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,8 +68,9 @@ def load_pretrain_config(overrides: list[str]) -> PretrainConfig:
     from diffrl.config import validate_tree
 
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(PretrainConfig),
-                                 OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(
+            OmegaConf.structured(PretrainConfig), OmegaConf.from_dotlist(overrides)
+        )
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"pretrain: {e}") from None
@@ -94,22 +95,30 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
 def near_misses(prompt: ShapesPrompt) -> list[ShapesPrompt]:
     """Prompts of the same category whose text differs from ``prompt`` in exactly one word."""
     words = prompt.text.split()
-    return [q for q in all_prompts() if q.category == prompt.category and q != prompt
-            and len(qw := q.text.split()) == len(words)
-            and sum(a != b for a, b in zip(words, qw, strict=True)) == 1]
+    return [
+        q
+        for q in all_prompts()
+        if q.category == prompt.category
+        and q != prompt
+        and len(qw := q.text.split()) == len(words)
+        and sum(a != b for a, b in zip(words, qw, strict=True)) == 1
+    ]
 
 
 def _render_many(args) -> np.ndarray:
     prompt, n, seed, noise = args
     rng = np.random.default_rng(seed)
     misses = near_misses(prompt) if noise > 0 else []
-    drawn = [misses[rng.integers(len(misses))] if misses and rng.random() < noise else prompt
-             for _ in range(n)]
+    drawn = [
+        misses[rng.integers(len(misses))] if misses and rng.random() < noise else prompt
+        for _ in range(n)
+    ]
     return np.stack([render(p, rng) for p in drawn])
 
 
-def render_bank(prompts, per_prompt: int, seed: int, workers: int,
-                caption_noise: float = 0.0) -> torch.Tensor:
+def render_bank(
+    prompts, per_prompt: int, seed: int, workers: int, caption_noise: float = 0.0
+) -> torch.Tensor:
     """(len(prompts), per_prompt, 3, H, W) uint8 images for each caption, rendered in parallel
     once so the training loop is not bound by the (CPU) renderer."""
     jobs = [(p, per_prompt, seed * 100_003 + i, caption_noise) for i, p in enumerate(prompts)]
@@ -132,15 +141,22 @@ def pretrain(cfg: PretrainConfig) -> Path:
     device = pick_device(cfg.device)
     tok = WordTokenizer()
     train = PromptSet(split_prompts("train"), tok)
-    arch = TinyDiTConfig(hidden=cfg.hidden, depth=cfg.depth, heads=cfg.heads, patch=cfg.patch,
-                         vocab_size=tok.vocab_size, max_text_len=tok.max_len)
+    arch = TinyDiTConfig(
+        hidden=cfg.hidden,
+        depth=cfg.depth,
+        heads=cfg.heads,
+        patch=cfg.patch,
+        vocab_size=tok.vocab_size,
+        max_text_len=tok.max_len,
+    )
     model = VelocityModel(TinyDiT(arch), "sigma").to(device)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.steps)
+    )
     ema_params, params = list(ema.parameters()), list(model.parameters())
-    bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers,
-                       cfg.caption_noise)
+    bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers, cfg.caption_noise)
     null = torch.zeros(1, tok.max_len, dtype=torch.long)
     null[0, 0] = tok.null_id
     t0 = time.time()
@@ -168,26 +184,42 @@ def pretrain(cfg: PretrainConfig) -> Path:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if step + 1 in cfg.snapshots and step + 1 != cfg.steps:
             out = Path(cfg.out)
-            save_and_score(ema, out.with_name(f"{out.stem}_step{step + 1}{out.suffix}"), cfg,
-                           step + 1, time.time() - t0)
+            save_and_score(
+                ema,
+                out.with_name(f"{out.stem}_step{step + 1}{out.suffix}"),
+                cfg,
+                step + 1,
+                time.time() - t0,
+            )
     return save_and_score(ema, Path(cfg.out), cfg, cfg.steps, time.time() - t0)
 
 
-def save_and_score(model: VelocityModel, out: Path, cfg: PretrainConfig, steps: int,
-                   seconds: float) -> Path:
+def save_and_score(
+    model: VelocityModel, out: Path, cfg: PretrainConfig, steps: int, seconds: float
+) -> Path:
     """Save, evaluate on held-out prompts, and store the score in the file's metadata."""
-    meta = {"pretrain_steps": str(steps), "pretrain_s": f"{seconds:.0f}",
-            "pretrain_batch": str(cfg.batch), "caption_noise": str(cfg.caption_noise)}
+    meta = {
+        "pretrain_steps": str(steps),
+        "pretrain_s": f"{seconds:.0f}",
+        "pretrain_batch": str(cfg.batch),
+        "caption_noise": str(cfg.caption_noise),
+    }
     save_model(model, out, meta)
     metrics = evaluate_checkpoint(str(out), cfg.eval_samples, 10, cfg.device)
-    save_model(model, out, {**meta, "shapes_eval": str({k: round(v, 4)
-                                                        for k, v in metrics.items()})})
+    save_model(
+        model, out, {**meta, "shapes_eval": str({k: round(v, 4) for k, v in metrics.items()})}
+    )
     print(f"[{out.name}] steps={steps} " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
     return out
 
 
-def evaluate_checkpoint(checkpoint: str, samples_per_prompt: int = 2, num_steps: int = 10,
-                        device: str = "auto", seed: int = 1234) -> dict[str, float]:
+def evaluate_checkpoint(
+    checkpoint: str,
+    samples_per_prompt: int = 2,
+    num_steps: int = 10,
+    device: str = "auto",
+    seed: int = 1234,
+) -> dict[str, float]:
     """Held-out ShapesBench accuracy of a base checkpoint (no adapters)."""
     from diffrl.controller.build import pick_device
     from diffrl.controller.evaluate import evaluate

@@ -31,10 +31,18 @@ class ModelConfig:
     def validate(self) -> None:
         check_choice("family", self.family, FAMILIES)
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
-        check(self.convention in ("", *CONVENTIONS), "convention", self.convention,
-              f"must be empty or one of {sorted(CONVENTIONS)}")
-        check(bool(self.checkpoint), "checkpoint", self.checkpoint,
-              f"a local .safetensors path or one of {sorted(BUILTIN)}")
+        check(
+            self.convention in ("", *CONVENTIONS),
+            "convention",
+            self.convention,
+            f"must be empty or one of {sorted(CONVENTIONS)}",
+        )
+        check(
+            bool(self.checkpoint),
+            "checkpoint",
+            self.checkpoint,
+            f"a local .safetensors path or one of {sorted(BUILTIN)}",
+        )
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,12 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> Velocity
 
 def save_model(model: VelocityModel, path: Path, extra: dict[str, str] | None = None) -> None:
     net = model.net
-    meta = {"arch": json.dumps(net.cfg.to_dict()), "family": "tiny_dit",
-            "convention": model.convention.name, **(extra or {})}
+    meta = {
+        "arch": json.dumps(net.cfg.to_dict()),
+        "family": "tiny_dit",
+        "convention": model.convention.name,
+        **(extra or {}),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().contiguous().cpu() for k, v in net.state_dict().items()}
     save_file(state, str(path), metadata=meta)

@@ -128,15 +128,17 @@ class TinyDiT(nn.Module):
     def forward(self, x: Tensor, sigma: Tensor, input_ids: Tensor) -> Tensor:
         b, n_txt = x.shape[0], input_ids.shape[1]
         if n_txt > self.cfg.max_text_len:
-            raise ValueError(f"input_ids has {n_txt} tokens, model max_text_len is "
-                             f"{self.cfg.max_text_len}")
+            raise ValueError(
+                f"input_ids has {n_txt} tokens, model max_text_len is {self.cfg.max_text_len}"
+            )
         if sigma.ndim == 0:
             sigma = sigma.expand(b)
         img = self.patch_in(self.patchify(x)) + self.pos_img  # (B, Ni, d)
         txt = self.tok_emb(input_ids) + self.pos_txt[:, :n_txt]  # (B, L, d)
         h = torch.cat([txt, img], dim=1)  # (B, L+Ni, d)
-        key_mask = torch.cat([input_ids != 0, torch.ones(b, img.shape[1], dtype=torch.bool,
-                                                          device=x.device)], dim=1)
+        key_mask = torch.cat(
+            [input_ids != 0, torch.ones(b, img.shape[1], dtype=torch.bool, device=x.device)], dim=1
+        )
         c = self.sigma_mlp(sigma_embedding(sigma, self.cfg.hidden).to(x.dtype))  # (B, d)
         for block in self.blocks:
             h = block(h, c, key_mask)

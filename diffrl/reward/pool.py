@@ -62,22 +62,24 @@ class RewardPool:
         for _, scorer in self.scorers:
             missing = missing_fields(scorer.needs, produced)
             if missing:
-                raise DiffrlError(f"scorer {scorer.name!r} needs {missing}, which the rollout "
-                                  f"does not produce (it produces {sorted(produced)})")
+                raise DiffrlError(
+                    f"scorer {scorer.name!r} needs {missing}, which the rollout "
+                    f"does not produce (it produces {sorted(produced)})"
+                )
 
     async def _run(self, sc: ScorerConfig, scorer: Scorer, traj: Trajectory):
         try:
             check_fields(scorer, traj)
             result = await scorer.score(traj)
             if result.scores.shape != (len(traj),):
-                raise ValueError(f"returned {tuple(result.scores.shape)} scores for "
-                                 f"{len(traj)} samples")
+                raise ValueError(
+                    f"returned {tuple(result.scores.shape)} scores for {len(traj)} samples"
+                )
             return result
         except Exception as e:
             if sc.required:
                 raise RewardFailure(f"required scorer {sc.name!r} failed: {e}") from e
-            log.warning("optional scorer %r failed, its samples are marked missing: %s",
-                        sc.name, e)
+            log.warning("optional scorer %r failed, its samples are marked missing: %s", sc.name, e)
             return e
 
     async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]:
@@ -97,8 +99,9 @@ class RewardPool:
                 for k, v in res.metrics.items():
                     metrics[f"reward/{sc.name}/{k}"] = v
             if sc.required and not bool(ok.all()):
-                raise RewardFailure(f"required scorer {sc.name!r} returned {int((~ok).sum())} "
-                                    "missing/NaN scores")
+                raise RewardFailure(
+                    f"required scorer {sc.name!r} returned {int((~ok).sum())} missing/NaN scores"
+                )
             per_scorer[sc.name] = scores
             valid &= ok
             total += sc.weight * torch.nan_to_num(scores, nan=0.0)  # masked by `valid` below

@@ -17,8 +17,11 @@ from torch import Tensor
 from diffrl.types import Trajectory
 
 # which engine sets which extra field (for error messages)
-PRODUCERS = {"image": "the rollout engine (decoded x0)", "video": "the rollout engine (omni)",
-             "audio": "the rollout engine (omni audio decoder)"}
+PRODUCERS = {
+    "image": "the rollout engine (decoded x0)",
+    "video": "the rollout engine (omni)",
+    "audio": "the rollout engine (omni audio decoder)",
+}
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,10 @@ class ScoreResult:
 
     def __post_init__(self) -> None:
         if self.scores.ndim != 1 or self.valid.shape != self.scores.shape:
-            raise ValueError(f"scores must be (B,) with a matching valid mask, got "
-                             f"{tuple(self.scores.shape)} and {tuple(self.valid.shape)}")
+            raise ValueError(
+                f"scores must be (B,) with a matching valid mask, got "
+                f"{tuple(self.scores.shape)} and {tuple(self.valid.shape)}"
+            )
 
 
 @runtime_checkable
@@ -48,10 +53,13 @@ def missing_fields(needs: frozenset[str], available: set[str]) -> list[str]:
 def check_fields(scorer: Scorer, traj: Trajectory) -> None:
     missing = missing_fields(scorer.needs, set(traj.extra_fields))
     if missing:
-        who = "; ".join(f"{m!r} is set by {PRODUCERS.get(m, 'an unknown producer')}"
-                        for m in missing)
-        raise KeyError(f"scorer {scorer.name!r} needs extra_fields {missing} that the trajectory "
-                       f"lacks ({who}); present: {sorted(traj.extra_fields)}")
+        who = "; ".join(
+            f"{m!r} is set by {PRODUCERS.get(m, 'an unknown producer')}" for m in missing
+        )
+        raise KeyError(
+            f"scorer {scorer.name!r} needs extra_fields {missing} that the trajectory "
+            f"lacks ({who}); present: {sorted(traj.extra_fields)}"
+        )
 
 
 def finite_result(scores: Tensor) -> ScoreResult:
@@ -67,6 +75,7 @@ def register_scorer(name: str):
     def deco(factory):
         _SCORERS[name] = factory
         return factory
+
     return deco
 
 

@@ -59,8 +59,15 @@ def noise_from_seeds(seeds: Tensor, shape: tuple[int, ...], device) -> Tensor:
 
 
 class RolloutEngine:
-    def __init__(self, model: VelocityModel, cfg: RolloutConfig, lora_targets: list[str],
-                 null_id: int, device: torch.device, slot_map: SlotMap | None = None) -> None:
+    def __init__(
+        self,
+        model: VelocityModel,
+        cfg: RolloutConfig,
+        lora_targets: list[str],
+        null_id: int,
+        device: torch.device,
+        slot_map: SlotMap | None = None,
+    ) -> None:
         self.model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
         self.cfg = cfg
         self.null_id = null_id
@@ -75,9 +82,16 @@ class RolloutEngine:
         self.version = update.version
         return report
 
-    async def stream(self, prompts: PromptBatch, seed: int, channel: Channel, *,
-                     group_size: int | None = None, sampler: str | None = None,
-                     num_steps: int | None = None) -> None:
+    async def stream(
+        self,
+        prompts: PromptBatch,
+        seed: int,
+        channel: Channel,
+        *,
+        group_size: int | None = None,
+        sampler: str | None = None,
+        num_steps: int | None = None,
+    ) -> None:
         """Produces one ``Trajectory`` per micro-batch of whole groups into ``channel`` as
         each finishes (so scoring overlaps generation), then closes the channel. Waits only
         on the worker thread and on channel back-pressure."""
@@ -88,8 +102,14 @@ class RolloutEngine:
             for k in range(0, len(prompts), per):
                 sub = prompts.select(torch.arange(k, min(k + per, len(prompts))))
                 traj = await asyncio.to_thread(
-                    self._generate, sub, seeds[k * g : (k + len(sub)) * g], g, k,
-                    sampler or self.cfg.sampler, num_steps or self.cfg.num_steps)
+                    self._generate,
+                    sub,
+                    seeds[k * g : (k + len(sub)) * g],
+                    g,
+                    k,
+                    sampler or self.cfg.sampler,
+                    num_steps or self.cfg.num_steps,
+                )
                 await channel.put(traj, traj.policy_version)
         finally:
             channel.close()
@@ -103,25 +123,39 @@ class RolloutEngine:
         return Trajectory.concat(parts)
 
     @torch.no_grad()
-    def _generate(self, prompts: PromptBatch, seeds: Tensor, g: int, group_offset: int,
-                  sampler: str, num_steps: int) -> Trajectory:
+    def _generate(
+        self,
+        prompts: PromptBatch,
+        seeds: Tensor,
+        g: int,
+        group_offset: int,
+        sampler: str,
+        num_steps: int,
+    ) -> Trajectory:
         batch = prompts.repeat(g)
         sigmas = sigma_schedule(num_steps, self.cfg.shift)
         x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, sampler)
         group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
-        return Trajectory(prompts=batch, group=group, seeds=seeds, x0=x0.cpu(), sigmas=sigmas,
-                          policy_version=self.version,
-                          latents=latents.cpu() if self.cfg.keep_latents else None,
-                          log_probs=log_probs.cpu(),
-                          extra_fields={"image": images_to_uint8(x0.cpu())})
+        return Trajectory(
+            prompts=batch,
+            group=group,
+            seeds=seeds,
+            x0=x0.cpu(),
+            sigmas=sigmas,
+            policy_version=self.version,
+            latents=latents.cpu() if self.cfg.keep_latents else None,
+            log_probs=log_probs.cpu(),
+            extra_fields={"image": images_to_uint8(x0.cpu())},
+        )
 
     def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor) -> Tensor:
         if self.cfg.cfg_scale == 1.0:
             return self.model(x, sigma, ids)
         null = torch.zeros_like(ids)
         null[:, 0] = self.null_id
-        v_c, v_u = self.model(torch.cat([x, x]), torch.cat([sigma, sigma]),
-                              torch.cat([ids, null])).chunk(2)
+        v_c, v_u = self.model(
+            torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([ids, null])
+        ).chunk(2)
         return v_u + self.cfg.cfg_scale * (v_c - v_u)
 
     def _sample(self, ids: Tensor, seeds: Tensor, sigmas: Tensor, sampler: str):
@@ -139,10 +173,20 @@ class RolloutEngine:
             sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
             v = self.velocity(x, sigma, ids)
             if sampler == "sde" and self.cfg.noise_level > 0 and i < t_steps - 1:
-                x, lp, _, _ = sde_step_with_logprob(x, v, sigma, sigma_next, self.cfg.noise_level,
-                                                    float(sigmas[1]), noise=noise[:, i + 1])
+                x, lp, _, _ = sde_step_with_logprob(
+                    x,
+                    v,
+                    sigma,
+                    sigma_next,
+                    self.cfg.noise_level,
+                    float(sigmas[1]),
+                    noise=noise[:, i + 1],
+                )
             else:  # the last step to sigma=0 is deterministic (the SDE std there is 0)
-                x, lp = euler_step(x, v, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
+                x, lp = (
+                    euler_step(x, v, sigma, sigma_next),
+                    torch.zeros(x.shape[0], device=x.device),
+                )
             latents.append(x)
             log_probs.append(lp)
         return x.float(), torch.stack(latents, 1).float(), torch.stack(log_probs, 1).float()

@@ -48,8 +48,12 @@ class WeightUpdate:
 @dataclass(frozen=True)
 class Slot:
     module: str  # rollout module name holding a weight (out, in)
-    rows: slice = field(default_factory=lambda: slice(None))  # rows of the trained delta that land in this module
-    dst_rows: slice = field(default_factory=lambda: slice(None))  # rows of the rollout weight they land in
+    rows: slice = field(
+        default_factory=lambda: slice(None)
+    )  # rows of the trained delta that land in this module
+    dst_rows: slice = field(
+        default_factory=lambda: slice(None)
+    )  # rows of the rollout weight they land in
 
 
 @dataclass
@@ -71,8 +75,11 @@ class SyncReport:
     max_checksum_err: float
 
     def as_metrics(self) -> dict[str, float]:
-        return {"sync/version": self.version, "sync/applied": self.applied,
-                "sync/max_checksum_err": self.max_checksum_err}
+        return {
+            "sync/version": self.version,
+            "sync/applied": self.applied,
+            "sync/max_checksum_err": self.max_checksum_err,
+        }
 
 
 class MergedLoraTarget:
@@ -88,8 +95,10 @@ class MergedLoraTarget:
             for slot in self.slot_map.slots_for(name):
                 mod = modules.get(slot.module)
                 if mod is None or not isinstance(getattr(mod, "weight", None), Tensor):
-                    raise SyncError(f"rollout model has no weight slot {slot.module!r} "
-                                    f"for trained module {name!r}")
+                    raise SyncError(
+                        f"rollout model has no weight slot {slot.module!r} "
+                        f"for trained module {name!r}"
+                    )
                 self.weights[slot.module] = mod.weight
         self.base = {k: w.detach().clone() for k, w in self.weights.items()}
 
@@ -98,9 +107,11 @@ class MergedLoraTarget:
         got, want = sorted(update.deltas), self.expected
         if got != want:
             missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-            raise SyncError(f"weight update v{update.version} does not match the rollout's "
-                            f"targets: missing {missing[:5]}, unexpected {extra[:5]} "
-                            f"({len(got)} given, {len(want)} expected)")
+            raise SyncError(
+                f"weight update v{update.version} does not match the rollout's "
+                f"targets: missing {missing[:5]}, unexpected {extra[:5]} "
+                f"({len(got)} given, {len(want)} expected)"
+            )
         new: dict[str, Tensor] = {}
         max_err = 0.0
         for name in want:
@@ -111,18 +122,26 @@ class MergedLoraTarget:
                 part = delta[slot.rows]
                 target = new.get(slot.module, base.clone())
                 if target[slot.dst_rows].shape != part.shape:
-                    raise SyncError(f"{name} -> {slot.module}: delta rows {tuple(part.shape)} do "
-                                    f"not fit slot {tuple(target[slot.dst_rows].shape)}")
+                    raise SyncError(
+                        f"{name} -> {slot.module}: delta rows {tuple(part.shape)} do "
+                        f"not fit slot {tuple(target[slot.dst_rows].shape)}"
+                    )
                 target[slot.dst_rows] += part.to(target)
                 new[slot.module] = target
-                applied_sum += float((target[slot.dst_rows].double()
-                                      - base[slot.dst_rows].double()).sum())
+                applied_sum += float(
+                    (target[slot.dst_rows].double() - base[slot.dst_rows].double()).sum()
+                )
             err = abs(applied_sum - update.checksums[name])
-            tol = 1e-3 * max(1.0, abs(update.checksums[name])) if base.dtype != torch.float32 \
+            tol = (
+                1e-3 * max(1.0, abs(update.checksums[name]))
+                if base.dtype != torch.float32
                 else 1e-4 * max(1.0, abs(update.checksums[name]))
+            )
             if err > tol:
-                raise SyncError(f"checksum mismatch for {name}: applied {applied_sum:.6g}, "
-                                f"actor sent {update.checksums[name]:.6g}")
+                raise SyncError(
+                    f"checksum mismatch for {name}: applied {applied_sum:.6g}, "
+                    f"actor sent {update.checksums[name]:.6g}"
+                )
             max_err = max(max_err, err)
         for module, w in new.items():  # commit only after every target verified
             self.weights[module].copy_(w)

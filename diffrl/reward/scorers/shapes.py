@@ -40,5 +40,8 @@ class ShapesScorer:
             partial.append(float(np.mean([v.constraints[c] for c in CONSTRAINTS])))
         overall_t, partial_t = torch.tensor(overall), torch.tensor(partial)
         scores = overall_t if self.mode == "overall" else 0.5 * overall_t + 0.5 * partial_t
-        return ScoreResult(scores.float(), torch.ones(len(scores), dtype=torch.bool),
-                           {"accuracy": float(overall_t.mean())})
+        return ScoreResult(
+            scores.float(),
+            torch.ones(len(scores), dtype=torch.bool),
+            {"accuracy": float(overall_t.mean())},
+        )
