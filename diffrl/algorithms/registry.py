@@ -48,7 +48,7 @@ class Algorithm:
 
 
 _ALGORITHMS: dict[str, Algorithm] = {}
-_BUILTIN_MODULES = ("diffrl.algorithms.diffusion_nft",)
+_BUILTIN_MODULES = ("diffrl.algorithms.diffusion_nft", "diffrl.algorithms.flow_grpo")
 
 
 def register_algorithm(algo: Algorithm) -> Algorithm:
