@@ -42,6 +42,9 @@ class NFTConfig(AlgorithmConfig):
     old_update: str = "copy"  # copy (delayed) | ema
     old_every: int = 2  # copy default -> old every N steps
     old_ema: float = 0.5  # ema: old <- old_ema * old + (1 - old_ema) * default, every step
+    # drop groups whose rewards are all equal (r = 1/2 for every member: no policy signal,
+    # only the pull towards v_old); saves their forward/backward passes (DAPO-style filter)
+    skip_uniform_groups: bool = False
 
     def validate(self) -> None:
         check(self.beta > 0, "beta", self.beta, "must be > 0")
@@ -73,7 +76,10 @@ def optimality(advantages: Tensor, z: float) -> Tensor:
 def prepare(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
     traj = scored.traj
     adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
-    keep = scored.valid.nonzero().squeeze(1)
+    keep_mask = scored.valid
+    if cfg.skip_uniform_groups:
+        keep_mask = keep_mask & informative_groups(scored.rewards, traj.group, scored.valid)
+    keep = keep_mask.nonzero().squeeze(1)
     p = traj.prompts
     return TrainBatch(
         input_ids=p.input_ids[keep],
@@ -83,6 +89,19 @@ def prepare(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
         seeds=traj.seeds[keep],
         group=traj.group[keep],
     )
+
+
+def informative_groups(rewards: Tensor, group: Tensor, valid: Tensor) -> Tensor:
+    """(B,) bool: the sample's group has at least two distinct valid rewards."""
+    r = torch.where(valid, rewards, torch.full_like(rewards, float("nan")))
+    n = int(group.max()) + 1
+    hi = torch.full((n,), -float("inf")).scatter_reduce(
+        0, group, torch.nan_to_num(r, nan=-float("inf")), "amax"
+    )
+    lo = torch.full((n,), float("inf")).scatter_reduce(
+        0, group, torch.nan_to_num(r, nan=float("inf")), "amin"
+    )
+    return (hi - lo > 1e-6)[group] & valid
 
 
 def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:

@@ -34,8 +34,8 @@ from diffrl.models.tiny_dit import TinyDiT, TinyDiTConfig
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    steps: int = 3000
-    batch: int = 64
+    steps: int = 6000  # the shipped base: 6000 x 256 on one H200 (~2.5 min)
+    batch: int = 256
     lr: float = 1e-3
     warmup: int = 200
     ema: float = 0.999
