@@ -48,7 +48,11 @@ class Algorithm:
 
 
 _ALGORITHMS: dict[str, Algorithm] = {}
-_BUILTIN_MODULES = ("diffrl.algorithms.diffusion_nft", "diffrl.algorithms.flow_grpo")
+_BUILTIN_MODULES = (
+    "diffrl.algorithms.diffusion_nft",
+    "diffrl.algorithms.flow_grpo",
+    "diffrl.algorithms.diffusion_dpo",
+)
 
 
 def register_algorithm(algo: Algorithm) -> Algorithm:

@@ -1,0 +1,127 @@
+"""Diffusion-DPO in flow-matching form (Wallace et al., 2024, "Diffusion Model Alignment Using
+Direct Preference Optimization"; flow form as in Liu et al., 2025, "Improving Video
+Generation with Human Feedback").
+
+Pairs (winner w, loser l) come from each rollout group. Each pair shares sigma and eps:
+x_sigma = (1 - sigma) x0 + sigma eps, v = eps - x0, and with m = ||v_theta - v||^2 and
+r = ||v_ref - v||^2 (means over dimensions),
+
+    L = -log sigmoid( -beta / 2 * [ (m_w - m_l) - (r_w - r_l) ] ).
+
+Offline mode keeps the reference fixed (the base model, adapters disabled); online mode uses
+the ``old`` adapter as reference and refreshes it from ``default`` every ``ref_every`` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from diffrl.algorithms.registry import Algorithm, AlgorithmConfig, Policy, register_algorithm
+from diffrl.errors import check, check_choice
+from diffrl.types import ScoredBatch, TrainBatch
+
+
+@dataclass(frozen=True)
+class DPOConfig(AlgorithmConfig):
+    name: str = "diffusion_dpo"
+    beta: float = 1000.0  # KL strength; large because m and r are per-dimension means
+    pairs: str = "best_worst"  # best_worst (one pair per group) | margin (all pairs > margin)
+    margin: float = 0.0  # reward gap a pair needs (both modes)
+    mode: str = "online"  # online (reference = old adapter, refreshed) | offline (base model)
+    ref_every: int = 4  # online: copy default -> old every N steps
+
+    def validate(self) -> None:
+        check(self.beta > 0, "beta", self.beta, "must be > 0")
+        check_choice("pairs", self.pairs, ("best_worst", "margin"))
+        check(self.margin >= 0, "margin", self.margin, "must be >= 0")
+        check_choice("mode", self.mode, ("online", "offline"))
+        check(self.ref_every >= 1, "ref_every", self.ref_every, "must be >= 1")
+
+
+def make_pairs(rewards: Tensor, group: Tensor, valid: Tensor, how: str, margin: float) -> Tensor:
+    """(P, 2) int64 (winner, loser) row indices, within groups, reward gap > margin."""
+    out = []
+    for g in group.unique().tolist():
+        rows = ((group == g) & valid).nonzero().squeeze(1)
+        if len(rows) < 2:
+            continue
+        r = rewards[rows]
+        if how == "best_worst":
+            w, l_ = rows[r.argmax()], rows[r.argmin()]
+            if rewards[w] - rewards[l_] > margin:
+                out.append((int(w), int(l_)))
+        else:
+            for i in range(len(rows)):
+                for j in range(len(rows)):
+                    if r[i] - r[j] > margin:
+                        out.append((int(rows[i]), int(rows[j])))
+    return torch.tensor(out, dtype=torch.long).reshape(-1, 2)
+
+
+def prepare(scored: ScoredBatch, cfg: DPOConfig) -> TrainBatch:
+    traj = scored.traj
+    pairs = make_pairs(scored.rewards, traj.group, scored.valid, cfg.pairs, cfg.margin)
+    rows = pairs.flatten()  # the batch holds [w0, l0, w1, l1, ...]
+    p = traj.prompts
+    return TrainBatch(
+        input_ids=p.input_ids[rows],
+        ids_hash=tuple(p.ids_hash[i] for i in rows),
+        x0=traj.x0[rows],
+        weights=scored.rewards[rows],
+        seeds=traj.seeds[rows],
+        group=traj.group[rows],
+        pairs=torch.arange(len(rows)).reshape(-1, 2),
+    )
+
+
+def dpo_loss(m_w: Tensor, m_l: Tensor, r_w: Tensor, r_l: Tensor, beta: float) -> Tensor:
+    """-log sigmoid(-beta/2 * ((m_w - m_l) - (r_w - r_l))), per pair."""
+    return -F.logsigmoid(-0.5 * beta * ((m_w - m_l) - (r_w - r_l)))
+
+
+def loss(
+    policy: Policy, batch: TrainBatch, cfg: DPOConfig, gen: torch.Generator
+) -> tuple[Tensor, dict[str, float]]:
+    x0 = batch.x0  # rows alternate winner, loser (micro-batches keep pairs whole)
+    if len(x0) % 2:
+        raise ValueError("diffusion_dpo micro-batches must hold whole pairs (even size)")
+    n_pairs = len(x0) // 2
+    sigma = torch.rand(n_pairs, generator=gen).repeat_interleave(2).to(x0)  # shared per pair
+    eps = torch.randn((n_pairs, *x0.shape[1:]), generator=gen).repeat_interleave(2, 0).to(x0)
+    s = sigma.view(-1, 1, 1, 1)
+    x = (1 - s) * x0 + s * eps
+    v = eps - x0
+    m = (policy.velocity(x, sigma, batch.input_ids) - v).pow(2).flatten(1).mean(1)
+    with torch.no_grad():
+        ref = "old" if cfg.mode == "online" else None
+        r = (policy.velocity(x, sigma, batch.input_ids, adapter=ref) - v).pow(2).flatten(1).mean(1)
+    per_pair = dpo_loss(m[0::2], m[1::2], r[0::2], r[1::2], cfg.beta)
+    implicit_acc = ((m[0::2] - r[0::2]) < (m[1::2] - r[1::2])).float().mean()
+    return per_pair.mean(), {"dpo/pairs": float(n_pairs), "dpo/implicit_acc": float(implicit_acc)}
+
+
+def rollout_adapter(cfg: DPOConfig) -> str:
+    return "default"
+
+
+def after_step(actor, step: int, cfg: DPOConfig) -> bool:
+    if cfg.mode == "online" and step % cfg.ref_every == 0:
+        actor.update_old(decay=0.0)
+    return True
+
+
+ALGORITHM = register_algorithm(
+    Algorithm(
+        name="diffusion_dpo",
+        config_cls=DPOConfig,
+        prepare=prepare,
+        loss=loss,
+        rollout_adapter=rollout_adapter,
+        after_step=after_step,
+        needs_logprobs=False,
+    )
+)
