@@ -32,7 +32,9 @@ def save_checkpoint(
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
-    for old in sorted(root.glob("step_*"))[:-keep]:
+    # keep the newest by write time (not by step number: a restarted run may write lower steps)
+    others = sorted((p for p in root.glob("step_*") if p != final), key=lambda p: p.stat().st_mtime)
+    for old in others[: max(0, len(others) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

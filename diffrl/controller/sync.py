@@ -19,6 +19,7 @@ from diffrl.config import Config, to_yaml
 from diffrl.controller.build import Parts, build
 from diffrl.controller.evaluate import evaluate, grid_pick
 from diffrl.controller.run_dir import RunDir
+from diffrl.reward.pool import reward_summary
 from diffrl.types import ScoredBatch
 
 
@@ -30,15 +31,17 @@ async def rollout_and_score(parts: Parts, step: int):
             parts.prompts.at(step), seed=parts.cfg.run.seed * 1_000_003 + step, channel=channel
         )
     )
-    scored, metrics = [], {}
+    scored, extra = [], {}
     async for traj in channel:  # unblocked by each finished micro-batch, ends on close
         s, m = await parts.rewards.score(traj)
         scored.append(s)
-        for k, v in m.items():  # sample-weighted mean over micro-batches
-            metrics[k] = metrics.get(k, 0.0) + v * len(s)
+        for k, v in m.items():  # scorer-specific metrics: sample-weighted over micro-batches
+            extra.setdefault(k, []).append((v, len(s)))
     await producer
     batch = ScoredBatch.concat(scored)
-    return batch, {k: v / len(batch) for k, v in metrics.items()}
+    metrics = {k: sum(v * n for v, n in vals) / sum(n for _, n in vals)
+               for k, vals in extra.items()}
+    return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
 
 
 async def run_eval(parts: Parts, run: RunDir, step: int) -> dict[str, float]:

@@ -105,10 +105,19 @@ class RewardPool:
             per_scorer[sc.name] = scores
             valid &= ok
             total += sc.weight * torch.nan_to_num(scores, nan=0.0)  # masked by `valid` below
-            if ok.any():
-                metrics[f"reward/{sc.name}/mean"] = float(scores[ok].mean())
-            metrics[f"reward/{sc.name}/valid_frac"] = float(ok.float().mean())
         total = torch.where(valid, total, torch.full_like(total, float("nan")))
-        if valid.any():
-            metrics["reward/mean"] = float(total[valid].mean())
-        return ScoredBatch(traj, total, per_scorer, valid), metrics
+        scored = ScoredBatch(traj, total, per_scorer, valid)
+        return scored, {**metrics, **reward_summary(scored)}
+
+
+def reward_summary(scored: ScoredBatch) -> dict[str, float]:
+    """Means over valid samples, from the tensors (so micro-batches can be joined first)."""
+    out = {}
+    for name, scores in scored.per_scorer.items():
+        ok = torch.isfinite(scores)
+        if ok.any():
+            out[f"reward/{name}/mean"] = float(scores[ok].mean())
+        out[f"reward/{name}/valid_frac"] = float(ok.float().mean())
+    if scored.valid.any():
+        out["reward/mean"] = float(scored.rewards[scored.valid].mean())
+    return out

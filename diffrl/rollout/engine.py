@@ -19,7 +19,7 @@ from diffrl.channel import Channel
 from diffrl.errors import check, check_choice
 from diffrl.models.convention import VelocityModel
 from diffrl.rollout.samplers import euler_step, sde_step_with_logprob, sigma_schedule
-from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncReport, WeightUpdate
+from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncError, SyncReport, WeightUpdate
 from diffrl.types import PromptBatch, Trajectory, images_to_uint8
 
 
@@ -77,7 +77,7 @@ class RolloutEngine:
 
     def load_weights(self, update: WeightUpdate) -> SyncReport:
         if update.version < self.version:
-            raise ValueError(f"stale weight update v{update.version} < current v{self.version}")
+            raise SyncError(f"stale weight update v{update.version} < current v{self.version}")
         report = self.target.apply(update)
         self.version = update.version
         return report

@@ -46,8 +46,9 @@ def _rollout(policy: LinearPolicy, n: int = 4, steps: int = 5, a: float = 0.7):
     with torch.no_grad():
         for i in range(steps):
             v = policy.velocity(x, sig[i], None)
-            x, lp, _, _ = sde_step_with_logprob(x, v, sig[i], sig[i + 1], a, float(sig[1]),
-                                                noise=torch.randn(x.shape, generator=g))
+            x, lp, _, _ = sde_step_with_logprob(
+                x, v, sig[i], sig[i + 1], a, float(sig[1]), noise=torch.randn(x.shape, generator=g)
+            )
             lat.append(x)
             lps.append(lp)
     return sig, torch.stack(lat, 1), torch.stack(lps, 1)
@@ -57,10 +58,16 @@ def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
     policy = LinearPolicy(0.9)
     sig, lat, lps = _rollout(policy)
     n = lat.shape[0]
-    batch = TrainBatch(input_ids=torch.zeros(n, 2, dtype=torch.long), ids_hash=("",) * n,
-                       x0=lat[:, -1], weights=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                       seeds=torch.zeros(n, dtype=torch.long), latents=lat, log_probs=lps,
-                       sigmas=sig)
+    batch = TrainBatch(
+        input_ids=torch.zeros(n, 2, dtype=torch.long),
+        ids_hash=("",) * n,
+        x0=lat[:, -1],
+        weights=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        seeds=torch.zeros(n, dtype=torch.long),
+        latents=lat,
+        log_probs=lps,
+        sigmas=sig,
+    )
     cfg = GRPOConfig(timestep_fraction=1.0, kl_coef=0.0, clip_range=0.2)
     value, metrics = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
     assert metrics["grpo/ratio_dev"] < 1e-5  # rollout and training log-probs agree
@@ -72,9 +79,16 @@ def test_kl_term_is_zero_against_itself_and_positive_otherwise():
     policy = LinearPolicy(0.5)  # the "reference" in LinearPolicy is w=0.5 as well
     sig, lat, lps = _rollout(policy)
     n = lat.shape[0]
-    batch = TrainBatch(input_ids=torch.zeros(n, 2, dtype=torch.long), ids_hash=("",) * n,
-                       x0=lat[:, -1], weights=torch.zeros(n), seeds=torch.zeros(n, dtype=torch.long),
-                       latents=lat, log_probs=lps, sigmas=sig)
+    batch = TrainBatch(
+        input_ids=torch.zeros(n, 2, dtype=torch.long),
+        ids_hash=("",) * n,
+        x0=lat[:, -1],
+        weights=torch.zeros(n),
+        seeds=torch.zeros(n, dtype=torch.long),
+        latents=lat,
+        log_probs=lps,
+        sigmas=sig,
+    )
     cfg = GRPOConfig(timestep_fraction=1.0, kl_coef=1.0)
     _, m = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
     assert m["grpo/kl"] < 1e-10

@@ -1,0 +1,257 @@
+"""The actor: LoRA adapters 'default' (trained) and 'old' (frozen), the token-drift contract,
+non-finite steps."""
+
+from __future__ import annotations
+
+import copy
+import io
+import types
+
+import pytest
+import torch
+
+from diffrl.actor.engine import NonFiniteLoss
+from diffrl.errors import ContractError, DiffrlError
+from diffrl.types import TrainBatch
+
+
+def lora_weights(actor, adapter: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, layer in actor.layers.items():
+        out[name + ".A"] = layer.lora_A[adapter].weight.detach().clone()
+        out[name + ".B"] = layer.lora_B[adapter].weight.detach().clone()
+    return out
+
+
+def probe(batch: TrainBatch):
+    x = torch.randn(batch.x0.shape, generator=torch.Generator().manual_seed(3))
+    return x, torch.linspace(0.1, 0.9, len(batch)), batch.input_ids
+
+
+def test_adapters_start_identical_and_inactive(
+    tiny_model, actor_factory, train_batch_factory
+) -> None:
+    base = copy.deepcopy(tiny_model)
+    actor = actor_factory(tiny_model)
+    d, o = lora_weights(actor, "default"), lora_weights(actor, "old")
+    for k in d:
+        assert torch.equal(d[k], o[k]), k
+        if k.endswith(".B"):
+            assert not d[k].any()  # B == 0: the adapters start as the base model
+    assert any(d[k].abs().sum() > 0 for k in d if k.endswith(".A"))
+    x, sigma, ids = probe(train_batch_factory(3))
+    with torch.no_grad():
+        ref = base(x, sigma, ids)
+        for adapter in ("default", "old", None):
+            torch.testing.assert_close(actor.velocity(x, sigma, ids, adapter=adapter), ref)
+    # only 'default' is trainable
+    names = {n for n, p in actor.model.named_parameters() if p.requires_grad}
+    assert names and all(".default." in n for n in names)
+    assert sum(p.numel() for p in actor.params) == sum(v.numel() for v in d.values())
+
+
+def test_train_step_changes_only_default(tiny_model, actor_factory, train_batch_factory) -> None:
+    base = copy.deepcopy(tiny_model)
+    actor = actor_factory(tiny_model)
+    old0, default0 = lora_weights(actor, "old"), lora_weights(actor, "default")
+    base_params = {
+        n: p.detach().clone() for n, p in actor.model.named_parameters() if "lora_" not in n
+    }
+    metrics = actor.train_step(train_batch_factory(4))
+    assert actor.version == 1
+    assert metrics["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["actor/loss"]))
+    old1, default1 = lora_weights(actor, "old"), lora_weights(actor, "default")
+    for k in old0:
+        assert torch.equal(old0[k], old1[k]), k
+    changed = sorted(k for k in default0 if not torch.equal(default0[k], default1[k]))
+    # B starts at 0, so the first step's gradient reaches only B (dL/dA = B^T ... = 0)
+    assert changed == sorted(k for k in default0 if k.endswith(".B"))
+    for n, p in actor.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base_params[n]), n
+    x, sigma, ids = probe(train_batch_factory(3))
+    with torch.no_grad():
+        v_base = base(x, sigma, ids)
+        torch.testing.assert_close(actor.velocity(x, sigma, ids, adapter="old"), v_base)
+        assert (actor.velocity(x, sigma, ids, adapter="default") - v_base).abs().max() > 1e-5
+        # adapter=None is the base model with LoRA disabled, also after training
+        torch.testing.assert_close(actor.velocity(x, sigma, ids, adapter=None), v_base)
+    actor.train_step(train_batch_factory(4, seed=1))
+    default2 = lora_weights(actor, "default")
+    assert all(not torch.equal(default2[k], default1[k]) for k in default1)  # now A moves too
+    # the 'old' forward does not leave 'old' trainable or 'default' inactive
+    assert all(".default." in n for n, p in actor.model.named_parameters() if p.requires_grad)
+
+
+def mse_algorithm():
+    """A deterministic per-sample-mean loss (no noise draws)."""
+
+    def loss(policy, batch, cfg, gen):
+        sigma = torch.full((len(batch),), 0.5)
+        v = policy.velocity(batch.x0, sigma, batch.input_ids)
+        per = (v - batch.x0).pow(2).flatten(1).mean(1) * batch.weights
+        return per.mean(), {"mse/n": float(len(batch))}
+
+    return types.SimpleNamespace(loss=loss)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(
+    tiny_model, actor_factory, train_batch_factory
+) -> None:
+    batch = train_batch_factory(5)
+    whole = actor_factory(
+        copy.deepcopy(tiny_model), micro_batch=64, algorithm=mse_algorithm(), lr=1e-3
+    )
+    parts = actor_factory(
+        copy.deepcopy(tiny_model), micro_batch=2, algorithm=mse_algorithm(), lr=1e-3
+    )
+    parts.model.load_state_dict(whole.model.state_dict())  # peft draws A randomly per model
+    for _ in range(2):  # two steps, so A (not only B) gets gradient
+        m_whole, m_parts = whole.train_step(batch), parts.train_step(batch)
+        assert m_parts["actor/loss"] == pytest.approx(m_whole["actor/loss"], rel=1e-5)
+        assert m_parts["actor/grad_norm"] == pytest.approx(m_whole["actor/grad_norm"], rel=1e-4)
+    # metrics are sample-weighted means over micro-batches: (2*2 + 2*2 + 1*1) / 5
+    assert m_parts["mse/n"] == pytest.approx(9 / 5)
+    assert m_whole["mse/n"] == pytest.approx(5.0)
+    for k, v in parts.adapter_tensors().items():
+        torch.testing.assert_close(v, whole.adapter_tensors()[k], rtol=1e-4, atol=1e-6)
+
+
+def test_update_old_copy_and_average(tiny_model, actor_factory, train_batch_factory) -> None:
+    actor = actor_factory(tiny_model)
+    actor.train_step(train_batch_factory(4))
+    old0, default = lora_weights(actor, "old"), lora_weights(actor, "default")
+    actor.update_old(decay=0.5)
+    half = lora_weights(actor, "old")
+    for k in old0:
+        torch.testing.assert_close(half[k], 0.5 * old0[k] + 0.5 * default[k])
+    actor.update_old(decay=0.0)
+    copied = lora_weights(actor, "old")
+    for k in old0:
+        assert torch.equal(copied[k], default[k]), k
+    assert lora_weights(actor, "default").keys() == default.keys()
+    for k, v in lora_weights(actor, "default").items():
+        assert torch.equal(v, default[k])  # update_old never touches 'default'
+
+
+def test_token_drift_raises(tiny_model, actor_factory, train_batch_factory) -> None:
+    actor = actor_factory(tiny_model)
+    batch = train_batch_factory(4)
+    ids = batch.input_ids.clone()
+    ids[2, 0] = (ids[2, 0] + 1) % 10 + 2  # ids changed after the data stage hashed them
+    drifted = TrainBatch(
+        input_ids=ids,
+        ids_hash=batch.ids_hash,
+        x0=batch.x0,
+        weights=batch.weights,
+        seeds=batch.seeds,
+    )
+    before = lora_weights(actor, "default")
+    with pytest.raises(ContractError, match=r"rows \[2\]"):
+        actor.train_step(drifted)
+    assert actor.version == 0
+    for k, v in lora_weights(actor, "default").items():
+        assert torch.equal(v, before[k])
+
+
+def test_empty_batch_is_skipped(tiny_model, actor_factory, train_batch_factory) -> None:
+    actor = actor_factory(tiny_model)
+    b = train_batch_factory(4)
+    empty = TrainBatch(
+        input_ids=b.input_ids[:0],
+        ids_hash=(),
+        x0=b.x0[:0],
+        weights=b.weights[:0],
+        seeds=b.seeds[:0],
+    )
+    assert actor.train_step(empty) == {"actor/skipped_empty": 1.0}
+    assert actor.version == 0
+
+
+def nan_algorithm():
+    """An algorithm whose loss is NaN (but still connected to the trainable parameters)."""
+
+    def loss(policy, batch, cfg, gen):
+        v = policy.velocity(batch.x0, torch.full((len(batch),), 0.5), batch.input_ids)
+        return v.mean() * float("nan"), {}
+
+    return types.SimpleNamespace(loss=loss)
+
+
+def test_nonfinite_steps_are_skipped_then_raise(
+    tiny_model, actor_factory, train_batch_factory
+) -> None:
+    actor = actor_factory(tiny_model, algorithm=nan_algorithm(), max_nonfinite_steps=3)
+    batch = train_batch_factory(2)
+    before = lora_weights(actor, "default")
+    for i in range(2):
+        m = actor.train_step(batch)
+        assert m["actor/skipped_nonfinite"] == 1.0
+        assert actor.nonfinite == i + 1
+    assert actor.version == 0
+    for k, v in lora_weights(actor, "default").items():
+        assert torch.equal(v, before[k]), k  # no update was applied
+    with pytest.raises(NonFiniteLoss, match="3 steps"):
+        actor.train_step(batch)
+
+
+def test_a_finite_step_resets_the_nonfinite_count(
+    tiny_model, actor_factory, train_batch_factory
+) -> None:
+    actor = actor_factory(tiny_model, max_nonfinite_steps=2)
+    good, bad = actor.algorithm, nan_algorithm()
+    batch = train_batch_factory(2)
+    actor.algorithm = bad
+    actor.train_step(batch)
+    actor.algorithm = good
+    actor.train_step(batch)
+    assert actor.nonfinite == 0 and actor.version == 1
+    actor.algorithm = bad
+    actor.train_step(batch)  # 1 in a row again: no raise
+    with pytest.raises(NonFiniteLoss):
+        actor.train_step(batch)
+
+
+def test_state_round_trip(tiny_model, actor_factory, train_batch_factory) -> None:
+    batch = train_batch_factory(4)
+    actor = actor_factory(copy.deepcopy(tiny_model))
+    actor.train_step(batch)
+    tensors = actor.adapter_tensors()
+    buf = io.BytesIO()  # as a checkpoint does: plain tensors and numbers, weights_only load
+    torch.save(actor.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert any(".old." in n for n in tensors) and any(".default." in n for n in tensors)
+    other = actor_factory(copy.deepcopy(tiny_model))
+    other.load_state(tensors, state)
+    assert other.version == 1
+    for k, v in other.adapter_tensors().items():
+        assert torch.equal(v, tensors[k]), k
+    # the next step is identical (same optimizer moments and same training-noise RNG)
+    actor.train_step(batch)
+    other.train_step(batch)
+    for k, v in other.adapter_tensors().items():
+        torch.testing.assert_close(v, actor.adapter_tensors()[k], rtol=0, atol=1e-6)
+    with pytest.raises(DiffrlError, match="lacks adapter tensors"):
+        other.load_state({k: v for k, v in tensors.items() if "lora_B" not in k}, state)
+
+
+def test_unknown_lora_target_raises(tiny_model) -> None:
+    from diffrl.actor.engine import ActorConfig, ActorEngine
+    from diffrl.algorithms.diffusion_nft import NFTConfig
+    from diffrl.algorithms.registry import get_algorithm
+
+    def build(targets):
+        ActorEngine(
+            copy.deepcopy(tiny_model),
+            ActorConfig(),
+            targets,
+            get_algorithm("diffusion_nft"),
+            NFTConfig(),
+            torch.device("cpu"),
+        )
+
+    with pytest.raises(ValueError, match="attn.nope"):  # peft: nothing matched at all
+        build(["attn.nope"])
+    with pytest.raises(DiffrlError, match=r"\['attn.nope'\] matched no module"):
+        build(["attn.qkv", "attn.nope"])  # one matches: diffrl names the one that does not

@@ -1,0 +1,177 @@
+"""The rollout engine: reproducible, batching-invariant, grouped trajectories."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from diffrl.channel import Channel
+from diffrl.data.prompts import PromptSet
+from diffrl.data.shapes import split_prompts
+from diffrl.rollout.engine import RolloutConfig, RolloutEngine, noise_from_seeds, sample_seeds
+from diffrl.rollout.samplers import sigma_schedule
+from diffrl.sync.weights import SyncError, WeightUpdate
+from diffrl.types import images_to_uint8
+
+
+@pytest.fixture(scope="module")
+def prompt_set(tok) -> PromptSet:
+    return PromptSet(split_prompts("train")[:8], tok)
+
+
+def engine(model, tok, **kw) -> RolloutEngine:
+    cfg = RolloutConfig(**{"group_size": 3, "num_steps": 3, **kw})
+    return RolloutEngine(model, cfg, [], tok.null_id, torch.device("cpu"))
+
+
+def gen(eng, prompts, seed=0, **kw):
+    return asyncio.run(eng.generate(prompts, seed, **kw))
+
+
+def test_sample_seeds_and_noise() -> None:
+    a, b = sample_seeds(7, 6), sample_seeds(7, 6)
+    assert torch.equal(a, b) and len(set(a.tolist())) == 6
+    assert not torch.equal(a, sample_seeds(8, 6))
+    n = noise_from_seeds(a, (2, 3), "cpu")
+    assert n.shape == (6, 2, 3)
+    torch.testing.assert_close(noise_from_seeds(a[3:4], (2, 3), "cpu")[0], n[3])  # row-wise
+
+
+def test_group_layout(tiny_model, tok, prompt_set) -> None:
+    prompts = prompt_set.batch([5, 2])
+    traj = gen(engine(tiny_model, tok), prompts, seed=1)
+    assert len(traj) == 6
+    assert traj.group.tolist() == [0, 0, 0, 1, 1, 1]
+    assert traj.prompts.texts == (prompt_set.texts[5],) * 3 + (prompt_set.texts[2],) * 3
+    assert traj.prompts.prompt_ids.tolist() == [5, 5, 5, 2, 2, 2]
+    torch.testing.assert_close(traj.prompts.input_ids[:3], prompt_set.input_ids[[5, 5, 5]])
+    assert traj.prompts.ids_hash[3] == prompt_set.hashes[2]
+    assert len(set(traj.seeds.tolist())) == 6
+    assert traj.seeds.tolist() == sample_seeds(1, 6).tolist()
+    assert traj.x0.shape == (6, 3, 32, 32)
+    torch.testing.assert_close(traj.sigmas, sigma_schedule(3))
+    assert traj.policy_version == 0
+
+
+def test_ode_matches_manual_euler_integration(tiny_model, tok, prompt_set) -> None:
+    prompts = prompt_set.batch([0, 1])
+    traj = gen(engine(tiny_model, tok, keep_latents=True), prompts, seed=3)
+    noise = noise_from_seeds(traj.seeds, (4, 3, 32, 32), "cpu")
+    x, ids = noise[:, 0], prompts.repeat(3).input_ids
+    sig = torch.tensor([1.0, 2 / 3, 1 / 3, 0.0])
+    with torch.no_grad():
+        for i in range(3):
+            x = x + tiny_model(x, sig[i].expand(6), ids) * (sig[i + 1] - sig[i])
+    torch.testing.assert_close(traj.x0, x, rtol=0, atol=1e-5)
+    assert traj.latents.shape == (6, 4, 3, 32, 32)
+    torch.testing.assert_close(traj.latents[:, 0], noise[:, 0])
+    torch.testing.assert_close(traj.latents[:, -1], traj.x0)
+    assert traj.x0.abs().max() > 0.1  # the tiny model is not trivial
+    assert not torch.allclose(traj.x0, noise[:, 0], atol=1e-3)
+
+
+def test_generate_is_deterministic_per_seed(tiny_model, tok, prompt_set) -> None:
+    eng = engine(tiny_model, tok)
+    prompts = prompt_set.batch([0, 3])
+    a, b, c = gen(eng, prompts, 11), gen(eng, prompts, 11), gen(eng, prompts, 12)
+    assert torch.equal(a.x0, b.x0)
+    assert (a.x0 - c.x0).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("sampler", ["ode", "sde"])
+def test_batching_invariance(tiny_model, tok, prompt_set, sampler) -> None:
+    prompts = prompt_set.batch([0, 1, 2, 3, 4])
+    big = gen(engine(tiny_model, tok, max_batch=64, group_size=2, sampler=sampler), prompts, 5)
+    small = gen(engine(tiny_model, tok, max_batch=4, group_size=2, sampler=sampler), prompts, 5)
+    assert torch.equal(big.seeds, small.seeds)
+    assert torch.equal(big.group, small.group)
+    assert big.prompts.texts == small.prompts.texts
+    torch.testing.assert_close(small.x0, big.x0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(small.log_probs, big.log_probs, rtol=0, atol=1e-5)
+
+
+def test_stream_yields_micro_batches_of_whole_groups(tiny_model, tok, prompt_set) -> None:
+    eng = engine(tiny_model, tok, max_batch=4, group_size=2)  # 2 prompts per micro-batch
+    prompts = prompt_set.batch([0, 1, 2, 3, 4])
+
+    async def collect():
+        ch = Channel()
+        task = asyncio.create_task(eng.stream(prompts, 9, ch))
+        parts = [t async for t in ch]
+        await task
+        return parts
+
+    parts = asyncio.run(collect())
+    assert [len(p) for p in parts] == [4, 4, 2]
+    assert [p.group.tolist() for p in parts] == [[0, 0, 1, 1], [2, 2, 3, 3], [4, 4]]
+    whole = gen(eng, prompts, 9)
+    torch.testing.assert_close(torch.cat([p.x0 for p in parts]), whole.x0)
+
+
+def test_ode_log_probs_are_zero(tiny_model, tok, prompt_set) -> None:
+    traj = gen(engine(tiny_model, tok, num_steps=4), prompt_set.batch([0]), 0)
+    assert traj.log_probs.shape == (3, 4)
+    assert torch.equal(traj.log_probs, torch.zeros(3, 4))
+
+
+def test_sde_log_probs_finite_nonzero(tiny_model, tok, prompt_set) -> None:
+    eng = engine(tiny_model, tok, num_steps=4, sampler="sde")
+    traj = gen(eng, prompt_set.batch([0, 1]), 0)
+    assert traj.log_probs.shape == (6, 4)
+    assert torch.isfinite(traj.log_probs).all()
+    assert (traj.log_probs[:, :-1] != 0).all()
+    assert (traj.log_probs[:, -1] == 0).all()  # the last step to sigma=0 is deterministic
+    ode = gen(engine(tiny_model, tok, num_steps=4), prompt_set.batch([0, 1]), 0)
+    assert (traj.x0 - ode.x0).abs().max() > 1e-2
+    again = gen(eng, prompt_set.batch([0, 1]), 0)
+    assert torch.equal(traj.x0, again.x0) and torch.equal(traj.log_probs, again.log_probs)
+
+
+def test_per_call_overrides(tiny_model, tok, prompt_set) -> None:
+    eng = engine(tiny_model, tok, sampler="sde")
+    traj = gen(eng, prompt_set.batch([0, 1]), 0, group_size=2, sampler="ode", num_steps=2)
+    assert len(traj) == 4 and traj.sigmas.shape == (3,)
+    assert torch.equal(traj.log_probs, torch.zeros(4, 2))
+
+
+def test_image_field_is_uint8_hwc(tiny_model, tok, prompt_set) -> None:
+    traj = gen(engine(tiny_model, tok), prompt_set.batch([0, 1]), 0)
+    img = traj.extra_fields["image"]
+    assert img.dtype == torch.uint8 and img.shape == (6, 32, 32, 3)
+    assert torch.equal(img, images_to_uint8(traj.x0))
+    # independent conversion of one pixel: [-1, 1] -> [0, 255], channels last
+    val = traj.x0[2, 1, 7, 9].clamp(-1, 1).item()
+    assert img[2, 7, 9, 1].item() == round((val + 1) * 127.5)
+
+
+def test_classifier_free_guidance(tiny_model, tok, prompt_set) -> None:
+    eng = engine(tiny_model, tok, cfg_scale=3.0)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    sigma, ids = torch.full((2,), 0.5), prompt_set.input_ids[:2]
+    null = torch.zeros_like(ids)
+    null[:, 0] = tok.null_id
+    with torch.no_grad():
+        v_c, v_u = tiny_model(x, sigma, ids), tiny_model(x, sigma, null)
+        out = eng.velocity(x, sigma, ids)
+    torch.testing.assert_close(out, v_u + 3.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
+    assert (out - v_c).abs().max() > 1e-4
+
+
+def test_engine_owns_a_frozen_copy(tiny_model, tok) -> None:
+    eng = engine(tiny_model, tok)
+    assert eng.model is not tiny_model
+    assert not any(p.requires_grad for p in eng.model.parameters())
+    with torch.no_grad():
+        next(tiny_model.parameters()).add_(1.0)
+    assert not torch.equal(next(tiny_model.parameters()), next(eng.model.parameters()))
+
+
+def test_stale_weight_version_raises(tiny_model, tok) -> None:
+    eng = engine(tiny_model, tok)
+    eng.load_weights(WeightUpdate.build(3, "old", {}))
+    assert eng.version == 3
+    with pytest.raises(SyncError, match="stale"):
+        eng.load_weights(WeightUpdate.build(2, "old", {}))
+    assert eng.version == 3

@@ -1,0 +1,130 @@
+"""Sampler steps against their analytic formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diffrl.rollout.samplers import (
+    euler_step,
+    gaussian_log_prob,
+    sde_std,
+    sde_step_with_logprob,
+    sigma_schedule,
+)
+
+SHAPE = (4, 3, 5, 5)
+
+
+def rand(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def test_euler_step_golden() -> None:
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).view(2, 1, 1, 2)
+    v = torch.tensor([[10.0, -10.0], [1.0, 1.0]]).view(2, 1, 1, 2)
+    out = euler_step(x, v, torch.tensor([1.0, 0.5]), torch.tensor([0.75, 0.25]))
+    assert out.flatten().tolist() == pytest.approx([-1.5, 4.5, 2.75, 3.75])
+    # scalar sigmas broadcast as well
+    out = euler_step(x, v, torch.tensor(0.5), torch.tensor(0.0))
+    assert out.flatten().tolist() == pytest.approx([-4.0, 7.0, 2.5, 3.5])
+
+
+def analytic(x, v, sigma, sigma_next, a):
+    """FlowGRPO step in float64: mean, std (per sample)."""
+    sig = sigma.view(-1, 1, 1, 1)
+    d = (sigma_next - sigma).view(-1, 1, 1, 1)
+    s = a * torch.sqrt(sigma / (1 - sigma))
+    mean = x + (v + s.view(-1, 1, 1, 1) ** 2 / (2 * sig) * (x + (1 - sig) * v)) * d
+    std = s * torch.sqrt(sigma - sigma_next)
+    return mean, std
+
+
+def test_sde_step_mean_std_logprob_against_formula() -> None:
+    x, v, noise = rand(*SHAPE, seed=1), rand(*SHAPE, seed=2), rand(*SHAPE, seed=3)
+    sigma = torch.tensor([0.9, 0.6, 0.3, 0.1], dtype=torch.float64)
+    sigma_next = torch.tensor([0.8, 0.4, 0.25, 0.0], dtype=torch.float64)
+    a = 0.7
+    x_next, lp, mean, std = sde_step_with_logprob(x, v, sigma, sigma_next, a, 0.9, noise=noise)
+    m_ref, s_ref = analytic(x, v, sigma, sigma_next, a)
+    torch.testing.assert_close(mean, m_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(std.flatten(), s_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x_next, m_ref + s_ref.view(-1, 1, 1, 1) * noise)
+    # the last row has sigma_next = 0 but sigma < 1: std = s * sqrt(0.1)
+    assert std.flatten()[3].item() == pytest.approx(a * math.sqrt(0.1 / 0.9) * math.sqrt(0.1))
+    ref_lp = torch.distributions.Normal(m_ref, s_ref.view(-1, 1, 1, 1)).log_prob(x_next)
+    torch.testing.assert_close(lp, ref_lp.flatten(1).mean(1), rtol=1e-10, atol=1e-10)
+    assert lp.shape == (4,)
+
+
+def test_sde_step_scores_a_given_x_next() -> None:
+    x, v, noise = rand(*SHAPE, seed=4), rand(*SHAPE, seed=5), rand(*SHAPE, seed=6)
+    sigma, sigma_next = (
+        torch.full((4,), 0.5, dtype=torch.float64),
+        torch.full((4,), 0.4, dtype=torch.float64),
+    )
+    sampled, lp, mean, std = sde_step_with_logprob(x, v, sigma, sigma_next, 0.5, 0.9, noise=noise)
+    same, lp2, _, _ = sde_step_with_logprob(x, v, sigma, sigma_next, 0.5, 0.9, x_next=sampled)
+    assert same is sampled
+    torch.testing.assert_close(lp2, lp)
+    # a point farther from the mean is less likely
+    _, lp_far, _, _ = sde_step_with_logprob(
+        x, v, sigma, sigma_next, 0.5, 0.9, x_next=mean + 3 * std.view(-1, 1, 1, 1)
+    )
+    assert (lp_far < lp2).all()
+    with pytest.raises(ValueError, match="noise"):
+        sde_step_with_logprob(x, v, sigma, sigma_next, 0.5, 0.9)
+
+
+def test_small_noise_level_recovers_euler() -> None:
+    x, v, noise = rand(*SHAPE, seed=7), rand(*SHAPE, seed=8), rand(*SHAPE, seed=9)
+    sigma, sigma_next = (
+        torch.full((4,), 0.7, dtype=torch.float64),
+        torch.full((4,), 0.6, dtype=torch.float64),
+    )
+    euler = euler_step(x, v, sigma, sigma_next)
+    x_next, _, mean, _ = sde_step_with_logprob(x, v, sigma, sigma_next, 0.0, 0.9, noise=noise)
+    torch.testing.assert_close(mean, euler)
+    torch.testing.assert_close(x_next, euler)
+    x_next, _, _, _ = sde_step_with_logprob(x, v, sigma, sigma_next, 1e-6, 0.9, noise=noise)
+    torch.testing.assert_close(x_next, euler, rtol=0, atol=1e-5)
+    # and a real noise level does move it
+    x_next, _, _, _ = sde_step_with_logprob(x, v, sigma, sigma_next, 0.7, 0.9, noise=noise)
+    assert (x_next - euler).abs().max() > 1e-2
+
+
+def test_sigma_one_is_guarded() -> None:
+    x, v, noise = rand(*SHAPE, seed=10), rand(*SHAPE, seed=11), rand(*SHAPE, seed=12)
+    sigma, sigma_next = (
+        torch.ones(4, dtype=torch.float64),
+        torch.full((4,), 0.9, dtype=torch.float64),
+    )
+    x_next, lp, mean, std = sde_step_with_logprob(x, v, sigma, sigma_next, 0.7, 0.9, noise=noise)
+    for t in (x_next, lp, mean, std):
+        assert torch.isfinite(t).all()
+    s_cap = 0.7 * math.sqrt(0.9 / 0.1)  # sigma replaced by the cap in the diffusion scale
+    assert std.flatten().tolist() == pytest.approx([s_cap * math.sqrt(0.1)] * 4)
+    assert sde_std(torch.tensor([1.0, 0.5]), 0.7, 0.9).tolist() == pytest.approx([s_cap, 0.7 * 1.0])
+
+
+def test_gaussian_log_prob_golden() -> None:
+    x = torch.zeros(2, 1, 1, 2)
+    mean = torch.tensor([[0.0, 1.0], [0.0, 0.0]]).view(2, 1, 1, 2)
+    lp = gaussian_log_prob(x, mean, torch.tensor([1.0, 2.0]))
+    c = -0.5 * math.log(2 * math.pi)
+    assert lp.tolist() == pytest.approx([c - 0.25, c - math.log(2.0)])
+
+
+def test_sigma_schedule() -> None:
+    s = sigma_schedule(4)
+    assert s.tolist() == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    for shift in (0.5, 1.0, 3.0):
+        s = sigma_schedule(10, shift)
+        assert s.shape == (11,)
+        assert s[0].item() == pytest.approx(1.0) and s[-1].item() == 0.0
+        assert (s[1:] < s[:-1]).all()
+    shifted = sigma_schedule(4, 3.0)
+    assert shifted[2].item() == pytest.approx(0.75)  # 3 * 0.5 / (1 + 2 * 0.5)
+    assert (shifted[1:-1] > sigma_schedule(4)[1:-1]).all()  # shift > 1: more time at high noise
