@@ -8,6 +8,7 @@ trajectories; it trains on what the rollout produced and exports versioned LoRA 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,9 @@ class ActorConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     micro_batch: int = 64  # samples per forward/backward; gradients accumulate to the batch
+    # optimizer steps per RL batch: the batch is shuffled and split into this many parts, each
+    # one AdamW step (PPO-style minibatches; 1 = one step on the whole batch)
+    minibatches: int = 1
     max_nonfinite_steps: int = 3  # consecutive NaN/inf losses before training stops
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 
@@ -57,6 +61,7 @@ class ActorConfig:
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         check(self.micro_batch >= 1, "micro_batch", self.micro_batch, "must be >= 1")
+        check(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
 
 
 class NonFiniteLoss(DiffrlError):
@@ -130,13 +135,28 @@ class ActorEngine:
 
     # --- training -----------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL update: ``minibatches`` optimizer steps over a shuffle of the batch."""
         check_token_hashes(batch, hash_ids)
         self.model.train()
-        self.opt.zero_grad(set_to_none=True)
-        n, metrics = len(batch), {}
+        n = len(batch)
         if n == 0:
             return {"actor/skipped_empty": 1.0}
-        total = 0.0
+        k = min(self.cfg.minibatches, n)
+        if batch.pairs is None:
+            parts = [p for p in torch.randperm(n, generator=self.gen).chunk(k) if len(p)]
+        else:  # keep each (winner, loser) pair whole and adjacent for pairwise losses
+            pair_parts = torch.randperm(n // 2, generator=self.gen).chunk(max(1, min(k, n // 2)))
+            parts = [torch.stack([2 * p, 2 * p + 1], 1).flatten() for p in pair_parts if len(p)]
+        totals: dict[str, float] = {}
+        for part in parts:
+            m = self._optimizer_step(_select(batch, part))
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + v / len(parts)
+        return totals
+
+    def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
+        self.opt.zero_grad(set_to_none=True)
+        n, metrics, total = len(batch), {}, 0.0
         for start in range(0, n, self.cfg.micro_batch):
             mb = _slice(batch, start, start + self.cfg.micro_batch, self.device)
             loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
@@ -145,7 +165,7 @@ class ActorEngine:
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v * len(mb) / n
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
-        if not (torch.isfinite(torch.tensor(total)) and torch.isfinite(torch.tensor(grad_norm))):
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self.nonfinite += 1
             self.opt.zero_grad(set_to_none=True)
             log.warning(
@@ -212,6 +232,25 @@ class ActorEngine:
         self.version = int(state["version"])
         self.gen.set_state(state["gen"])
         self.nonfinite = int(state["nonfinite"])
+
+
+def _select(batch: TrainBatch, index: Tensor) -> TrainBatch:
+    def pick(t):
+        return None if t is None else t[index]
+
+    pairs = None if batch.pairs is None else torch.arange(len(index)).reshape(-1, 2)
+    return TrainBatch(
+        input_ids=pick(batch.input_ids),
+        ids_hash=tuple(batch.ids_hash[i] for i in index.tolist()),
+        x0=pick(batch.x0),
+        weights=pick(batch.weights),
+        seeds=pick(batch.seeds),
+        group=pick(batch.group),
+        latents=pick(batch.latents),
+        log_probs=pick(batch.log_probs),
+        sigmas=batch.sigmas,
+        pairs=pairs,
+    )
 
 
 def _slice(batch: TrainBatch, a: int, b: int, device) -> TrainBatch:
