@@ -41,6 +41,40 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_reward(args: argparse.Namespace) -> int:
+    try:
+        from diffrl.reward.http.server import serve
+    except ImportError as e:
+        raise DiffrlError(
+            f"serve-reward needs the server stack ({e.name} is missing): "
+            "pip install 'fastapi>=0.110' 'uvicorn>=0.29'"
+        ) from None
+    serve(
+        args.scorer,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_body_mb=args.max_body_mb,
+        params=_scorer_params(args.scorer_param),
+    )
+    return 0
+
+
+def _scorer_params(items: list[str]) -> dict:
+    """``key=value`` pairs -> scorer params, with values typed as in recipe overrides
+    (OmegaConf dotlist: ``mode=overall``, ``k=3``, ``needs=[image,video]``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [i for i in items if "=" not in i]
+    if bad:
+        raise DiffrlError(f"--scorer-param {bad[0]!r}: expected key=value")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(items), resolve=True)
+    except OmegaConfBaseException as e:
+        raise DiffrlError(f"--scorer-param: {e}") from None
+
+
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
     if items and "=" not in items[0]:
         return items[0], items[1:]
@@ -63,6 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="ODE sampler steps")
     p.add_argument("--device", default="auto")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("serve-reward", help="serve a registered scorer over HTTP (for 'http')")
+    p.add_argument("--scorer", required=True, help="registered scorer name, e.g. shapes")
+    p.add_argument("--host", default="127.0.0.1", help="non-loopback needs $DIFFRL_REWARD_TOKEN")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=256, help="most samples per request")
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body")
+    p.add_argument(
+        "--scorer-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="scorer constructor param (repeatable)",
+    )
+    p.set_defaults(fn=cmd_serve_reward)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

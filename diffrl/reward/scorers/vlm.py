@@ -1,0 +1,276 @@
+"""A vision-language model as judge, over any OpenAI-compatible chat completions API.
+
+Each image goes, as a base64 PNG ``data:`` URL, to ``POST {base_url}/v1/chat/completions``
+(vLLM, SGLang, TGI, llama.cpp's server and hosted APIs all speak it) with a question made from
+a template and the prompt. The reply is parsed strictly: ``yes`` -> 1, ``no`` -> 0, or a number
+in [0, 1] when ``answer="score"``. A reply that does not parse, or a request that still fails
+after its retries, marks that sample missing (``valid=False``): a judge's shrug is not a "no",
+and scoring it 0 would teach the policy to avoid whatever confuses the judge.
+
+Transient failures (HTTP 429, 5xx, time-outs, dropped connections) are retried with exponential
+back-off (honouring ``Retry-After``); a concurrency cap keeps a large batch from flooding the
+server. httpx is imported lazily so the package imports without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import logging
+import os
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from diffrl.errors import check_choice
+from diffrl.reward.scorer import ScoreResult, register_scorer
+from diffrl.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+TEMPLATES = {
+    "yesno": 'Does this image show: "{prompt}"? Answer yes or no.',
+    "score": (
+        'How well does this image match the description "{prompt}"? Reply with only a number '
+        "between 0 and 1, where 1 is a perfect match."
+    ),
+}
+
+_WORD = re.compile(r"[a-z]+")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def parse_yesno(text: str) -> float | None:
+    """1.0 / 0.0 when the reply's first word is yes / no (an ``Answer:`` label is skipped;
+    case, punctuation and markdown are ignored); None for anything else, e.g. "maybe"."""
+    words = _WORD.findall(text.lower())
+    if words[:1] == ["answer"]:
+        words = words[1:]
+    if not words:
+        return None
+    return {"yes": 1.0, "no": 0.0}.get(words[0])
+
+
+def parse_score(text: str) -> float | None:
+    """The first number in the reply, if it lies in [0, 1]; None otherwise (no number, or a
+    number on another scale such as "8/10", which would be a guess to rescale)."""
+    m = _NUMBER.search(text)
+    if m is None:
+        return None
+    value = float(m.group())
+    return value if 0.0 <= value <= 1.0 else None
+
+
+PARSERS = {"yesno": parse_yesno, "score": parse_score}
+
+
+def chat_url(base_url: str) -> str:
+    """``{base_url}/v1/chat/completions``; a base URL that already ends in ``/v1`` (the
+    OpenAI client's convention) is not given a second one."""
+    base = base_url.rstrip("/")
+    return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+
+
+def png_data_url(image) -> str:
+    """One (H, W, 3) uint8 image as a lossless base64 PNG data URL."""
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def reply_text(data: Any) -> str:
+    """The assistant's text from a chat completions response body (string or content parts)."""
+    content = data["choices"][0]["message"]["content"]
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str):
+        raise TypeError(f"message content is {type(content).__name__}, not text")
+    return content
+
+
+@dataclass(frozen=True)
+class Outcome:
+    value: float | None = None  # parsed score; None when unparsed or failed
+    reply: str | None = None  # the judge's text, when one came back
+    error: str | None = None  # why no reply came back (after retries)
+
+
+@register_scorer("vlm_judge")
+class VlmJudgeScorer:
+    """Scores each image by asking a VLM about its prompt.
+
+    Params: ``base_url`` and ``model`` (required), ``answer`` ("yesno" or "score"),
+    ``template`` (a ``str.format`` string with ``{prompt}``; the default matches ``answer``),
+    ``system`` (an optional system message), ``max_concurrency``, ``timeout`` (seconds per
+    request), ``max_retries``, ``backoff`` (first retry delay, doubled each time, capped at
+    ``max_backoff``), ``api_key_env`` (environment variable with a bearer token; unset is fine
+    for a local server), ``max_tokens``, ``temperature``, ``extra_body`` (merged into each
+    request, e.g. vLLM's ``{"top_k": 1}``), ``trust_env`` (httpx: honour proxy variables).
+    If no sample gets a reply at all the scorer raises, so a dead server is reported as such.
+    """
+
+    needs = frozenset({"image"})
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        model: str | None = None,
+        answer: str = "yesno",
+        template: str | None = None,
+        system: str | None = None,
+        max_concurrency: int = 8,
+        timeout: float = 60.0,
+        max_retries: int = 4,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+        api_key_env: str | None = "OPENAI_API_KEY",
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        extra_body: dict[str, Any] | None = None,
+        trust_env: bool = True,
+        name: str = "vlm_judge",
+    ) -> None:
+        check_choice("answer", answer, tuple(PARSERS))
+        if not base_url or not model:
+            raise ValueError(
+                f"scorer {name!r} needs params.base_url (e.g. http://localhost:8000) and "
+                f"params.model (the served model name), got {base_url!r} and {model!r}"
+            )
+        if max_concurrency < 1 or max_retries < 0 or timeout <= 0 or backoff < 0:
+            raise ValueError(
+                f"max_concurrency={max_concurrency} (>= 1), max_retries={max_retries} (>= 0), "
+                f"timeout={timeout} (> 0), backoff={backoff} (>= 0)"
+            )
+        self.template = template or TEMPLATES[answer]
+        try:
+            self.template.format(prompt="x")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"template {self.template!r} must be a format string whose only field is "
+                f"{{prompt}}: {e!r}"
+            ) from None
+        self.name = name
+        self.url = chat_url(base_url)
+        self.model = model
+        self.answer = answer
+        self.parse = PARSERS[answer]
+        self.system = system
+        self.max_concurrency = int(max_concurrency)
+        self.timeout = float(timeout)
+        self.max_retries = int(max_retries)
+        self.backoff = float(backoff)
+        self.max_backoff = float(max_backoff)
+        self.api_key_env = api_key_env
+        self.max_tokens = int(max_tokens)
+        self.temperature = float(temperature)
+        self.extra_body = dict(extra_body or {})
+        self.trust_env = trust_env
+
+    def request_body(self, image_url: str, prompt: str) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        if self.system:
+            messages.append({"role": "system", "content": self.system})
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url}},
+                    {"type": "text", "text": self.template.format(prompt=prompt)},
+                ],
+            }
+        )
+        return {
+            **self.extra_body,
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
+
+    def headers(self) -> dict[str, str]:
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def delay(self, attempt: int, retry_after: str | None) -> float:
+        """Exponential back-off with a little jitter; a server's ``Retry-After`` (seconds)
+        wins when it asks for longer. Capped at ``max_backoff``."""
+        wait = self.backoff * 2**attempt * (1.0 + 0.1 * random.random())
+        if retry_after is not None:
+            with contextlib.suppress(ValueError):  # an HTTP-date: keep our own schedule
+                wait = max(wait, float(retry_after))
+        return min(wait, self.max_backoff)
+
+    async def ask(self, client, sem: asyncio.Semaphore, body: dict[str, Any]) -> Outcome:
+        import httpx
+
+        error = "no attempt made"
+        async with sem:
+            for attempt in range(self.max_retries + 1):
+                retry_after = None
+                try:
+                    r = await client.post(self.url, json=body)
+                except httpx.TransportError as e:  # time-outs, refused or dropped connections
+                    error = f"{type(e).__name__}: {e}"
+                else:
+                    if r.status_code == 429 or r.status_code >= 500:
+                        error = f"HTTP {r.status_code}: {r.text[:200]}"
+                        retry_after = r.headers.get("retry-after")
+                    elif r.status_code >= 400:  # our request is wrong: retrying cannot help
+                        return Outcome(error=f"HTTP {r.status_code}: {r.text[:200]}")
+                    else:
+                        try:
+                            text = reply_text(r.json())
+                        except (ValueError, KeyError, IndexError, TypeError) as e:
+                            return Outcome(error=f"malformed response ({e!r}): {r.text[:200]}")
+                        return Outcome(value=self.parse(text), reply=text)
+                if attempt < self.max_retries:
+                    await asyncio.sleep(self.delay(attempt, retry_after))
+        return Outcome(error=f"{error} (after {self.max_retries + 1} attempts)")
+
+    async def score(self, traj: Trajectory) -> ScoreResult:
+        import httpx
+
+        images = traj.extra_fields["image"].cpu().numpy()  # (B, H, W, 3) uint8
+        urls = await asyncio.to_thread(lambda: [png_data_url(img) for img in images])
+        sem = asyncio.Semaphore(self.max_concurrency)
+        limits = httpx.Limits(max_connections=self.max_concurrency)
+        async with httpx.AsyncClient(
+            timeout=self.timeout, headers=self.headers(), limits=limits, trust_env=self.trust_env
+        ) as client:
+            outcomes = await asyncio.gather(
+                *(
+                    self.ask(client, sem, self.request_body(url, prompt))
+                    for url, prompt in zip(urls, traj.prompts.texts, strict=True)
+                )
+            )
+        return self.result(outcomes)
+
+    def result(self, outcomes: list[Outcome]) -> ScoreResult:
+        n = len(outcomes)
+        failed = [o for o in outcomes if o.error is not None]
+        if n and len(failed) == n:
+            raise RuntimeError(f"VLM judge at {self.url}: no sample got a reply: {failed[0].error}")
+        for o in failed[:3]:
+            log.warning("VLM judge: a sample is marked missing: %s", o.error)
+        unparsed = [o.reply for o in outcomes if o.error is None and o.value is None]
+        if unparsed:
+            log.warning(
+                "VLM judge: %d replies did not parse as %s, marked missing; e.g. %r",
+                len(unparsed),
+                self.answer,
+                unparsed[0][:100],
+            )
+        scores = torch.tensor(
+            [float("nan") if o.value is None else o.value for o in outcomes], dtype=torch.float32
+        )
+        return ScoreResult(
+            scores,
+            torch.isfinite(scores),
+            {"failed_frac": len(failed) / max(n, 1), "unparsed_frac": len(unparsed) / max(n, 1)},
+        )
