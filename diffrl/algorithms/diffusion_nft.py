@@ -45,6 +45,10 @@ class NFTConfig(AlgorithmConfig):
     # drop groups whose rewards are all equal (r = 1/2 for every member: no policy signal,
     # only the pull towards v_old); saves their forward/backward passes (DAPO-style filter)
     skip_uniform_groups: bool = False
+    # common random numbers: every member of a group is noised with the same (sigma, eps), so
+    # the noise in the regression target cancels in the advantage-weighted sum over the group;
+    # each sample's own (sigma, eps) keeps its distribution, so the gradient stays unbiased
+    shared_noise: bool = False
 
     def validate(self) -> None:
         check(self.beta > 0, "beta", self.beta, "must be > 0")
@@ -104,6 +108,22 @@ def informative_groups(rewards: Tensor, group: Tensor, valid: Tensor) -> Tensor:
     return (hi - lo > 1e-6)[group] & valid
 
 
+def training_noise(
+    batch: TrainBatch, cfg: NFTConfig, gen: torch.Generator, j: int
+) -> tuple[Tensor, Tensor]:
+    """(sigma (B,), eps (B, C, H, W)) for the j-th training timestep of each sample."""
+    x0 = batch.x0
+    if not cfg.shared_noise:
+        sigma = torch.empty(len(x0)).uniform_(cfg.sigma_min, cfg.sigma_max, generator=gen)
+        return sigma.to(x0), torch.randn(x0.shape, generator=gen).to(x0)
+    sig, eps = [], []
+    for key in batch.seeds.tolist():  # the group's key: identical draws for its members
+        g = torch.Generator().manual_seed((key * 31 + j) % (2**63 - 1))
+        sig.append(torch.empty(()).uniform_(cfg.sigma_min, cfg.sigma_max, generator=g))
+        eps.append(torch.randn(x0.shape[1:], generator=g))
+    return torch.stack(sig).to(x0), torch.stack(eps).to(x0)
+
+
 def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
     v_pos = beta * v_theta + (1 - beta) * v_old
     v_neg = (1 + beta) * v_old - beta * v_theta
@@ -127,9 +147,8 @@ def loss(
 ) -> tuple[Tensor, dict[str, float]]:
     x0, ids, r = batch.x0, batch.input_ids, batch.weights.to(batch.x0)
     total, metrics = x0.new_zeros(()), {"nft/r_mean": float(r.mean())}
-    for _ in range(cfg.timesteps_per_sample):
-        sigma = torch.empty(len(x0)).uniform_(cfg.sigma_min, cfg.sigma_max, generator=gen).to(x0)
-        eps = torch.randn(x0.shape, generator=gen).to(x0)
+    for j in range(cfg.timesteps_per_sample):
+        sigma, eps = training_noise(batch, cfg, gen, j)
         s = sigma.view(-1, 1, 1, 1)
         x = (1 - s) * x0 + s * eps
         v = eps - x0

@@ -19,7 +19,7 @@ from diffrl.config import Config, to_yaml
 from diffrl.controller.build import Parts, build
 from diffrl.controller.evaluate import evaluate, grid_pick
 from diffrl.controller.run_dir import RunDir
-from diffrl.reward.pool import reward_summary
+from diffrl.reward.pool import close_pool, reward_summary
 from diffrl.types import ScoredBatch
 
 
@@ -39,8 +39,9 @@ async def rollout_and_score(parts: Parts, step: int):
             extra.setdefault(k, []).append((v, len(s)))
     await producer
     batch = ScoredBatch.concat(scored)
-    metrics = {k: sum(v * n for v, n in vals) / sum(n for _, n in vals)
-               for k, vals in extra.items()}
+    metrics = {
+        k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
+    }
     return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
 
 
@@ -129,4 +130,5 @@ async def train(cfg: Config) -> Path:
             break
     run.save_curves()
     run.close()
+    await close_pool(parts.rewards)
     return run.root

@@ -27,6 +27,11 @@ class ScorerConfig:
     weight: float = 1.0
     required: bool = True  # failure stops training; else its samples are marked missing
     params: dict[str, Any] = field(default_factory=dict)  # passed to the scorer's constructor
+    label: str = ""  # name in metrics/logs; set it to use one scorer type twice (two servers)
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
 
     def validate(self) -> None:
         check(bool(self.name), "name", self.name, "a registered scorer name")
@@ -39,8 +44,13 @@ class RewardConfig:
 
     def validate(self) -> None:
         check(len(self.scorers) > 0, "scorers", self.scorers, "at least one scorer")
-        names = [s.name for s in self.scorers]
-        check(len(set(names)) == len(names), "scorers", names, "scorer names must be unique")
+        names = [s.key for s in self.scorers]
+        check(
+            len(set(names)) == len(names),
+            "scorers",
+            names,
+            "scorer names must be unique (give repeated scorers a distinct 'label')",
+        )
 
 
 class RewardFailure(DiffrlError):
@@ -78,8 +88,8 @@ class RewardPool:
             return result
         except Exception as e:
             if sc.required:
-                raise RewardFailure(f"required scorer {sc.name!r} failed: {e}") from e
-            log.warning("optional scorer %r failed, its samples are marked missing: %s", sc.name, e)
+                raise RewardFailure(f"required scorer {sc.key!r} failed: {e}") from e
+            log.warning("optional scorer %r failed, its samples are marked missing: %s", sc.key, e)
             return e
 
     async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]:
@@ -92,22 +102,32 @@ class RewardPool:
         for (sc, _), res in zip(self.scorers, results, strict=True):
             if isinstance(res, Exception):
                 scores, ok = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bool)
-                metrics[f"reward/{sc.name}/failed"] = 1.0
+                metrics[f"reward/{sc.key}/failed"] = 1.0
             else:
                 ok = res.valid & torch.isfinite(res.scores)
                 scores = torch.where(ok, res.scores, torch.full_like(res.scores, float("nan")))
                 for k, v in res.metrics.items():
-                    metrics[f"reward/{sc.name}/{k}"] = v
+                    metrics[f"reward/{sc.key}/{k}"] = v
             if sc.required and not bool(ok.all()):
                 raise RewardFailure(
-                    f"required scorer {sc.name!r} returned {int((~ok).sum())} missing/NaN scores"
+                    f"required scorer {sc.key!r} returned {int((~ok).sum())} missing/NaN scores"
                 )
-            per_scorer[sc.name] = scores
+            per_scorer[sc.key] = scores
             valid &= ok
             total += sc.weight * torch.nan_to_num(scores, nan=0.0)  # masked by `valid` below
         total = torch.where(valid, total, torch.full_like(total, float("nan")))
         scored = ScoredBatch(traj, total, per_scorer, valid)
         return scored, {**metrics, **reward_summary(scored)}
+
+
+async def close_pool(pool: RewardPool) -> None:
+    """Release scorers' resources (HTTP connection pools, models) at the end of a run."""
+    for _, scorer in pool.scorers:
+        close = getattr(scorer, "close", None)
+        if close is not None:
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
 
 
 def reward_summary(scored: ScoredBatch) -> dict[str, float]:

@@ -1,0 +1,72 @@
+"""A required scorer dying mid-run stops training with a clear error, and nothing is lost:
+the checkpoints written before the failure resume the run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from diffrl.config import load_config
+from diffrl.controller.sync import train
+from diffrl.reward.pool import RewardFailure
+from diffrl.reward.scorer import ScoreResult, register_scorer
+
+CALLS = {"n": 0}
+
+
+@register_scorer("dies_after_two_calls")
+class DiesAfterTwo:
+    """Stands in for a reward server that goes away after serving two steps."""
+
+    needs = frozenset({"image"})
+
+    def __init__(self) -> None:
+        self.name = "dies_after_two_calls"
+
+    async def score(self, traj):
+        CALLS["n"] += 1
+        if CALLS["n"] > 2:
+            raise ConnectionError("reward server at 127.0.0.1:9 refused the connection")
+        g = torch.Generator().manual_seed(CALLS["n"])
+        return ScoreResult(torch.rand(len(traj), generator=g), torch.ones(len(traj), dtype=bool))
+
+
+def config(tiny_checkpoint, out_dir, scorer: str, steps: int):
+    return load_config(
+        "recipes/shapes_nft.yaml",
+        [
+            f"reward.scorers=[{{name: {scorer}}}]",
+            f"model.checkpoint={tiny_checkpoint}",
+            f"run.steps={steps}",
+            "run.save_every=1",
+            "data.prompts_per_step=2",
+            "rollout.group_size=4",
+            "rollout.num_steps=2",
+            "rollout.eval_num_steps=2",
+            "data.eval_samples_per_prompt=1",
+            "model.probe=false",
+            f"run.out_dir={out_dir}",
+            "run.tensorboard=false",
+            "run.eval_every=100",
+        ],
+    )
+
+
+def test_required_scorer_failure_stops_and_resume_continues(tiny_checkpoint, tmp_path):
+    CALLS["n"] = 0
+    with pytest.raises(RewardFailure, match="refused the connection"):
+        asyncio.run(train(config(tiny_checkpoint, tmp_path, "dies_after_two_calls", 5)))
+    ckpts = tmp_path / "shapes_nft" / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_000002"  # both good steps were saved
+    # the server is back (here: the local verifier); the same run continues from step 2
+    asyncio.run(train(config(tiny_checkpoint, tmp_path, "shapes", 4)))
+    rows = [
+        json.loads(ln)
+        for ln in (tmp_path / "shapes_nft" / "metrics.jsonl").read_text().splitlines()
+    ]
+    trained = [r["step"] for r in rows if "actor/loss" in r]
+    assert trained == [1, 2, 3, 4]  # no step lost, none repeated
+    assert "reward/dies_after_two_calls/mean" in rows[1] and "reward/shapes/mean" in rows[-1]
