@@ -158,7 +158,9 @@ class ActorEngine:
         self.opt.zero_grad(set_to_none=True)
         n, metrics, total = len(batch), {}, 0.0
         for start in range(0, n, self.cfg.micro_batch):
-            mb = _slice(batch, start, start + self.cfg.micro_batch, self.device)
+            mb = _select(
+                batch, torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
+            )
             loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
             (loss * len(mb) / n).backward()
             total += float(loss.detach()) * len(mb) / n
@@ -234,9 +236,12 @@ class ActorEngine:
         self.nonfinite = int(state["nonfinite"])
 
 
-def _select(batch: TrainBatch, index: Tensor) -> TrainBatch:
+def _select(batch: TrainBatch, index: Tensor, device=None) -> TrainBatch:
+    """Rows ``index`` of a batch (optionally moved to ``device``); pairs are re-indexed as
+    consecutive (winner, loser) rows, which is how ``train_step`` orders them."""
+
     def pick(t):
-        return None if t is None else t[index]
+        return None if t is None else t[index].to(device or t.device)
 
     pairs = None if batch.pairs is None else torch.arange(len(index)).reshape(-1, 2)
     return TrainBatch(
@@ -250,22 +255,4 @@ def _select(batch: TrainBatch, index: Tensor) -> TrainBatch:
         log_probs=pick(batch.log_probs),
         sigmas=batch.sigmas,
         pairs=pairs,
-    )
-
-
-def _slice(batch: TrainBatch, a: int, b: int, device) -> TrainBatch:
-    def cut(t):
-        return None if t is None else t[a:b].to(device)
-
-    return TrainBatch(
-        input_ids=cut(batch.input_ids),
-        ids_hash=batch.ids_hash[a:b],
-        x0=cut(batch.x0),
-        weights=cut(batch.weights),
-        seeds=cut(batch.seeds),
-        group=cut(batch.group),
-        latents=cut(batch.latents),
-        log_probs=cut(batch.log_probs),
-        sigmas=batch.sigmas,
-        pairs=None,
     )

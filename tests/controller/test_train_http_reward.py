@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 import torch
+from reward_server import serve_reward_process
 from safetensors.torch import load_file
 
 from diffrl.config import load_config
@@ -22,48 +17,10 @@ from diffrl.controller.sync import train
 TOKEN = "test-token-123"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def reward_server():
-    port = _free_port()
-    env = {**os.environ, "DIFFRL_REWARD_TOKEN": TOKEN}
-    cmd = [
-        sys.executable,
-        "-m",
-        "diffrl.cli",
-        "serve-reward",
-        "--scorer",
-        "shapes",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "serve-reward did not start in 60 s"
-                time.sleep(0.2)
+    with serve_reward_process(TOKEN) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.stdout.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_default_recipe_trains_against_a_reward_server(

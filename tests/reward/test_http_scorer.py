@@ -5,17 +5,14 @@ missing fields) with the right status and a message that names the problem."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from reward_server import serve_reward_process
 
 from diffrl.cli import main
 from diffrl.config import load_config
@@ -282,34 +279,12 @@ def _free_port() -> int:
 
 def test_cli_serve_reward_smoke(monkeypatch) -> None:
     """The real command in a subprocess, with a scorer param and a token."""
-    port = _free_port()
-    env = {**os.environ, TOKEN_ENV: TOKEN}
-    cmd = [sys.executable, "-m", "diffrl.cli", "serve-reward", "--scorer", "shapes"]
-    cmd += ["--port", str(port), "--max-batch", "16", "--scorer-param", "mode=overall"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                health = httpx.get(f"{url}/health", headers=AUTH, timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "serve-reward did not start in 30s"
-                time.sleep(0.2)
+    with serve_reward_process(TOKEN, "--max-batch", "16", "--scorer-param", "mode=overall") as url:
+        health = httpx.get(f"{url}/health", headers=AUTH, timeout=5)
         assert health.json()["max_batch"] == 16
         monkeypatch.setenv(TOKEN_ENV, TOKEN)
         result = score_remote(HttpScorer(url), make_traj(4))
         assert result.scores.tolist() == [0.0, 1.0, 1.0, 0.0]  # mode=overall reached the scorer
-    finally:
-        proc.terminate()
-        proc.stdout.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_recipe_points_at_http_scorer() -> None:
