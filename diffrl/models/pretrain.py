@@ -35,6 +35,8 @@ from diffrl.models.tiny_dit import TinyDiT, TinyDiTConfig
 @dataclass(frozen=True)
 class PretrainConfig:
     steps: int = 6000  # the shipped base: 6000 x 256 on one H200 (~2.5 min)
+    schedule_steps: int = 12000  # length of the cosine LR schedule (0 = steps); the shipped
+    # base is the step-6000 point of a 12000-step schedule, deliberately stopped early
     batch: int = 256
     lr: float = 1e-3
     warmup: int = 200
@@ -153,7 +155,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.steps)
+        opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.schedule_steps or cfg.steps)
     )
     ema_params, params = list(ema.parameters()), list(model.parameters())
     bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers, cfg.caption_noise)
