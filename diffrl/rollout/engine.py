@@ -31,7 +31,7 @@ class RolloutConfig:
     noise_level: float = 0.7  # SDE a in s = a*sqrt(sigma/(1-sigma))
     shift: float = 1.0  # sigma-schedule time shift
     cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
-    max_batch: int = 128  # samples per forward (the scheduler's micro-batch)
+    max_batch: int = 32  # samples per forward; each micro-batch streams to the reward pool
     keep_latents: bool = False  # keep x at every step (GRPO/log-prob recompute need it)
     eval_num_steps: int = 10  # steps for held-out eval sampling (ODE)
 
