@@ -39,6 +39,9 @@ class RunConfig:
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
     max_minutes: float = 0.0  # stop (after a checkpoint) when the wall budget is spent; 0 = off
     tensorboard: bool = True
+    # start step k+1's rollout while step k's update runs, when the algorithm says the update
+    # cannot change the rollout's weights (e.g. NFT between old-policy refreshes): same results
+    prefetch: bool = True
 
     def validate(self) -> None:
         check(bool(self.name) and "/" not in self.name, "name", self.name, "a non-empty name")

@@ -179,6 +179,11 @@ def rollout_adapter(cfg: NFTConfig) -> str:
     return "old"  # as the reference implementation: sample with the old policy
 
 
+def changes_rollout(step: int, cfg: NFTConfig) -> bool:
+    """The rollout samples with ``old``, which only the schedule in ``after_step`` changes."""
+    return cfg.old_update == "ema" or step % cfg.old_every == 0
+
+
 def after_step(actor, step: int, cfg: NFTConfig) -> bool:
     """Refresh ``old`` (step counts from 1); True when the rollout's weights changed."""
     if cfg.old_update == "ema":
@@ -198,6 +203,7 @@ ALGORITHM = register_algorithm(
         loss=loss,
         rollout_adapter=rollout_adapter,
         after_step=after_step,
+        changes_rollout=changes_rollout,
         needs_logprobs=False,
     )
 )

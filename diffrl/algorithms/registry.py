@@ -6,6 +6,9 @@ An algorithm is a frozen config class plus pure functions:
   rollout_adapter(cfg) -> str                      which actor adapter the rollout samples with
   after_step(actor, step, cfg) -> bool             e.g. refresh the old policy; True = the
                                                    rollout's adapter changed (sync it)
+  changes_rollout(step, cfg) -> bool               will after_step(step) change the rollout's
+                                                   weights? If not, the controller may start
+                                                   the next rollout before this update ends
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Algorithm:
     rollout_adapter: Callable[[Any], str]
     after_step: Callable[[Any, int, Any], bool]
     needs_logprobs: bool = False
+    changes_rollout: Callable[[int, Any], bool] = lambda step, cfg: True
 
 
 _ALGORITHMS: dict[str, Algorithm] = {}

@@ -3,6 +3,10 @@
 Each step streams the rollout's micro-batches through a channel into the reward pool, so
 scoring of micro-batch i overlaps generation of micro-batch i+1; the update waits for the
 whole step's scores. Weights move to the rollout only through versioned, verified syncs.
+
+When the algorithm says update k cannot change the rollout's weights (DiffusionNFT between
+old-policy refreshes), step k+1's rollout and scoring start while update k runs: the samples
+are exactly those a strictly sequential loop would produce (same weights, same seeds).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from diffrl.config import Config, to_yaml
 from diffrl.controller.build import Parts, build
 from diffrl.controller.evaluate import evaluate, grid_pick
 from diffrl.controller.run_dir import RunDir
+from diffrl.errors import ContractError
 from diffrl.reward.pool import close_pool, reward_summary
 from diffrl.types import ScoredBatch
 
@@ -60,6 +65,15 @@ async def run_eval(parts: Parts, run: RunDir, step: int) -> dict[str, float]:
     return metrics
 
 
+def can_prefetch(parts: Parts, step: int) -> bool:
+    cfg = parts.cfg
+    return (
+        cfg.run.prefetch
+        and step + 1 < cfg.run.steps
+        and not parts.algorithm.changes_rollout(step + 1, cfg.algorithm)
+    )
+
+
 def sync_rollout(parts: Parts):
     adapter = parts.algorithm.rollout_adapter(parts.cfg.algorithm)
     return parts.rollout.load_weights(parts.actor.export_weights(adapter))
@@ -98,11 +112,20 @@ async def train(cfg: Config) -> Path:
         run.log(0, {**eval_m, "probe/cosine": parts.probe.cosine if parts.probe else float("nan")})
     bar = tqdm(range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train")
     t_rate = time.time()
+    prefetch = None  # step k+1's rollout, started early when update k cannot change its weights
     for step in bar:
-        scored, r_metrics = await rollout_and_score(parts, step)
+        scored, r_metrics = await (prefetch or rollout_and_score(parts, step))
         batch = parts.algorithm.prepare(scored, cfg.algorithm)
-        metrics = parts.actor.train_step(batch)
-        if parts.algorithm.after_step(parts.actor, step + 1, cfg.algorithm):
+        prefetch = None
+        if can_prefetch(parts, step):
+            prefetch = asyncio.create_task(rollout_and_score(parts, step + 1))
+        metrics = await asyncio.to_thread(parts.actor.train_step, batch)  # the loop drives the
+        if parts.algorithm.after_step(parts.actor, step + 1, cfg.algorithm):  # prefetch meanwhile
+            if prefetch is not None:
+                raise ContractError(
+                    f"{cfg.algorithm.name}: changes_rollout({step + 1}) said the "
+                    "rollout weights stay, but after_step changed them"
+                )
             metrics.update(sync_rollout(parts).as_metrics())
         samples += len(scored)
         done = step + 1
@@ -128,6 +151,8 @@ async def train(cfg: Config) -> Path:
             run.save_curves()
         if out_of_time:
             break
+    if prefetch is not None:  # stopped early: the prefetched step is simply not used
+        prefetch.cancel()
     run.save_curves()
     run.close()
     await close_pool(parts.rewards)
