@@ -6,13 +6,18 @@ unchanged: every sample of step k is generated with the same weights, and the up
 for all scores). This script measures generate+score wall time per step with and without
 that overlap, using the ShapesBench verifier behind an artificial per-call latency.
 
-Usage: python benchmarks/overlap.py [--latency 0.2] [--steps 3] [--max-batch 32]
+With ``--loop N`` it also times N whole training steps (rollout, scoring, NFT update) with
+and without cross-step prefetch: between old-policy refreshes the next step's rollout and
+scoring run while the current update trains.
+
+Usage: python benchmarks/overlap.py [--latency 0.2] [--steps 3] [--max-batch 32] [--loop 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 
 from diffrl.channel import Channel
@@ -45,9 +50,10 @@ async def sequential(parts, step: int):
 
 async def main(args) -> None:
     scorer = f"[{{name: slow_shapes, params: {{latency_s: {args.latency}}}}}]"
-    cfg = load_config("recipes/shapes_nft.yaml", [f"reward.scorers={scorer}",
-                                                   f"rollout.max_batch={args.max_batch}",
-                                                   "model.probe=false"])
+    cfg = load_config(
+        "recipes/shapes_nft.yaml",
+        [f"reward.scorers={scorer}", f"rollout.max_batch={args.max_batch}", "model.probe=false"],
+    )
     parts = build(cfg)
     sync_rollout(parts)
     await rollout_and_score(parts, 999)  # warm-up
@@ -59,9 +65,42 @@ async def main(args) -> None:
             times[name].append(time.perf_counter() - t)
     seq, ovl = (sum(times[k]) / len(times[k]) for k in ("sequential", "overlapped"))
     chunks = -(-cfg.data.prompts_per_step * cfg.rollout.group_size // args.max_batch)
-    print(f"latency {args.latency}s/call, {chunks} micro-batches of {args.max_batch}: "
-          f"sequential {seq:.2f}s/step, overlapped {ovl:.2f}s/step, saved {seq - ovl:.2f}s "
-          f"({100 * (seq - ovl) / seq:.0f}%)")
+    print(
+        f"latency {args.latency}s/call, {chunks} micro-batches of {args.max_batch}: "
+        f"sequential {seq:.2f}s/step, overlapped {ovl:.2f}s/step, saved {seq - ovl:.2f}s "
+        f"({100 * (seq - ovl) / seq:.0f}%)"
+    )
+
+
+def loop(args) -> None:
+    """Whole training steps, prefetch off vs on (fresh run directories each)."""
+    import tempfile
+
+    from diffrl.controller.sync import train
+
+    scorer = f"[{{name: slow_shapes, params: {{latency_s: {args.latency}}}}}]"
+    for prefetch in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(
+                "recipes/shapes_nft.yaml",
+                [
+                    f"reward.scorers={scorer}",
+                    f"rollout.max_batch={args.max_batch}",
+                    f"run.steps={args.loop}",
+                    "run.eval_every=1000",
+                    "run.save_every=1000",
+                    f"run.out_dir={tmp}",
+                    "run.tensorboard=false",
+                    f"run.prefetch={prefetch}",
+                ],
+            )
+            t = time.perf_counter()
+            asyncio.run(train(cfg))
+            per_step = (time.perf_counter() - t) / args.loop
+        print(
+            f"loop, prefetch={prefetch}: {per_step:.2f} s/step over {args.loop} steps "
+            f"(incl. start-up, base eval and final eval)"
+        )
 
 
 if __name__ == "__main__":
@@ -69,4 +108,8 @@ if __name__ == "__main__":
     p.add_argument("--latency", type=float, default=0.2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-batch", type=int, default=32)
-    asyncio.run(main(p.parse_args()))
+    p.add_argument("--loop", type=int, default=0, help="also time N whole training steps")
+    a = p.parse_args()
+    asyncio.run(main(a))
+    if a.loop:
+        loop(a)
