@@ -20,7 +20,7 @@ def test_default_recipe_loads_with_its_values() -> None:
     assert isinstance(cfg.algorithm, NFTConfig)
     # values the recipe sets (differ from the dataclass defaults where noted)
     assert cfg.run.name == "shapes_nft"
-    assert cfg.run.steps == 85
+    assert cfg.run.steps == 70
     assert cfg.run.save_every == 5  # dataclass default is 10
     assert cfg.model.checkpoint == "builtin:shapes_dit"
     assert cfg.data.prompts_per_step == 16
