@@ -165,6 +165,12 @@ def check_token_hashes(batch: TrainBatch, hash_fn) -> None:
         )
 
 
+def images_from_uint8(x: Tensor) -> Tensor:
+    """(B, H, W, C) uint8 -> (B, C, H, W) float in [-1, 1], the model's space (the inverse of
+    ``images_to_uint8`` up to rounding)."""
+    return x.permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
 def images_to_uint8(x: Tensor) -> Tensor:
     """(B, C, H, W) in [-1, 1] -> (B, H, W, C) uint8, the form scorers read."""
     return (

@@ -19,6 +19,7 @@ from diffrl.models.convention import ProbeReport, probe_convention
 from diffrl.models.registry import load_model, lora_targets
 from diffrl.reward.pool import RewardPool
 from diffrl.rollout.engine import RolloutEngine
+from diffrl.types import images_from_uint8
 
 
 @dataclass
@@ -54,8 +55,7 @@ def probe_data(tok: WordTokenizer, n: int = 16, seed: int = 0):
     """Renderer ground truth for the convention probe: x0 (n,3,H,W) in [-1,1] and ids."""
     rng = np.random.default_rng(seed)
     prompts = split_prompts("train")[:n]
-    imgs = np.stack([render(p, rng) for p in prompts])
-    x0 = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1
+    x0 = images_from_uint8(torch.from_numpy(np.stack([render(p, rng) for p in prompts])))
     return x0, tok.encode([p.text for p in prompts])
 
 
@@ -77,12 +77,9 @@ def build(cfg: Config) -> Parts:
         probe = probe_convention(base, x0.to(device, next(base.parameters()).dtype), ids.to(device))
     targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model.family))
     algorithm = get_algorithm(cfg.algorithm.name)
-    rollout = RolloutEngine(
-        base, cfg.rollout, _expanded_targets(base, targets), tok.null_id, device
-    )
-    evaluator = RolloutEngine(
-        base, cfg.rollout, _expanded_targets(base, targets), tok.null_id, device
-    )
+    rollout_targets = _expanded_targets(base, targets)
+    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
+    evaluator = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced={"image"})
     actor = ActorEngine(base, cfg.actor, targets, algorithm, cfg.algorithm, device, cfg.run.seed)

@@ -30,6 +30,7 @@ from diffrl.errors import ConfigError, check
 from diffrl.models.convention import VelocityModel
 from diffrl.models.registry import BUILTIN, ModelConfig, load_model, save_model
 from diffrl.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffrl.types import images_from_uint8
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,6 @@ def load_pretrain_config(overrides: list[str]) -> PretrainConfig:
     return cfg
 
 
-def render_batch(prompts, rng: np.random.Generator) -> torch.Tensor:
-    """-> (B, 3, H, W) float in [-1, 1]."""
-    imgs = np.stack([render(p, rng) for p in prompts])
-    return torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 127.5 - 1
-
-
 def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
     """LR multiplier: linear warm-up, then cosine decay to ``floor``."""
     if step < warmup:
@@ -121,7 +116,7 @@ def _render_many(args) -> np.ndarray:
 def render_bank(
     prompts, per_prompt: int, seed: int, workers: int, caption_noise: float = 0.0
 ) -> torch.Tensor:
-    """(len(prompts), per_prompt, 3, H, W) uint8 images for each caption, rendered in parallel
+    """(len(prompts), per_prompt, H, W, 3) uint8 images for each caption, rendered in parallel
     once so the training loop is not bound by the (CPU) renderer."""
     jobs = [(p, per_prompt, seed * 100_003 + i, caption_noise) for i, p in enumerate(prompts)]
     workers = workers or os.cpu_count() or 1
@@ -130,7 +125,7 @@ def render_bank(
             parts = list(pool.map(_render_many, jobs, chunksize=4))
     else:
         parts = [_render_many(j) for j in jobs]
-    return torch.from_numpy(np.stack(parts)).permute(0, 1, 4, 2, 3).contiguous()
+    return torch.from_numpy(np.stack(parts))
 
 
 def pretrain(cfg: PretrainConfig) -> Path:
@@ -166,7 +161,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
     for step in bar:
         idx = rng.integers(0, len(train), cfg.batch)
         pick = rng.integers(0, cfg.bank_per_prompt, cfg.batch)
-        x0 = (bank[idx, pick].float() / 127.5 - 1).to(device)
+        x0 = images_from_uint8(bank[idx, pick]).to(device)
         ids = train.input_ids[idx].clone()
         drop = torch.from_numpy(rng.random(cfg.batch) < cfg.text_dropout)
         ids[drop] = null
