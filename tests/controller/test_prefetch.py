@@ -6,30 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 
+from tiny_runs import tiny_run
+
 from diffrl.algorithms.diffusion_nft import NFTConfig, changes_rollout
 from diffrl.config import load_config
 from diffrl.controller.sync import train
 
 
 def run(tiny_checkpoint, out_dir, prefetch: bool) -> list[dict]:
-    cfg = load_config(
-        "recipes/shapes_nft.yaml",
-        [
-            f"model.checkpoint={tiny_checkpoint}",
-            "run.steps=4",
-            "data.prompts_per_step=2",
-            "rollout.group_size=4",
-            "rollout.num_steps=2",
-            "rollout.eval_num_steps=2",
-            "data.eval_samples_per_prompt=1",
-            "model.probe=false",
-            f"run.out_dir={out_dir}",
-            "run.tensorboard=false",
-            "run.eval_every=2",
-            f"run.prefetch={str(prefetch).lower()}",
-            "actor.lr=1e-2",
-        ],
-    )
+    extra = [
+        "rollout.num_steps=2",
+        "run.eval_every=2",
+        f"run.prefetch={str(prefetch).lower()}",
+        "actor.lr=1e-2",
+    ]
+    cfg = load_config("recipes/shapes_nft.yaml", tiny_run(tiny_checkpoint, out_dir, 4, *extra))
     root = asyncio.run(train(cfg))
     rows = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "time"} for r in rows]

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from tiny_runs import tiny_run
 
 from diffrl.config import load_config
 from diffrl.controller.sync import train
@@ -35,24 +36,13 @@ class DiesAfterTwo:
 
 
 def config(tiny_checkpoint, out_dir, scorer: str, steps: int):
-    return load_config(
-        "recipes/shapes_nft.yaml",
-        [
-            f"reward.scorers=[{{name: {scorer}}}]",
-            f"model.checkpoint={tiny_checkpoint}",
-            f"run.steps={steps}",
-            "run.save_every=1",
-            "data.prompts_per_step=2",
-            "rollout.group_size=4",
-            "rollout.num_steps=2",
-            "rollout.eval_num_steps=2",
-            "data.eval_samples_per_prompt=1",
-            "model.probe=false",
-            f"run.out_dir={out_dir}",
-            "run.tensorboard=false",
-            "run.eval_every=100",
-        ],
-    )
+    extra = [
+        f"reward.scorers=[{{name: {scorer}}}]",
+        "run.save_every=1",
+        "rollout.num_steps=2",
+        "run.eval_every=100",
+    ]
+    return load_config("recipes/shapes_nft.yaml", tiny_run(tiny_checkpoint, out_dir, steps, *extra))
 
 
 def test_required_scorer_failure_stops_and_resume_continues(tiny_checkpoint, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from reward_server import serve_reward_process
 from safetensors.torch import load_file
+from tiny_runs import tiny_run
 
 from diffrl.config import load_config
 from diffrl.controller.sync import train
@@ -28,23 +29,8 @@ def test_default_recipe_trains_against_a_reward_server(
 ):
     monkeypatch.setenv("DIFFRL_REWARD_TOKEN", TOKEN)
     scorers = f'[{{name: http, required: true, params: {{url: "{reward_server}"}}}}]'
-    cfg = load_config(
-        "recipes/shapes_nft.yaml",
-        [
-            f"reward.scorers={scorers}",
-            f"model.checkpoint={tiny_checkpoint}",
-            "run.steps=3",
-            "data.prompts_per_step=2",
-            "rollout.group_size=4",
-            "rollout.num_steps=3",
-            "rollout.eval_num_steps=2",
-            "data.eval_samples_per_prompt=1",
-            "model.probe=false",
-            f"run.out_dir={tmp_path}",
-            "run.tensorboard=false",
-            "actor.lr=1e-2",
-        ],
-    )
+    extra = [f"reward.scorers={scorers}", "rollout.num_steps=3", "actor.lr=1e-2"]
+    cfg = load_config("recipes/shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 3, *extra))
     root = asyncio.run(train(cfg))
     rows = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/http/mean" in r]
