@@ -110,11 +110,16 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(
         m_whole, m_parts = whole.train_step(batch), parts.train_step(batch)
         assert m_parts["actor/loss"] == pytest.approx(m_whole["actor/loss"], rel=1e-5)
         assert m_parts["actor/grad_norm"] == pytest.approx(m_whole["actor/grad_norm"], rel=1e-4)
+        # compare gradients, not post-Adam weights: Adam divides by sqrt(v), so float
+        # summation-order noise on a near-zero gradient element can move that weight by ~lr
+        for gp, gw in zip(parts.params, whole.params, strict=True):
+            scale = float(gw.grad.abs().max())
+            torch.testing.assert_close(gp.grad, gw.grad, rtol=1e-4, atol=1e-5 * scale)
     # metrics are sample-weighted means over micro-batches: (2*2 + 2*2 + 1*1) / 5
     assert m_parts["mse/n"] == pytest.approx(9 / 5)
     assert m_whole["mse/n"] == pytest.approx(5.0)
     for k, v in parts.adapter_tensors().items():
-        torch.testing.assert_close(v, whole.adapter_tensors()[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(v, whole.adapter_tensors()[k], rtol=1e-3, atol=1e-4)
 
 
 def test_update_old_copy_and_average(tiny_model, actor_factory, train_batch_factory) -> None:
