@@ -56,6 +56,17 @@ class PromptBatch:
 
 
 @dataclass(frozen=True)
+class StepSpec:
+    """How a trajectory's stochastic steps were taken; training recomputes log-probs with
+    exactly these settings (carried with the data, so they cannot drift apart)."""
+
+    kind: str  # "flow_grpo" | "cps" (see diffrl.rollout.samplers.STOCHASTIC_STEPS)
+    noise_level: float
+    cfg_scale: float  # classifier-free guidance used at every step (1 = off)
+    null_id: int  # token id of the empty prompt (for the unconditional branch of CFG)
+
+
+@dataclass(frozen=True)
 class Trajectory:
     """What the rollout engine produced for B = n_prompts * G samples."""
 
@@ -67,6 +78,8 @@ class Trajectory:
     policy_version: int  # version of the weights that sampled this trajectory
     latents: Tensor | None = None  # (B, T+1, C, H, W) x at each sigma (kept when asked)
     log_probs: Tensor | None = None  # (B, T) per-step Gaussian log-prob (SDE steps; 0 for ODE)
+    sde_mask: Tensor | None = None  # (T,) bool: steps taken stochastically (with log-probs)
+    step_spec: StepSpec | None = None  # how the stochastic steps were taken
     extra_fields: dict[str, Tensor] = field(default_factory=dict)  # media, e.g. "image"
 
     def __len__(self) -> int:
@@ -83,6 +96,12 @@ class Trajectory:
             return first
         if len({p.policy_version for p in parts}) != 1:
             raise ValueError("cannot concat trajectories sampled by different policy versions")
+        if len({p.step_spec for p in parts}) != 1 or any(
+            (p.sde_mask is None) != (first.sde_mask is None)
+            or (p.sde_mask is not None and not torch.equal(p.sde_mask, first.sde_mask))
+            for p in parts
+        ):
+            raise ValueError("cannot concat trajectories sampled with different SDE settings")
 
         def cat(get):
             vals = [get(p) for p in parts]
@@ -104,6 +123,8 @@ class Trajectory:
             policy_version=first.policy_version,
             latents=cat(lambda p: p.latents),
             log_probs=cat(lambda p: p.log_probs),
+            sde_mask=first.sde_mask,
+            step_spec=first.step_spec,
             extra_fields={
                 k: torch.cat([p.extra_fields[k] for p in parts]) for k in first.extra_fields
             },
@@ -149,6 +170,8 @@ class TrainBatch:
     log_probs: Tensor | None = None  # (B, T) rollout log-probs
     sigmas: Tensor | None = None  # (T+1,)
     pairs: Tensor | None = None  # (P, 2) int64 (winner, loser) row indices
+    sde_mask: Tensor | None = None  # (T,) bool, from the trajectory
+    step_spec: StepSpec | None = None  # from the trajectory
 
     def __len__(self) -> int:
         return self.x0.shape[0]

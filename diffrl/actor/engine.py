@@ -148,6 +148,10 @@ class ActorEngine:
             pair_parts = torch.randperm(n // 2, generator=self.gen).chunk(max(1, min(k, n // 2)))
             parts = [torch.stack([2 * p, 2 * p + 1], 1).flatten() for p in pair_parts if len(p)]
         totals: dict[str, float] = {}
+        if self.algorithm.diagnostics is not None:  # weights still those of the rollout
+            mb = _select(batch, torch.arange(min(n, self.cfg.micro_batch)), self.device)
+            with torch.no_grad():
+                totals.update(self.algorithm.diagnostics(self, mb, self.algo_cfg))
         for part in parts:
             m = self._optimizer_step(_select(batch, part))
             for k, v in m.items():
@@ -255,4 +259,6 @@ def _select(batch: TrainBatch, index: Tensor, device=None) -> TrainBatch:
         log_probs=pick(batch.log_probs),
         sigmas=batch.sigmas,
         pairs=pairs,
+        sde_mask=batch.sde_mask,
+        step_spec=batch.step_spec,
     )

@@ -11,6 +11,13 @@ Gaussian log-prob (mean over dimensions, the same function at rollout and traini
 with A the group-normalised, clipped advantage and KL_t = ||mu_theta - mu_ref||^2 / (2 std^2)
 (mean over dims) against the reference policy (adapters disabled). Trains on a fraction of
 the SDE steps (shuffled per sample or in order).
+
+The family, as rollout options (the loss reads what the trajectory recorded, so rollout and
+training cannot disagree): ``rollout.sde_step=cps`` (coefficients-preserving step, Wang et
+al., 2025), ``rollout.sde_window`` + ``sde_window_mode`` (Flow-GRPO-Fast / MixGRPO: SDE only in
+a window of k steps, ODE elsewhere, trained only there), ``rollout.shared_init_noise``
+(DanceGRPO: one initial noise per group), ``rollout.cfg_scale`` (CFG in rollout and in the
+recomputed log-probs alike).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torch import Tensor
 from diffrl.algorithms.advantage import group_advantages
 from diffrl.algorithms.registry import Algorithm, AlgorithmConfig, Policy, register_algorithm
 from diffrl.errors import check, check_choice
-from diffrl.rollout.samplers import sde_step_with_logprob
+from diffrl.rollout.samplers import STOCHASTIC_STEPS, guided_velocity
 from diffrl.types import ScoredBatch, TrainBatch
 
 
@@ -36,7 +43,6 @@ class GRPOConfig(AlgorithmConfig):
     kl_coef: float = 0.04  # beta of the KL to the reference policy
     timestep_fraction: float = 0.6  # fraction of SDE steps trained per sample
     timestep_order: str = "shuffled"  # shuffled (per sample) | ordered (first steps first)
-    noise_level: float = 0.7  # must equal rollout.noise_level (checked at start-up)
 
     def validate(self) -> None:
         check(self.clip_range > 0, "clip_range", self.clip_range, "must be > 0")
@@ -49,15 +55,14 @@ class GRPOConfig(AlgorithmConfig):
             "must be in (0, 1]",
         )
         check_choice("timestep_order", self.timestep_order, ("shuffled", "ordered"))
-        check(self.noise_level > 0, "noise_level", self.noise_level, "must be > 0")
 
 
 def prepare(scored: ScoredBatch, cfg: GRPOConfig) -> TrainBatch:
     traj = scored.traj
-    if traj.latents is None or traj.log_probs is None:
+    if traj.latents is None or traj.sde_mask is None or not traj.sde_mask.any():
         raise ValueError(
-            "flow_grpo needs trajectories with latents and log-probs: set "
-            "rollout.sampler=sde and rollout.keep_latents=true"
+            "flow_grpo needs stochastic trajectories with latents: set rollout.sampler=sde, "
+            "rollout.noise_level > 0 and rollout.keep_latents=true"
         )
     adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
     adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
@@ -73,15 +78,19 @@ def prepare(scored: ScoredBatch, cfg: GRPOConfig) -> TrainBatch:
         latents=traj.latents[keep],
         log_probs=traj.log_probs[keep],
         sigmas=traj.sigmas,
+        sde_mask=traj.sde_mask,
+        step_spec=traj.step_spec,
     )
 
 
-def train_steps(n_sde: int, batch: int, cfg: GRPOConfig, gen: torch.Generator) -> Tensor:
-    """(batch, k) indices of the SDE steps each sample trains on."""
+def train_steps(sde_steps: Tensor, batch: int, cfg: GRPOConfig, gen: torch.Generator) -> Tensor:
+    """(batch, k) indices of the SDE steps each sample trains on, drawn from ``sde_steps`` (the
+    trajectory's stochastic steps, in order): a ``timestep_fraction`` of them."""
+    n_sde = len(sde_steps)
     k = max(1, round(cfg.timestep_fraction * n_sde))
     if cfg.timestep_order == "ordered":
-        return torch.arange(k).expand(batch, k)
-    return torch.stack([torch.randperm(n_sde, generator=gen)[:k] for _ in range(batch)])
+        return sde_steps[:k].expand(batch, k)
+    return torch.stack([sde_steps[torch.randperm(n_sde, generator=gen)[:k]] for _ in range(batch)])
 
 
 def clipped_objective(ratio: Tensor, adv: Tensor, clip_range: float) -> Tensor:
@@ -94,16 +103,20 @@ def step_logprob(
     batch: TrainBatch,
     rows: Tensor,
     j: Tensor,
-    cfg: GRPOConfig,
     adapter: str | None = "default",
 ):
-    """Log-prob of the stored x_{j+1} given x_j under ``adapter``: (logp (b,), mean, std)."""
-    sig, x = batch.sigmas.to(batch.x0), batch.latents
+    """Log-prob of the stored x_{j+1} given x_j under ``adapter``, with the step kind, noise
+    level and CFG scale the rollout recorded: (logp (b,), mean, std)."""
+    spec, sig, x = batch.step_spec, batch.sigmas.to(batch.x0), batch.latents
     x_t, x_next = x[rows, j], x[rows, j + 1]
     sigma, sigma_next = sig[j], sig[j + 1]
-    v = policy.velocity(x_t, sigma, batch.input_ids[rows], adapter=adapter)
-    _, logp, mean, std = sde_step_with_logprob(
-        x_t, v, sigma, sigma_next, cfg.noise_level, float(sig[1]), x_next=x_next
+
+    def velocity(x_, s_, ids_):
+        return policy.velocity(x_, s_, ids_, adapter=adapter)
+
+    v = guided_velocity(velocity, x_t, sigma, batch.input_ids[rows], spec.cfg_scale, spec.null_id)
+    _, logp, mean, std = STOCHASTIC_STEPS[spec.kind](
+        x_t, v, sigma, sigma_next, spec.noise_level, float(sig[1]), x_next=x_next
     )
     return logp, mean, std
 
@@ -111,19 +124,19 @@ def step_logprob(
 def loss(
     policy: Policy, batch: TrainBatch, cfg: GRPOConfig, gen: torch.Generator
 ) -> tuple[Tensor, dict[str, float]]:
-    n, n_sde = len(batch), batch.log_probs.shape[1] - 1  # the last step is deterministic
-    steps = train_steps(n_sde, n, cfg, gen).to(batch.x0.device)  # (n, k)
+    n, sde_steps = len(batch), batch.sde_mask.nonzero().squeeze(1)
+    steps = train_steps(sde_steps, n, cfg, gen).to(batch.x0.device)  # (n, k)
     rows = torch.arange(n, device=batch.x0.device)
     total = batch.x0.new_zeros(())
     m = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
     for c in range(steps.shape[1]):
         j = steps[:, c]
-        logp, mean, std = step_logprob(policy, batch, rows, j, cfg)
+        logp, mean, std = step_logprob(policy, batch, rows, j)
         ratio = torch.exp(logp - batch.log_probs[rows, j])
         step_loss = clipped_objective(ratio, batch.weights, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
             with torch.no_grad():
-                _, mean_ref, _ = step_logprob(policy, batch, rows, j, cfg, adapter=None)
+                _, mean_ref, _ = step_logprob(policy, batch, rows, j, adapter=None)
             std_b = std.view(-1, *([1] * (mean.ndim - 1)))
             kl = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1).mean(1).mean()
             step_loss = step_loss + cfg.kl_coef * kl
@@ -135,6 +148,18 @@ def loss(
         )
         m["grpo/ratio_dev"] += float((r - 1).abs().mean()) / steps.shape[1]
     return total, m
+
+
+@torch.no_grad()
+def consistency(policy: Policy, batch: TrainBatch, cfg: GRPOConfig) -> dict[str, float]:
+    """Before any update (same weights as the rollout): recompute the log-prob of the first
+    trained SDE step and compare with the rollout's. ~0 in fp32; a large value means rollout
+    and training disagree (sampler settings, weights not synced, non-determinism)."""
+    j0 = int(batch.sde_mask.nonzero()[0])
+    rows = torch.arange(len(batch), device=batch.x0.device)
+    logp, _, _ = step_logprob(policy, batch, rows, torch.full_like(rows, j0))
+    diff = (logp - batch.log_probs[:, j0].to(logp)).abs()
+    return {"grpo/logp_diff_max": float(diff.max()), "grpo/logp_diff_mean": float(diff.mean())}
 
 
 def rollout_adapter(cfg: GRPOConfig) -> str:
@@ -154,5 +179,6 @@ ALGORITHM = register_algorithm(
         rollout_adapter=rollout_adapter,
         after_step=after_step,
         needs_logprobs=True,
+        diagnostics=consistency,
     )
 )

@@ -9,6 +9,7 @@ An algorithm is a frozen config class plus pure functions:
   changes_rollout(step, cfg) -> bool               will after_step(step) change the rollout's
                                                    weights? If not, the controller may start
                                                    the next rollout before this update ends
+  diagnostics(policy, batch, cfg) -> metrics       optional, before the update (no grad)
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Algorithm:
     after_step: Callable[[Any, int, Any], bool]
     needs_logprobs: bool = False
     changes_rollout: Callable[[int, Any], bool] = lambda step, cfg: True
+    # diagnostics(policy, batch, cfg) -> metrics, run by the actor (no grad) before the
+    # update, with the weights the rollout used (e.g. FlowGRPO's log-prob consistency)
+    diagnostics: Callable[[Policy, TrainBatch, Any], dict[str, float]] | None = None
 
 
 _ALGORITHMS: dict[str, Algorithm] = {}

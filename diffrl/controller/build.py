@@ -77,6 +77,7 @@ def build(cfg: Config) -> Parts:
         probe = probe_convention(base, x0.to(device, next(base.parameters()).dtype), ids.to(device))
     targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model.family))
     algorithm = get_algorithm(cfg.algorithm.name)
+    check_rollout_for(algorithm, cfg)
     rollout_targets = _expanded_targets(base, targets)
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
     evaluator = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
@@ -86,6 +87,24 @@ def build(cfg: Config) -> Parts:
     return Parts(
         cfg, device, tok, source, eval_set, rollout, evaluator, rewards, actor, algorithm, probe
     )
+
+
+def check_rollout_for(algorithm: Algorithm, cfg: Config) -> None:
+    """An algorithm that trains on per-step log-probs needs stochastic, kept trajectories."""
+    if not algorithm.needs_logprobs:
+        return
+    r, name = cfg.rollout, algorithm.name
+    for key, ok, want in (
+        ("rollout.sampler", r.sampler == "sde", "sde"),
+        ("rollout.keep_latents", r.keep_latents, "true"),
+        ("rollout.noise_level", r.noise_level > 0, "> 0"),
+    ):
+        if not ok:
+            value = getattr(r, key.split(".")[1])
+            raise ConfigError(
+                f"config key '{key}' = {value!r}: {name} trains on per-step log-probs of "
+                f"stochastic trajectories; set {key}={want}"
+            )
 
 
 def _expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:

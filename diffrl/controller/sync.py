@@ -33,7 +33,10 @@ async def rollout_and_score(parts: Parts, step: int):
     channel = Channel(capacity=2)
     producer = asyncio.create_task(
         parts.rollout.stream(
-            parts.prompts.at(step), seed=parts.cfg.run.seed * 1_000_003 + step, channel=channel
+            parts.prompts.at(step),
+            seed=parts.cfg.run.seed * 1_000_003 + step,
+            channel=channel,
+            iteration=step,
         )
     )
     scored, extra = [], {}

@@ -18,9 +18,15 @@ from torch import Tensor
 from diffrl.channel import Channel
 from diffrl.errors import check, check_choice
 from diffrl.models.convention import VelocityModel
-from diffrl.rollout.samplers import euler_step, sde_step_with_logprob, sigma_schedule
+from diffrl.rollout.samplers import (
+    STOCHASTIC_STEPS,
+    euler_step,
+    guided_velocity,
+    sde_window,
+    sigma_schedule,
+)
 from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncError, SyncReport, WeightUpdate
-from diffrl.types import PromptBatch, Trajectory, images_to_uint8
+from diffrl.types import PromptBatch, StepSpec, Trajectory, images_to_uint8
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,15 @@ class RolloutConfig:
     group_size: int = 8  # G samples per prompt
     num_steps: int = 10  # sampler steps T
     sampler: str = "ode"  # ode (Euler) | sde (FlowGRPO step with log-probs)
-    noise_level: float = 0.7  # SDE a in s = a*sqrt(sigma/(1-sigma))
+    noise_level: float = 0.7  # flow_grpo: a in s = a*sqrt(sigma/(1-sigma)); cps: eta in [0,1]
+    sde_step: str = "flow_grpo"  # flow_grpo (FlowGRPO's SDE) | cps (coefficients-preserving)
+    # SDE window (Flow-GRPO-Fast / MixGRPO): only `sde_window` consecutive steps are stochastic
+    # (and trained), the rest are ODE; 0 = every step but the last
+    sde_window: int = 0
+    sde_window_mode: str = "fixed"  # fixed | random (per iteration) | sliding (over iterations)
+    sde_window_start: int = 0  # fixed: first SDE step; sliding: where the window starts
+    sde_window_every: int = 1  # sliding: iterations between one-step moves of the window
+    shared_init_noise: bool = False  # DanceGRPO: a group's samples start from the same noise
     shift: float = 1.0  # sigma-schedule time shift
     cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
     max_batch: int = 32  # samples per forward; each micro-batch streams to the reward pool
@@ -40,6 +54,18 @@ class RolloutConfig:
         check(self.num_steps >= 1, "num_steps", self.num_steps, "must be >= 1")
         check_choice("sampler", self.sampler, ("ode", "sde"))
         check(self.noise_level >= 0, "noise_level", self.noise_level, "must be >= 0")
+        check_choice("sde_step", self.sde_step, tuple(STOCHASTIC_STEPS))
+        if self.sde_step == "cps":
+            check(self.noise_level <= 1, "noise_level", self.noise_level, "cps needs eta <= 1")
+        check(
+            0 <= self.sde_window < max(self.num_steps, 2),
+            "sde_window",
+            self.sde_window,
+            f"must be in [0, num_steps - 1 = {self.num_steps - 1}] (0 = every step)",
+        )
+        check_choice("sde_window_mode", self.sde_window_mode, ("fixed", "random", "sliding"))
+        check(self.sde_window_start >= 0, "sde_window_start", self.sde_window_start, ">= 0")
+        check(self.sde_window_every >= 1, "sde_window_every", self.sde_window_every, ">= 1")
         check(self.shift > 0, "shift", self.shift, "must be > 0")
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
         check(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
@@ -91,6 +117,7 @@ class RolloutEngine:
         group_size: int | None = None,
         sampler: str | None = None,
         num_steps: int | None = None,
+        iteration: int = 0,
     ) -> None:
         """Produces one ``Trajectory`` per micro-batch of whole groups into ``channel`` as
         each finishes (so scoring overlaps generation), then closes the channel. Waits only
@@ -98,6 +125,9 @@ class RolloutEngine:
         g = group_size or self.cfg.group_size
         per = max(1, self.cfg.max_batch // g)  # prompts per micro-batch
         seeds = sample_seeds(seed, len(prompts) * g)
+        mask = self.sde_mask(
+            sampler or self.cfg.sampler, num_steps or self.cfg.num_steps, iteration, seed
+        )
         try:
             for k in range(0, len(prompts), per):
                 sub = prompts.select(torch.arange(k, min(k + per, len(prompts))))
@@ -107,8 +137,7 @@ class RolloutEngine:
                     seeds[k * g : (k + len(sub)) * g],
                     g,
                     k,
-                    sampler or self.cfg.sampler,
-                    num_steps or self.cfg.num_steps,
+                    mask,
                 )
                 await channel.put(traj, traj.policy_version)
         finally:
@@ -122,19 +151,28 @@ class RolloutEngine:
         await producer
         return Trajectory.concat(parts)
 
+    def sde_mask(self, sampler: str, num_steps: int, iteration: int, seed: int) -> Tensor:
+        """(T,) bool: the steps this rollout takes stochastically (none for the ODE sampler)."""
+        if sampler == "ode" or self.cfg.noise_level == 0:
+            return torch.zeros(num_steps, dtype=torch.bool)
+        c = self.cfg
+        return sde_window(
+            num_steps,
+            c.sde_window,
+            c.sde_window_mode,
+            c.sde_window_start,
+            c.sde_window_every,
+            iteration,
+            seed,
+        )
+
     @torch.no_grad()
     def _generate(
-        self,
-        prompts: PromptBatch,
-        seeds: Tensor,
-        g: int,
-        group_offset: int,
-        sampler: str,
-        num_steps: int,
+        self, prompts: PromptBatch, seeds: Tensor, g: int, group_offset: int, mask: Tensor
     ) -> Trajectory:
         batch = prompts.repeat(g)
-        sigmas = sigma_schedule(num_steps, self.cfg.shift)
-        x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, sampler)
+        sigmas = sigma_schedule(len(mask), self.cfg.shift)
+        x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, mask, g)
         group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
         return Trajectory(
             prompts=batch,
@@ -145,35 +183,35 @@ class RolloutEngine:
             policy_version=self.version,
             latents=latents.cpu() if self.cfg.keep_latents else None,
             log_probs=log_probs.cpu(),
+            sde_mask=mask,
+            step_spec=StepSpec(
+                self.cfg.sde_step, self.cfg.noise_level, self.cfg.cfg_scale, self.null_id
+            ),
             extra_fields={"image": images_to_uint8(x0.cpu())},
         )
 
     def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor) -> Tensor:
-        if self.cfg.cfg_scale == 1.0:
-            return self.model(x, sigma, ids)
-        null = torch.zeros_like(ids)
-        null[:, 0] = self.null_id
-        v_c, v_u = self.model(
-            torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([ids, null])
-        ).chunk(2)
-        return v_u + self.cfg.cfg_scale * (v_c - v_u)
+        return guided_velocity(self.model, x, sigma, ids, self.cfg.cfg_scale, self.null_id)
 
-    def _sample(self, ids: Tensor, seeds: Tensor, sigmas: Tensor, sampler: str):
+    def _sample(self, ids: Tensor, seeds: Tensor, sigmas: Tensor, mask: Tensor, g: int):
         """One micro-batch: returns x0 (b,C,H,W), latents (b,T+1,C,H,W), log_probs (b,T)."""
         net = self.model.net
         shape = (net.cfg.channels, net.cfg.image_size, net.cfg.image_size)
         t_steps = len(sigmas) - 1
         dtype = next(self.model.parameters()).dtype
-        # the initial noise and every SDE step's noise come from the sample's own seed
+        # the initial noise and every SDE step's noise come from the sample's own seed; with
+        # shared_init_noise a group starts from its first member's initial noise
         noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
-        x, ids = noise[:, 0], ids.to(self.device)
+        first = torch.arange(len(seeds)) // g * g if self.cfg.shared_init_noise else slice(None)
+        x, ids = noise[first, 0], ids.to(self.device)
+        step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs = [x], []
         for i in range(t_steps):
             sigma = sigmas[i].expand(x.shape[0]).to(self.device, dtype)
             sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
             v = self.velocity(x, sigma, ids)
-            if sampler == "sde" and self.cfg.noise_level > 0 and i < t_steps - 1:
-                x, lp, _, _ = sde_step_with_logprob(
+            if mask[i]:
+                x, lp, _, _ = step_fn(
                     x,
                     v,
                     sigma,
@@ -182,7 +220,7 @@ class RolloutEngine:
                     float(sigmas[1]),
                     noise=noise[:, i + 1],
                 )
-            else:  # the last step to sigma=0 is deterministic (the SDE std there is 0)
+            else:  # ODE steps, and always the last step to sigma=0 (its SDE std is 0)
                 x, lp = (
                     euler_step(x, v, sigma, sigma_next),
                     torch.zeros(x.shape[0], device=x.device),

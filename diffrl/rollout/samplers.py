@@ -7,6 +7,7 @@ A step moves x from ``sigma`` to ``sigma_next < sigma`` (so d_sigma = sigma_next
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -74,3 +75,87 @@ def sde_step_with_logprob(
             raise ValueError("sde_step_with_logprob needs noise (to sample) or x_next (to score)")
         x_next = mean + _bcast(std, x) * noise
     return x_next, gaussian_log_prob(x_next, mean, std), mean, std
+
+
+def cps_step_with_logprob(
+    x: Tensor,
+    v: Tensor,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    noise_level: float,
+    sigma_cap: float = 0.0,
+    noise: Tensor | None = None,
+    x_next: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Coefficients-preserving sampling (Wang et al., 2025, "Coefficients-Preserving Sampling
+    for Reinforcement Learning with Flow Matching"): with the model's own estimates
+    x0_hat = x - sigma v and eps_hat = x + (1 - sigma) v, and eta = ``noise_level`` in [0, 1],
+
+        x' = (1 - sigma') x0_hat + sigma' [cos(eta pi/2) eps_hat + sin(eta pi/2) eps]
+
+    so x' keeps the coefficients (1 - sigma', sigma') of the forward process exactly (the total
+    noise variance stays sigma'^2) instead of adding excess noise. Mean (1 - sigma') x0_hat +
+    sigma' cos(eta pi/2) eps_hat, std sigma' sin(eta pi/2); eta = 0 is the Euler step.
+    ``sigma_cap`` is unused (no singularity at sigma=1); same signature as the FlowGRPO step."""
+    sig, sig_n = _bcast(sigma, x), _bcast(sigma_next, x)
+    x0_hat, eps_hat = x - sig * v, x + (1 - sig) * v
+    angle = 0.5 * math.pi * noise_level
+    mean = (1 - sig_n) * x0_hat + sig_n * math.cos(angle) * eps_hat
+    std = torch.as_tensor(sigma_next).to(x) * math.sin(angle)
+    if x_next is None:
+        if noise is None:
+            raise ValueError("cps_step_with_logprob needs noise (to sample) or x_next (to score)")
+        x_next = mean + _bcast(std, x) * noise
+    return x_next, gaussian_log_prob(x_next, mean, std), mean, std
+
+
+# The stochastic steps a rollout may use; each returns (x_next, log_prob, mean, std).
+STOCHASTIC_STEPS = {"flow_grpo": sde_step_with_logprob, "cps": cps_step_with_logprob}
+
+
+def sde_window(
+    num_steps: int, size: int, mode: str, start: int, every: int, iteration: int, seed: int
+) -> Tensor:
+    """(T,) bool: which of the T sampler steps are stochastic (the rest are Euler/ODE).
+
+    The last step (to sigma=0) is always deterministic, so at most T-1 steps are SDE. ``size``
+    0 means every one of them (plain FlowGRPO). Otherwise a window of ``size`` consecutive
+    steps (Flow-GRPO-Fast / MixGRPO): ``fixed`` at ``start``; ``random``, drawn per iteration
+    from ``seed``; ``sliding``, starting at ``start`` and moving one step later every ``every``
+    iterations, wrapping around."""
+    n_sde = max(num_steps - 1, 0)
+    mask = torch.zeros(num_steps, dtype=torch.bool)
+    if size == 0 or size >= n_sde:
+        mask[:n_sde] = True
+        return mask
+    span = n_sde - size + 1  # possible window starts
+    if mode == "fixed":
+        lo = min(start, span - 1)
+    elif mode == "random":
+        lo = int(torch.randint(span, (1,), generator=torch.Generator().manual_seed(seed)))
+    elif mode == "sliding":
+        lo = (start + iteration // every) % span
+    else:
+        raise ValueError(f"unknown SDE window mode {mode!r}; expected fixed, random or sliding")
+    mask[lo : lo + size] = True
+    return mask
+
+
+def guided_velocity(
+    velocity: Callable[[Tensor, Tensor, Tensor], Tensor],
+    x: Tensor,
+    sigma: Tensor,
+    ids: Tensor,
+    scale: float,
+    null_id: int,
+) -> Tensor:
+    """Classifier-free guidance v_u + scale (v_c - v_u), the unconditional branch on the empty
+    prompt (``null_id`` then padding), both branches in one batched call; scale 1 = one call."""
+    if scale == 1.0:
+        return velocity(x, sigma, ids)
+    null = torch.zeros_like(ids)
+    null[:, 0] = null_id
+    v_c, v_u = velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([ids, null])).chunk(
+        2
+    )
+    return v_u + scale * (v_c - v_u)

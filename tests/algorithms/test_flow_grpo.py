@@ -1,10 +1,24 @@
 """FlowGRPO: the clipped objective, step selection, and rollout/training log-prob parity."""
 
+import asyncio
+
+import pytest
 import torch
 
-from diffrl.algorithms.flow_grpo import GRPOConfig, clipped_objective, loss, train_steps
+from diffrl.algorithms.flow_grpo import (
+    GRPOConfig,
+    clipped_objective,
+    consistency,
+    loss,
+    prepare,
+    train_steps,
+)
+from diffrl.algorithms.registry import get_algorithm
+from diffrl.data.prompts import PromptSet
+from diffrl.data.shapes import split_prompts
+from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.rollout.samplers import sde_step_with_logprob, sigma_schedule
-from diffrl.types import TrainBatch
+from diffrl.types import ScoredBatch, StepSpec, TrainBatch
 
 
 def test_clipped_objective_gradient_vanishes_outside_clip_range():
@@ -20,11 +34,16 @@ def test_clipped_objective_gradient_vanishes_outside_clip_range():
 def test_train_steps_fraction_and_order():
     gen = torch.Generator().manual_seed(0)
     cfg = GRPOConfig(timestep_fraction=0.5)
-    idx = train_steps(8, 3, cfg, gen)
+    idx = train_steps(torch.arange(8), 3, cfg, gen)
     assert idx.shape == (3, 4)
     assert all(len(set(row.tolist())) == 4 for row in idx)  # distinct steps per sample
-    ordered = train_steps(8, 2, GRPOConfig(timestep_fraction=0.5, timestep_order="ordered"), gen)
-    assert ordered.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    ordered = GRPOConfig(timestep_fraction=0.5, timestep_order="ordered")
+    assert train_steps(torch.arange(8), 2, ordered, gen).tolist() == [[0, 1, 2, 3]] * 2
+    # an SDE window: only its steps are ever trained
+    window = torch.tensor([3, 4, 5])
+    idx = train_steps(window, 50, GRPOConfig(timestep_fraction=1.0), gen)
+    assert set(idx.flatten().tolist()) == {3, 4, 5}
+    assert train_steps(window, 1, ordered, gen).tolist() == [[3, 4]]
 
 
 class LinearPolicy:
@@ -67,6 +86,8 @@ def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
         latents=lat,
         log_probs=lps,
         sigmas=sig,
+        sde_mask=torch.ones(lps.shape[1], dtype=torch.bool),
+        step_spec=StepSpec("flow_grpo", 0.7, 1.0, 1),
     )
     cfg = GRPOConfig(timestep_fraction=1.0, kl_coef=0.0, clip_range=0.2)
     value, metrics = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
@@ -88,9 +109,82 @@ def test_kl_term_is_zero_against_itself_and_positive_otherwise():
         latents=lat,
         log_probs=lps,
         sigmas=sig,
+        sde_mask=torch.ones(lps.shape[1], dtype=torch.bool),
+        step_spec=StepSpec("flow_grpo", 0.7, 1.0, 1),
     )
     cfg = GRPOConfig(timestep_fraction=1.0, kl_coef=1.0)
     _, m = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
     assert m["grpo/kl"] < 1e-10
     _, m = loss(LinearPolicy(0.8), batch, cfg, torch.Generator().manual_seed(0))
     assert m["grpo/kl"] > 1e-4
+
+
+def _engine_batch(model, tok, rollout: RolloutConfig, rewards=None):
+    """A real SDE rollout of 3 prompts x 4, prepared for FlowGRPO."""
+    engine = RolloutEngine(model, rollout, [], tok.null_id, torch.device("cpu"))
+    prompts = PromptSet(split_prompts("train")[:3], tok).all()
+    traj = asyncio.run(engine.generate(prompts, seed=5, iteration=0))
+    n = len(traj)
+    rewards = torch.linspace(0, 1, n) if rewards is None else rewards
+    scored = ScoredBatch(traj, rewards, {"r": rewards}, torch.ones(n, dtype=torch.bool))
+    return traj, prepare(scored, GRPOConfig())
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"sde_step": "cps", "noise_level": 0.5},
+        {"cfg_scale": 2.5, "sde_window": 3, "sde_window_start": 2},
+    ],
+    ids=["flow_grpo", "cps", "cfg+window"],
+)
+def test_rollout_and_training_log_probs_agree(tiny_model, tok, actor_factory, kw) -> None:
+    """The consistency metric: training recomputes the rollout's log-probs exactly (fp32)."""
+    rollout = RolloutConfig(group_size=4, num_steps=6, sampler="sde", keep_latents=True, **kw)
+    actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=GRPOConfig())
+    traj, batch = _engine_batch(tiny_model, tok, rollout)
+    m = consistency(actor, batch, GRPOConfig())
+    assert m["grpo/logp_diff_max"] < 1e-6 and m["grpo/logp_diff_mean"] < 1e-6
+    # and the actor reports it before its first update
+    assert actor.train_step(batch)["grpo/logp_diff_max"] < 1e-6
+    # weights that differ from the rollout's show up (log-probs are means over dimensions,
+    # so the numbers are small: ~5e-5 for this perturbation)
+    with torch.no_grad():
+        for layer in actor.layers.values():
+            layer.lora_B["default"].weight.normal_(
+                0.0, 0.05, generator=torch.Generator().manual_seed(0)
+            )
+    assert consistency(actor, batch, GRPOConfig())["grpo/logp_diff_max"] > 1e-5
+
+
+def test_window_trajectory_trains_only_inside_the_window(tiny_model, tok, actor_factory) -> None:
+    rollout = RolloutConfig(
+        group_size=4,
+        num_steps=6,
+        sampler="sde",
+        keep_latents=True,
+        sde_window=2,
+        sde_window_start=1,
+    )
+    traj, batch = _engine_batch(tiny_model, tok, rollout)
+    assert traj.sde_mask.tolist() == [False, True, True, False, False, False]
+    assert (traj.log_probs[:, ~traj.sde_mask] == 0).all()
+    assert (traj.log_probs[:, traj.sde_mask] != 0).all()
+    # ODE steps outside the window are Euler steps of the same model
+    x1 = traj.latents[:, 0] + tiny_model(
+        traj.latents[:, 0], traj.sigmas[0].expand(len(traj)), traj.prompts.input_ids
+    ) * (traj.sigmas[1] - traj.sigmas[0])
+    torch.testing.assert_close(traj.latents[:, 1], x1, rtol=1e-4, atol=1e-5)
+    _, m = loss(
+        actor_factory(tiny_model),
+        batch,
+        GRPOConfig(timestep_fraction=1.0),
+        torch.Generator().manual_seed(0),
+    )
+    assert m["grpo/ratio_dev"] < 1e-4
+
+
+def test_prepare_refuses_ode_trajectories(tiny_model, tok) -> None:
+    with pytest.raises(ValueError, match="rollout.sampler=sde"):
+        _engine_batch(tiny_model, tok, RolloutConfig(group_size=2, num_steps=4, keep_latents=True))

@@ -175,3 +175,37 @@ def test_stale_weight_version_raises(tiny_model, tok) -> None:
     with pytest.raises(SyncError, match="stale"):
         eng.load_weights(WeightUpdate.build(2, "old", {}))
     assert eng.version == 3
+
+
+def test_shared_initial_noise_within_groups(tiny_model, tok, prompt_set) -> None:
+    kw = dict(sampler="sde", keep_latents=True, group_size=3)
+    shared = gen(engine(tiny_model, tok, shared_init_noise=True, **kw), prompt_set.batch([0, 1]))
+    start = shared.latents[:, 0]
+    assert torch.equal(start[0], start[1]) and torch.equal(start[0], start[2])
+    assert not torch.equal(start[0], start[3])
+    assert not torch.equal(shared.x0[0], shared.x0[1])  # SDE noise still differs per sample
+    own = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0, 1]))
+    assert torch.equal(own.latents[0, 0], start[0]) and not torch.equal(own.latents[1, 0], start[1])
+
+
+def test_trajectory_records_how_it_was_sampled(tiny_model, tok, prompt_set) -> None:
+    eng = engine(
+        tiny_model,
+        tok,
+        sampler="sde",
+        num_steps=5,
+        sde_window=2,
+        sde_window_mode="sliding",
+        sde_step="cps",
+        noise_level=0.4,
+        cfg_scale=1.5,
+    )
+    t0 = gen(eng, prompt_set.batch([0]), iteration=0)
+    t1 = gen(eng, prompt_set.batch([0]), iteration=1)
+    assert t0.sde_mask.tolist() == [True, True, False, False, False]
+    assert t1.sde_mask.tolist() == [False, True, True, False, False]  # slid by one step
+    assert (t1.log_probs[:, 0] == 0).all() and (t1.log_probs[:, 1:3] != 0).all()
+    assert t0.step_spec.kind == "cps" and t0.step_spec.noise_level == 0.4
+    assert t0.step_spec.cfg_scale == 1.5 and t0.step_spec.null_id == tok.null_id
+    ode = gen(engine(tiny_model, tok), prompt_set.batch([0]))
+    assert not ode.sde_mask.any()

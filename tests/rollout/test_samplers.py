@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from diffrl.rollout.samplers import (
+    cps_step_with_logprob,
     euler_step,
     gaussian_log_prob,
     sde_std,
     sde_step_with_logprob,
+    sde_window,
     sigma_schedule,
 )
 
@@ -128,3 +130,66 @@ def test_sigma_schedule() -> None:
     shifted = sigma_schedule(4, 3.0)
     assert shifted[2].item() == pytest.approx(0.75)  # 3 * 0.5 / (1 + 2 * 0.5)
     assert (shifted[1:-1] > sigma_schedule(4)[1:-1]).all()  # shift > 1: more time at high noise
+
+
+def test_cps_step_against_formula_and_normal() -> None:
+    x, v, noise = rand(*SHAPE, seed=21), rand(*SHAPE, seed=22), rand(*SHAPE, seed=23)
+    sigma = torch.tensor([1.0, 0.6, 0.3, 0.1], dtype=torch.float64)
+    sigma_next = torch.tensor([0.8, 0.4, 0.25, 0.0], dtype=torch.float64)
+    eta = 0.6
+    x_next, lp, mean, std = cps_step_with_logprob(x, v, sigma, sigma_next, eta, noise=noise)
+    sig, sig_n = sigma.view(-1, 1, 1, 1), sigma_next.view(-1, 1, 1, 1)
+    x0_hat, eps_hat = x - sig * v, x + (1 - sig) * v
+    c, s = math.cos(eta * math.pi / 2), math.sin(eta * math.pi / 2)
+    m_ref = (1 - sig_n) * x0_hat + sig_n * c * eps_hat
+    torch.testing.assert_close(mean, m_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(std.flatten(), sigma_next * s, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x_next, m_ref + sig_n * s * noise)
+    ok = sigma_next > 0  # at sigma' = 0 the step is deterministic (no density)
+    ref = torch.distributions.Normal(m_ref[ok], (sig_n * s)[ok]).log_prob(x_next[ok])
+    torch.testing.assert_close(lp[ok], ref.flatten(1).mean(1), rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(mean).all()  # sigma = 1 needs no guard
+
+
+def test_cps_eta_zero_is_euler_and_noise_keeps_coefficients() -> None:
+    x, v = rand(*SHAPE, seed=24), rand(*SHAPE, seed=25)
+    sigma, sigma_next = (
+        torch.full((4,), 0.7, dtype=torch.float64),
+        torch.full((4,), 0.5, dtype=torch.float64),
+    )
+    x_next, _, _, std = cps_step_with_logprob(x, v, sigma, sigma_next, 0.0, noise=rand(*SHAPE))
+    torch.testing.assert_close(x_next, euler_step(x, v, sigma, sigma_next))
+    assert (std == 0).all()
+    # with the exact velocity v = eps - x0 the step lands on (1 - s') x0 + s' * (unit noise):
+    # the forward process's coefficients, whatever eta (the noise is not inflated)
+    n = 20000
+    x0, eps = rand(n, 1, 1, 1, seed=26), rand(n, 1, 1, 1, seed=27)
+    xs = 0.3 * x0 + 0.7 * eps
+    sig, sig_n = (
+        torch.full((n,), 0.7, dtype=torch.float64),
+        torch.full((n,), 0.5, dtype=torch.float64),
+    )
+    for eta in (0.3, 0.9):
+        out, *_ = cps_step_with_logprob(
+            xs, eps - x0, sig, sig_n, eta, noise=rand(n, 1, 1, 1, seed=28)
+        )
+        resid = (out - 0.5 * x0) / 0.5  # should be unit-variance noise
+        assert resid.std().item() == pytest.approx(1.0, abs=0.02)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "random", "sliding"])
+def test_sde_window_masks(mode: str) -> None:
+    full = sde_window(6, 0, mode, 0, 1, 0, 0)
+    assert full.tolist() == [True] * 5 + [False]  # the last step is never stochastic
+    for it in range(12):
+        m = sde_window(8, 3, mode, 2, 2, it, seed=it)
+        idx = m.nonzero().flatten().tolist()
+        assert len(idx) == 3 and idx == list(range(idx[0], idx[0] + 3)) and idx[-1] <= 6
+        if mode == "fixed":
+            assert idx[0] == 2
+        if mode == "sliding":  # starts at 2, moves one step every 2 iterations, wraps over 5
+            assert idx[0] == (2 + it // 2) % 5
+    if mode == "random":
+        starts = {int(sde_window(8, 3, mode, 0, 1, 0, seed=s).nonzero()[0]) for s in range(40)}
+        assert starts == {0, 1, 2, 3, 4}
+        assert torch.equal(sde_window(8, 3, mode, 0, 1, 0, 7), sde_window(8, 3, mode, 0, 1, 5, 7))
