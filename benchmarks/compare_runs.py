@@ -1,0 +1,62 @@
+"""Compare run directories at equal wall time and at equal training samples.
+
+For each run, the held-out accuracy of the last eval at or before the budget (wall minutes
+from the run's start, or samples = steps * samples per step). Prints a Markdown table.
+
+Usage: python benchmarks/compare_runs.py runs/a runs/b ... --minutes 11 20 --samples 4096 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def evals(run: Path) -> tuple[list[tuple[int, float, float]], int]:
+    """[(step, wall_s, accuracy)] for every eval row, and samples per step."""
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
+    wall = {r["step"]: r.get("perf/wall_s", 0.0) for r in rows}
+    out = [
+        (r["step"], wall.get(r["step"], 0.0), r["eval/overall"])
+        for r in rows
+        if "eval/overall" in r
+    ]
+    cfg = (run / "config.yaml").read_text()
+    per_step = _yaml_int(cfg, "prompts_per_step") * _yaml_int(cfg, "group_size")
+    return out, per_step
+
+
+def _yaml_int(text: str, key: str) -> int:
+    for line in text.splitlines():
+        if line.strip().startswith(key + ":"):
+            return int(line.split(":", 1)[1])
+    raise KeyError(key)
+
+
+def at_budget(points: list[tuple[int, float, float]], limit: float, index: int) -> str:
+    ok = [p for p in points if p[index] <= limit]
+    return f"{ok[-1][2]:.3f} (step {ok[-1][0]})" if ok else "n/a"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--minutes", nargs="*", type=float, default=[])
+    ap.add_argument("--samples", nargs="*", type=int, default=[])
+    args = ap.parse_args()
+    head = ["run", "base"] + [f"after {m:g} min" for m in args.minutes]
+    head += [f"after {s} samples" for s in args.samples] + ["last (step, min)"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for run in args.runs:
+        pts, per_step = evals(run)
+        cells = [run.name, f"{pts[0][2]:.3f}"]
+        cells += [at_budget(pts, 60 * m, 1) for m in args.minutes]
+        cells += [at_budget([(s, s * per_step, a) for s, _, a in pts], n, 1) for n in args.samples]
+        cells.append(f"{pts[-1][2]:.3f} ({pts[-1][0]}, {pts[-1][1] / 60:.1f})")
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
