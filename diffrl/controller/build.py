@@ -82,7 +82,7 @@ def build(cfg: Config) -> Parts:
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
     evaluator = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
     rewards = RewardPool(cfg.reward)
-    rewards.check_inputs(produced={"image"})
+    rewards.check_inputs(produced=set(rollout.produces))
     actor = ActorEngine(base, cfg.actor, targets, algorithm, cfg.algorithm, device, cfg.run.seed)
     return Parts(
         cfg, device, tok, source, eval_set, rollout, evaluator, rewards, actor, algorithm, probe

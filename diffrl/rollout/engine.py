@@ -101,6 +101,12 @@ class RolloutEngine:
         self.version = 0
         self.target = MergedLoraTarget(self.model, lora_targets, slot_map)
 
+    @property
+    def produces(self) -> frozenset[str]:
+        """The ``extra_fields`` every trajectory of this engine carries (for the start-up check
+        of the scorers' declared inputs)."""
+        return frozenset({"image"})
+
     def load_weights(self, update: WeightUpdate) -> SyncReport:
         if update.version < self.version:
             raise SyncError(f"stale weight update v{update.version} < current v{self.version}")

@@ -137,7 +137,9 @@ def test_per_call_overrides(tiny_model, tok, prompt_set) -> None:
 
 
 def test_image_field_is_uint8_hwc(tiny_model, tok, prompt_set) -> None:
-    traj = gen(engine(tiny_model, tok), prompt_set.batch([0, 1]), 0)
+    eng = engine(tiny_model, tok)
+    traj = gen(eng, prompt_set.batch([0, 1]), 0)
+    assert set(traj.extra_fields) == eng.produces  # what the scorers' start-up check relies on
     img = traj.extra_fields["image"]
     assert img.dtype == torch.uint8 and img.shape == (6, 32, 32, 3)
     assert torch.equal(img, images_to_uint8(traj.x0))
