@@ -118,8 +118,12 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(
     # metrics are sample-weighted means over micro-batches: (2*2 + 2*2 + 1*1) / 5
     assert m_parts["mse/n"] == pytest.approx(9 / 5)
     assert m_whole["mse/n"] == pytest.approx(5.0)
+    # weights: Adam's first step is lr * sign(g) for every element, so an element whose
+    # gradient is float noise may step the other way; all but a handful must agree tightly
+    whole_t = whole.adapter_tensors()
     for k, v in parts.adapter_tensors().items():
-        torch.testing.assert_close(v, whole.adapter_tensors()[k], rtol=1e-3, atol=1e-4)
+        close = torch.isclose(v, whole_t[k], rtol=1e-4, atol=1e-6)
+        assert (~close).sum() <= max(2, v.numel() // 1000), k
 
 
 def test_update_old_copy_and_average(tiny_model, actor_factory, train_batch_factory) -> None:
