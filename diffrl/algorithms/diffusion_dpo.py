@@ -100,7 +100,10 @@ def loss(
         ref = "old" if cfg.mode == "online" else None
         r = (policy.velocity(x, sigma, batch.input_ids, adapter=ref) - v).pow(2).flatten(1).mean(1)
     per_pair = dpo_loss(m[0::2], m[1::2], r[0::2], r[1::2], cfg.beta)
-    implicit_acc = ((m[0::2] - r[0::2]) < (m[1::2] - r[1::2])).float().mean()
+    # share of pairs the policy prefers the winner in, relative to the reference; a tie (as
+    # right after a reference refresh, when policy == reference) counts as a coin flip
+    gap_w, gap_l = m[0::2] - r[0::2], m[1::2] - r[1::2]
+    implicit_acc = ((gap_w < gap_l).float() + 0.5 * (gap_w == gap_l).float()).mean()
     return per_pair.mean(), {"dpo/pairs": float(n_pairs), "dpo/implicit_acc": float(implicit_acc)}
 
 

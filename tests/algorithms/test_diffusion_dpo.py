@@ -43,3 +43,17 @@ def test_pairs_best_worst_and_margin():
         0.4,
     )
     assert sorted(allp.tolist()) == [[1, 0], [2, 0], [2, 1]]
+
+
+def test_loss_on_a_policy_equal_to_its_reference(tiny_model, actor_factory, train_batch_factory):
+    """Right after a reference refresh (online mode): loss log 2 and implicit accuracy 1/2."""
+    from diffrl.algorithms.diffusion_dpo import DPOConfig, loss
+    from diffrl.algorithms.registry import get_algorithm
+
+    actor = actor_factory(
+        tiny_model, algorithm=get_algorithm("diffusion_dpo"), algo_cfg=DPOConfig()
+    )
+    batch = train_batch_factory(4)
+    value, m = loss(actor, batch, DPOConfig(mode="online"), torch.Generator().manual_seed(0))
+    assert abs(float(value) - math.log(2)) < 1e-6
+    assert m["dpo/implicit_acc"] == 0.5 and m["dpo/pairs"] == 2.0
