@@ -93,7 +93,7 @@ def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
     value, metrics = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
     assert metrics["grpo/ratio_dev"] < 1e-5  # rollout and training log-probs agree
     # at ratio 1 the surrogate is -mean(A) = -0.0 here
-    assert abs(float(value) - float(-batch.weights.mean())) < 1e-5
+    assert abs(float(value.detach()) - float(-batch.weights.mean())) < 1e-5
 
 
 def test_kl_term_is_zero_against_itself_and_positive_otherwise():
