@@ -65,6 +65,15 @@ class RolloutConfig:
         )
         check_choice("sde_window_mode", self.sde_window_mode, ("fixed", "random", "sliding"))
         check(self.sde_window_start >= 0, "sde_window_start", self.sde_window_start, ">= 0")
+        if self.sde_window and self.sde_window_mode == "fixed":
+            last = self.num_steps - 1 - self.sde_window  # the last step is never stochastic
+            check(
+                self.sde_window_start <= last,
+                "sde_window_start",
+                self.sde_window_start,
+                f"a fixed window of {self.sde_window} must start at <= {last} "
+                f"(num_steps={self.num_steps}, and the last step is deterministic)",
+            )
         check(self.sde_window_every >= 1, "sde_window_every", self.sde_window_every, ">= 1")
         check(self.shift > 0, "shift", self.shift, "must be > 0")
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")

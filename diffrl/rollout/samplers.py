@@ -130,7 +130,11 @@ def sde_window(
         return mask
     span = n_sde - size + 1  # possible window starts
     if mode == "fixed":
-        lo = min(start, span - 1)
+        if start >= span:
+            raise ValueError(
+                f"a window of {size} steps cannot start at step {start} of {num_steps}"
+            )
+        lo = start
     elif mode == "random":
         lo = int(torch.randint(span, (1,), generator=torch.Generator().manual_seed(seed)))
     elif mode == "sliding":

@@ -193,3 +193,15 @@ def test_sde_window_masks(mode: str) -> None:
         starts = {int(sde_window(8, 3, mode, 0, 1, 0, seed=s).nonzero()[0]) for s in range(40)}
         assert starts == {0, 1, 2, 3, 4}
         assert torch.equal(sde_window(8, 3, mode, 0, 1, 0, 7), sde_window(8, 3, mode, 0, 1, 5, 7))
+
+
+def test_fixed_window_out_of_range_is_an_error() -> None:
+    from diffrl.config import validate_tree
+    from diffrl.errors import ConfigError
+    from diffrl.rollout.engine import RolloutConfig
+
+    with pytest.raises(ValueError, match="cannot start"):
+        sde_window(10, 3, "fixed", 7, 1, 0, 0)
+    with pytest.raises(ConfigError, match="sde_window_start"):
+        validate_tree(RolloutConfig(num_steps=10, sde_window=3, sde_window_start=7), "rollout")
+    validate_tree(RolloutConfig(num_steps=10, sde_window=3, sde_window_start=6), "rollout")
