@@ -9,13 +9,14 @@ Usage: python benchmarks/compare_runs.py runs/a runs/b ... --minutes 11 20 --sam
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from diffrl.controller.run_dir import read_metrics
 
 
 def evals(run: Path) -> tuple[list[tuple[int, float, float]], int]:
     """[(step, wall_s, accuracy)] for every eval row, and samples per step."""
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
+    rows = read_metrics(run)
     wall = {r["step"]: r.get("perf/wall_s", 0.0) for r in rows}
     out = [
         (r["step"], wall.get(r["step"], 0.0), r["eval/overall"])

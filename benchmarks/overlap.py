@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 
 from diffrl.channel import Channel
 from diffrl.config import load_config
 from diffrl.controller.build import build
+from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import rollout_and_score, sync_rollout
 from diffrl.reward.scorer import register_scorer
 from diffrl.reward.scorers.shapes import ShapesScorer
@@ -95,7 +95,7 @@ def loop(args) -> None:
                 ],
             )
             root = asyncio.run(train(cfg))
-            rows = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
+            rows = read_metrics(root)
             wall = [r["perf/wall_s"] for r in rows if "perf/wall_s" in r]
         per_step = (wall[-1] - wall[0]) / (len(wall) - 1)  # steps 2..N: no eval, no start-up
         print(f"loop, prefetch={prefetch}: {per_step:.2f} s/step (steps 2..{args.loop})")

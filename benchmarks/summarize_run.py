@@ -9,9 +9,11 @@ import json
 import sys
 from pathlib import Path
 
+from diffrl.controller.run_dir import read_metrics
+
 
 def summarize(run: Path) -> dict:
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
+    rows = read_metrics(run)
     evals = [(r["step"], r["eval/overall"]) for r in rows if "eval/overall" in r]
     last = rows[-1]
     return {

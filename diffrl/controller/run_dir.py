@@ -12,6 +12,14 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 
+def read_metrics(root: Path) -> list[dict]:
+    """The rows of ``root/metrics.jsonl`` (one per logged step), [] if nothing was logged."""
+    path = Path(root) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
 class RunDir:
     def __init__(self, root: Path, tensorboard: bool = True) -> None:
         self.root = root
@@ -49,9 +57,7 @@ class RunDir:
             self.tb.flush()
 
     def read_metrics(self) -> list[dict]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
+        return read_metrics(self.root)
 
     def save_grid(
         self,

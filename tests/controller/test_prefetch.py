@@ -4,12 +4,12 @@ gives exactly the results of the strictly sequential loop."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 from tiny_runs import tiny_run
 
 from diffrl.algorithms.diffusion_nft import NFTConfig, changes_rollout
 from diffrl.config import load_config
+from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
 
 
@@ -22,7 +22,7 @@ def run(tiny_checkpoint, out_dir, prefetch: bool) -> list[dict]:
     ]
     cfg = load_config("recipes/shapes_nft.yaml", tiny_run(tiny_checkpoint, out_dir, 4, *extra))
     root = asyncio.run(train(cfg))
-    rows = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(root)
     return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "time"} for r in rows]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from tiny_runs import tiny_run
 
 from diffrl.config import REPO_ROOT, load_config
 from diffrl.controller.build import build
+from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
 from diffrl.errors import ConfigError
 
@@ -27,7 +27,7 @@ def test_recipe_runs_two_steps(recipe: str, tiny_checkpoint, tmp_path: Path) -> 
     extra = ["rollout.num_steps=4", "run.eval_every=2"]
     cfg = load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 2, *extra))
     root = asyncio.run(train(cfg))
-    rows = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(root)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("reward/mean" in r and "actor/loss" in r for r in rows[1:])
     if cfg.algorithm.name == "flow_grpo":  # rollout and training agree on the log-probs

@@ -4,13 +4,13 @@ the checkpoints written before the failure resume the run."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
 from tiny_runs import tiny_run
 
 from diffrl.config import load_config
+from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
 from diffrl.reward.pool import RewardFailure
 from diffrl.reward.scorer import ScoreResult, register_scorer
@@ -53,10 +53,7 @@ def test_required_scorer_failure_stops_and_resume_continues(tiny_checkpoint, tmp
     assert (ckpts / "latest").read_text() == "step_000002"  # both good steps were saved
     # the server is back (here: the local verifier); the same run continues from step 2
     asyncio.run(train(config(tiny_checkpoint, tmp_path, "shapes", 4)))
-    rows = [
-        json.loads(ln)
-        for ln in (tmp_path / "shapes_nft" / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = read_metrics(tmp_path / "shapes_nft")
     trained = [r["step"] for r in rows if "actor/loss" in r]
     assert trained == [1, 2, 3, 4]  # no step lost, none repeated
     assert "reward/dies_after_two_calls/mean" in rows[1] and "reward/shapes/mean" in rows[-1]

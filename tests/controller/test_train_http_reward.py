@@ -4,7 +4,6 @@ another process: training runs, logs the remote rewards, and moves the adapters.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from safetensors.torch import load_file
 from tiny_runs import tiny_run
 
 from diffrl.config import load_config
+from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
 
 TOKEN = "test-token-123"
@@ -32,7 +32,7 @@ def test_default_recipe_trains_against_a_reward_server(
     extra = [f"reward.scorers={scorers}", "rollout.num_steps=3", "actor.lr=1e-2"]
     cfg = load_config("recipes/shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 3, *extra))
     root = asyncio.run(train(cfg))
-    rows = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(root)
     steps = [r for r in rows if "reward/http/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["reward/http/valid_frac"] == 1.0 for r in steps)

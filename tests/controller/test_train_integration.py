@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from diffrl.cli import main
 from diffrl.config import load_config
+from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
 
 RECIPE = "recipes/shapes_nft.yaml"
@@ -36,10 +37,6 @@ def overrides(checkpoint: Path, out_dir: Path, steps: int) -> list[str]:
 
 def run_train(checkpoint: Path, out_dir: Path, steps: int) -> Path:
     return asyncio.run(train(load_config(RECIPE, overrides(checkpoint, out_dir, steps))))
-
-
-def metrics(root: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
 
 
 def lora(adapters: dict, kind: str, adapter: str) -> dict[str, torch.Tensor]:
@@ -66,7 +63,7 @@ def runs(tiny_checkpoint, tmp_path_factory):
 
 def test_run_directory_layout(runs) -> None:
     root = runs["first"]
-    rows = metrics(root)
+    rows = read_metrics(root)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "eval/overall" in rows[0] and 0.0 <= rows[0]["eval/overall"] <= 1.0
     for r in rows[1:]:
@@ -92,7 +89,7 @@ def test_tensorboard_scalars(runs) -> None:
 
     acc = EventAccumulator(str(runs["first"] / "tb"))
     acc.Reload()
-    rows = {r["step"]: r for r in metrics(runs["first"])}
+    rows = {r["step"]: r for r in read_metrics(runs["first"])}
     events = acc.Scalars("reward/mean")
     assert [e.step for e in events] == [1, 2, 3]
     for e in events:
@@ -119,10 +116,10 @@ def test_lora_trained_and_old_refreshed(runs) -> None:
 
 def test_resume_continues_from_the_checkpoint(runs) -> None:
     root = runs["resumed"]
-    rows = metrics(root)
+    rows = read_metrics(root)
     steps = [r["step"] for r in rows]
     assert steps == [0, 1, 2, 3, 4, 5]  # each exactly once; no second step-0 eval
-    first = {r["step"]: r for r in metrics(runs["first"])}
+    first = {r["step"]: r for r in read_metrics(runs["first"])}
     for r in rows[:4]:  # the first run's rows are kept as they were
         assert r == first[r["step"]]
     # the clock and the optimizer continued: wall time grows, actor version is 5, not 2
@@ -133,8 +130,8 @@ def test_resume_continues_from_the_checkpoint(runs) -> None:
 
 
 def test_resume_matches_an_uninterrupted_run(runs) -> None:
-    resumed = {r["step"]: r for r in metrics(runs["resumed"])}
-    straight = {r["step"]: r for r in metrics(runs["reference"])}
+    resumed = {r["step"]: r for r in read_metrics(runs["resumed"])}
+    straight = {r["step"]: r for r in read_metrics(runs["reference"])}
     for step in (1, 2, 3, 4, 5):
         for key in ("reward/mean", "actor/loss", "nft/loss_pos", "nft/loss_neg"):
             assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (
