@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from diffrl.controller.run_dir import read_metrics
 
 
@@ -23,20 +25,13 @@ def evals(run: Path) -> tuple[list[tuple[int, float, float]], int]:
         for r in rows
         if "eval/overall" in r
     ]
-    cfg = (run / "config.yaml").read_text()
-    per_step = _yaml_int(cfg, "prompts_per_step") * _yaml_int(cfg, "group_size")
-    return out, per_step
+    cfg = OmegaConf.load(run / "config.yaml")  # the resolved config the run wrote
+    return out, cfg.data.prompts_per_step * cfg.rollout.group_size
 
 
-def _yaml_int(text: str, key: str) -> int:
-    for line in text.splitlines():
-        if line.strip().startswith(key + ":"):
-            return int(line.split(":", 1)[1])
-    raise KeyError(key)
-
-
-def at_budget(points: list[tuple[int, float, float]], limit: float, index: int) -> str:
-    ok = [p for p in points if p[index] <= limit]
+def at_budget(points: list[tuple[int, float, float]], limit: float) -> str:
+    """Accuracy of the last (step, spent, accuracy) point with spent <= limit."""
+    ok = [p for p in points if p[1] <= limit]
     return f"{ok[-1][2]:.3f} (step {ok[-1][0]})" if ok else "n/a"
 
 
@@ -53,8 +48,8 @@ def main() -> None:
     for run in args.runs:
         pts, per_step = evals(run)
         cells = [run.name, f"{pts[0][2]:.3f}"]
-        cells += [at_budget(pts, 60 * m, 1) for m in args.minutes]
-        cells += [at_budget([(s, s * per_step, a) for s, _, a in pts], n, 1) for n in args.samples]
+        cells += [at_budget(pts, 60 * m) for m in args.minutes]
+        cells += [at_budget([(s, s * per_step, a) for s, _, a in pts], n) for n in args.samples]
         cells.append(f"{pts[-1][2]:.3f} ({pts[-1][0]}, {pts[-1][1] / 60:.1f})")
         print("| " + " | ".join(cells) + " |")
 

@@ -73,15 +73,15 @@ def _rollout(policy: LinearPolicy, n: int = 4, steps: int = 5, a: float = 0.7):
     return sig, torch.stack(lat, 1), torch.stack(lps, 1)
 
 
-def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
-    policy = LinearPolicy(0.9)
+def _rollout_batch(policy: LinearPolicy, weights: torch.Tensor) -> TrainBatch:
+    """A FlowGRPO batch of 4 trajectories sampled by ``policy``, every step stochastic."""
     sig, lat, lps = _rollout(policy)
     n = lat.shape[0]
-    batch = TrainBatch(
+    return TrainBatch(
         input_ids=torch.zeros(n, 2, dtype=torch.long),
         ids_hash=("",) * n,
         x0=lat[:, -1],
-        weights=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        weights=weights,
         seeds=torch.zeros(n, dtype=torch.long),
         latents=lat,
         log_probs=lps,
@@ -89,6 +89,11 @@ def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
         sde_mask=torch.ones(lps.shape[1], dtype=torch.bool),
         step_spec=StepSpec("flow_grpo", 0.7, 1.0, 1),
     )
+
+
+def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
+    policy = LinearPolicy(0.9)
+    batch = _rollout_batch(policy, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     cfg = GRPOConfig(timestep_fraction=1.0, kl_coef=0.0, clip_range=0.2)
     value, metrics = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
     assert metrics["grpo/ratio_dev"] < 1e-5  # rollout and training log-probs agree
@@ -98,20 +103,7 @@ def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
 
 def test_kl_term_is_zero_against_itself_and_positive_otherwise():
     policy = LinearPolicy(0.5)  # the "reference" in LinearPolicy is w=0.5 as well
-    sig, lat, lps = _rollout(policy)
-    n = lat.shape[0]
-    batch = TrainBatch(
-        input_ids=torch.zeros(n, 2, dtype=torch.long),
-        ids_hash=("",) * n,
-        x0=lat[:, -1],
-        weights=torch.zeros(n),
-        seeds=torch.zeros(n, dtype=torch.long),
-        latents=lat,
-        log_probs=lps,
-        sigmas=sig,
-        sde_mask=torch.ones(lps.shape[1], dtype=torch.bool),
-        step_spec=StepSpec("flow_grpo", 0.7, 1.0, 1),
-    )
+    batch = _rollout_batch(policy, torch.zeros(4))
     cfg = GRPOConfig(timestep_fraction=1.0, kl_coef=1.0)
     _, m = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
     assert m["grpo/kl"] < 1e-10
