@@ -62,6 +62,20 @@ def bpe_files(folder: Path, vocab: dict[str, int]) -> tuple[str, str]:
     return str(folder / "vocab.json"), str(folder / "merges.txt")
 
 
+# the size of every tiny transformer stack below (CLIP text and vision towers, CLAP text)
+TINY_LAYERS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def save_tiny(factory: pytest.TempPathFactory, name: str, model_cls, cfg, processor) -> Path:
+    """Build a randomly initialised model (seed 0) and save it with its processor to a fresh
+    folder, the way a real checkpoint sits on disk; returns the folder."""
+    torch.manual_seed(0)
+    path = factory.mktemp(name)
+    model_cls(cfg).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
 def images(n: int, h: int = 40, w: int = 48, seed: int = 0) -> Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, h, w, 3), generator=g, dtype=torch.uint8)
@@ -97,30 +111,21 @@ def clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = transformers.CLIPConfig(
         text_config=dict(
             vocab_size=len(vocab),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
+            **TINY_LAYERS,
             max_position_embeddings=32,
             bos_token_id=bos,
             eos_token_id=eos,
             pad_token_id=eos,
         ),
         vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
+            **TINY_LAYERS,
             image_size=32,
             patch_size=8,
         ),
         projection_dim=16,
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_clip")
-    transformers.CLIPModel(cfg).save_pretrained(path)
-    transformers.CLIPProcessor(image_processor=ip, tokenizer=tok).save_pretrained(path)
-    return path
+    processor = transformers.CLIPProcessor(image_processor=ip, tokenizer=tok)
+    return save_tiny(tmp_path_factory, "tiny_clip", transformers.CLIPModel, cfg, processor)
 
 
 CLIP_TEXTS = ["a red circle", "a red circle", 'a sign that says "hi"', 'a sign that says "hi"']
@@ -200,10 +205,7 @@ def clap_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = transformers.ClapConfig(
         text_config=dict(
             vocab_size=len(vocab),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
+            **TINY_LAYERS,
             max_position_embeddings=40,
             pad_token_id=1,
             bos_token_id=0,
@@ -226,11 +228,8 @@ def clap_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ),
         projection_dim=16,
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_clap")
-    transformers.ClapModel(cfg).save_pretrained(path)
-    transformers.ClapProcessor(feature_extractor=fe, tokenizer=tok).save_pretrained(path)
-    return path
+    processor = transformers.ClapProcessor(feature_extractor=fe, tokenizer=tok)
+    return save_tiny(tmp_path_factory, "tiny_clap", transformers.ClapModel, cfg, processor)
 
 
 CLAP_TEXTS = ["a dog barks", "a dog barks", "rain on a roof", "a violin"]
