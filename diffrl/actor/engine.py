@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -242,13 +242,15 @@ class ActorEngine:
 
 def _select(batch: TrainBatch, index: Tensor, device=None) -> TrainBatch:
     """Rows ``index`` of a batch (optionally moved to ``device``); pairs are re-indexed as
-    consecutive (winner, loser) rows, which is how ``train_step`` orders them."""
+    consecutive (winner, loser) rows, which is how ``train_step`` orders them. Fields shared by
+    every row (sigmas, sde_mask, step_spec) carry over as they are."""
 
     def pick(t):
         return None if t is None else t[index].to(device or t.device)
 
     pairs = None if batch.pairs is None else torch.arange(len(index)).reshape(-1, 2)
-    return TrainBatch(
+    return replace(
+        batch,
         input_ids=pick(batch.input_ids),
         ids_hash=tuple(batch.ids_hash[i] for i in index.tolist()),
         x0=pick(batch.x0),
@@ -257,8 +259,5 @@ def _select(batch: TrainBatch, index: Tensor, device=None) -> TrainBatch:
         group=pick(batch.group),
         latents=pick(batch.latents),
         log_probs=pick(batch.log_probs),
-        sigmas=batch.sigmas,
         pairs=pairs,
-        sde_mask=batch.sde_mask,
-        step_spec=batch.step_spec,
     )
