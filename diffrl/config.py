@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from diffrl.actor.engine import ActorConfig
@@ -79,6 +79,26 @@ def resolve_recipe(path: str | None) -> Path:
     raise ConfigError(f"recipe {path!r} not found (looked in . and {REPO_ROOT / 'recipes'})")
 
 
+def mergeable_schema(obj) -> DictConfig:
+    """OmegaConf schema of a (frozen) config dataclass that recipes can be merged into.
+
+    OmegaConf 2.3 marks the nodes of a frozen dataclass read-only, so merging a recipe into
+    them fails ("Cannot set value of read-only config node"); 2.4 does not. The frozen
+    dataclass is rebuilt by ``OmegaConf.to_object`` after the merge either way.
+    """
+    schema = OmegaConf.structured(obj)
+    _clear_readonly(schema)
+    return schema
+
+
+def _clear_readonly(node: DictConfig) -> None:
+    OmegaConf.set_readonly(node, None)  # each frozen dataclass node carries its own flag
+    for key in node:
+        child = node[key]
+        if isinstance(child, DictConfig):
+            _clear_readonly(child)
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Recipe YAML (optional) + ``key=value`` overrides -> validated, frozen ``Config``."""
     overrides = list(overrides or [])
@@ -102,7 +122,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         raise ConfigError(
             f"config key 'algorithm.name' = {algo_name!r}: must be one of {registered_algorithms()}"
         )
-    schema = OmegaConf.structured(Config(algorithm=get_algorithm(algo_name).config_cls()))
+    schema = mergeable_schema(Config(algorithm=get_algorithm(algo_name).config_cls()))
     try:
         merged = OmegaConf.merge(schema, raw)
         cfg = OmegaConf.to_object(merged)

@@ -68,12 +68,11 @@ class PretrainConfig:
 
 
 def load_pretrain_config(overrides: list[str]) -> PretrainConfig:
-    from diffrl.config import validate_tree
+    from diffrl.config import mergeable_schema, validate_tree
 
     try:
-        merged = OmegaConf.merge(
-            OmegaConf.structured(PretrainConfig), OmegaConf.from_dotlist(overrides)
-        )
+        schema = mergeable_schema(PretrainConfig)
+        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(overrides))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"pretrain: {e}") from None
