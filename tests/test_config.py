@@ -140,3 +140,16 @@ def test_to_yaml_round_trips(tmp_path) -> None:
     path.write_text(to_yaml(cfg))
     again = load_config(path)
     assert again == cfg
+
+
+def test_schema_nodes_accept_a_merge_on_every_omegaconf_version() -> None:
+    """OmegaConf 2.3 makes a frozen dataclass's nodes read-only; the schema must not be."""
+    from omegaconf import OmegaConf
+
+    from diffrl.config import Config, mergeable_schema
+
+    schema = mergeable_schema(Config())
+    assert not OmegaConf.is_readonly(schema)
+    assert not OmegaConf.is_readonly(schema.run) and not OmegaConf.is_readonly(schema.rollout)
+    merged = OmegaConf.merge(schema, OmegaConf.create({"run": {"steps": 3}}))
+    assert OmegaConf.to_object(merged).run.steps == 3

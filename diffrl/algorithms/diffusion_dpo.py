@@ -6,7 +6,9 @@ Pairs (winner w, loser l) come from each rollout group. Each pair shares sigma a
 x_sigma = (1 - sigma) x0 + sigma eps, v = eps - x0, and with m = ||v_theta - v||^2 and
 r = ||v_ref - v||^2 (means over dimensions),
 
-    L = -log sigmoid( -beta / 2 * [ (m_w - m_l) - (r_w - r_l) ] ).
+    L = -log sigmoid( -beta / 2 * [ (m_w - m_l) - (r_w - r_l) ] ),
+
+averaged over ``timesteps_per_pair`` draws of sigma ~ U(sigma_min, sigma_max) per pair.
 
 Offline mode keeps the reference fixed (the base model, adapters disabled); online mode uses
 the ``old`` adapter as reference and refreshes it from ``default`` every ``ref_every`` steps.
@@ -33,9 +35,24 @@ class DPOConfig(AlgorithmConfig):
     margin: float = 0.0  # reward gap a pair needs (both modes)
     mode: str = "online"  # online (reference = old adapter, refreshed) | offline (base model)
     ref_every: int = 4  # online: copy default -> old every N steps
+    timesteps_per_pair: int = 1  # fresh shared (sigma, eps) draws per pair per update
+    sigma_min: float = 0.0  # training sigmas ~ U(sigma_min, sigma_max), shared within a pair
+    sigma_max: float = 1.0
 
     def validate(self) -> None:
         check(self.beta > 0, "beta", self.beta, "must be > 0")
+        check(
+            self.timesteps_per_pair >= 1,
+            "timesteps_per_pair",
+            self.timesteps_per_pair,
+            "must be >= 1",
+        )
+        check(
+            0 <= self.sigma_min < self.sigma_max <= 1,
+            "sigma_max",
+            self.sigma_max,
+            "need 0 <= sigma_min < sigma_max <= 1",
+        )
         check_choice("pairs", self.pairs, ("best_worst", "margin"))
         check(self.margin >= 0, "margin", self.margin, "must be >= 0")
         check_choice("mode", self.mode, ("online", "offline"))
@@ -89,8 +106,22 @@ def loss(
     x0 = batch.x0  # rows alternate winner, loser (micro-batches keep pairs whole)
     if len(x0) % 2:
         raise ValueError("diffusion_dpo micro-batches must hold whole pairs (even size)")
-    n_pairs = len(x0) // 2
-    sigma = torch.rand(n_pairs, generator=gen).repeat_interleave(2).to(x0)  # shared per pair
+    n_pairs, steps = len(x0) // 2, cfg.timesteps_per_pair
+    total, acc = x0.new_zeros(()), 0.0
+    for _ in range(steps):
+        per_pair, implicit_acc = _pair_terms(policy, batch, cfg, gen, n_pairs)
+        total, acc = total + per_pair.mean() / steps, acc + implicit_acc / steps
+    return total, {"dpo/pairs": float(n_pairs), "dpo/implicit_acc": acc}
+
+
+def _pair_terms(
+    policy: Policy, batch: TrainBatch, cfg: DPOConfig, gen: torch.Generator, n_pairs: int
+) -> tuple[Tensor, float]:
+    """One shared (sigma, eps) draw per pair: (per-pair loss (P,), implicit accuracy)."""
+    x0 = batch.x0
+    span = cfg.sigma_max - cfg.sigma_min
+    sigma = (torch.rand(n_pairs, generator=gen) * span + cfg.sigma_min).repeat_interleave(2)
+    sigma = sigma.to(x0)
     eps = torch.randn((n_pairs, *x0.shape[1:]), generator=gen).repeat_interleave(2, 0).to(x0)
     s = sigma.view(-1, 1, 1, 1)
     x = (1 - s) * x0 + s * eps
@@ -104,7 +135,7 @@ def loss(
     # right after a reference refresh, when policy == reference) counts as a coin flip
     gap_w, gap_l = m[0::2] - r[0::2], m[1::2] - r[1::2]
     implicit_acc = ((gap_w < gap_l).float() + 0.5 * (gap_w == gap_l).float()).mean()
-    return per_pair.mean(), {"dpo/pairs": float(n_pairs), "dpo/implicit_acc": float(implicit_acc)}
+    return per_pair, float(implicit_acc)
 
 
 def rollout_adapter(cfg: DPOConfig) -> str:

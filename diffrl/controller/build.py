@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -80,7 +81,8 @@ def build(cfg: Config) -> Parts:
     check_rollout_for(algorithm, cfg)
     rollout_targets = _expanded_targets(base, targets)
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
-    evaluator = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
+    eval_rollout = dataclasses.replace(cfg.rollout, cfg_scale=cfg.rollout.eval_cfg_scale)
+    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, tok.null_id, device)
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced=set(rollout.produces))
     actor = ActorEngine(base, cfg.actor, targets, algorithm, cfg.algorithm, device, cfg.run.seed)

@@ -48,6 +48,9 @@ class RolloutConfig:
     max_batch: int = 32  # samples per forward; each micro-batch streams to the reward pool
     keep_latents: bool = False  # keep x at every step (GRPO/log-prob recompute need it)
     eval_num_steps: int = 10  # steps for held-out eval sampling (ODE)
+    # guidance for held-out eval sampling; 1 = none, so eval measures the policy itself even
+    # when the rollout samples with CFG
+    eval_cfg_scale: float = 1.0
 
     def validate(self) -> None:
         check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
@@ -79,6 +82,7 @@ class RolloutConfig:
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
         check(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
         check(self.eval_num_steps >= 1, "eval_num_steps", self.eval_num_steps, "must be >= 1")
+        check(self.eval_cfg_scale >= 1, "eval_cfg_scale", self.eval_cfg_scale, "must be >= 1")
 
 
 def sample_seeds(base_seed: int, n: int) -> Tensor:

@@ -57,3 +57,45 @@ def test_loss_on_a_policy_equal_to_its_reference(tiny_model, actor_factory, trai
     value, m = loss(actor, batch, DPOConfig(mode="online"), torch.Generator().manual_seed(0))
     assert abs(float(value.detach()) - math.log(2)) < 1e-6
     assert m["dpo/implicit_acc"] == 0.5 and m["dpo/pairs"] == 2.0
+
+
+class _RecordingPolicy:
+    """velocity = scale * x, with a different scale for the reference; records the sigmas."""
+
+    def __init__(self) -> None:
+        self.sigmas: list[torch.Tensor] = []
+
+    def velocity(self, x, sigma, ids, adapter="default"):
+        self.sigmas.append(sigma.detach().clone())
+        return x * (0.5 if adapter == "default" else 0.3)
+
+
+def test_sigma_range_and_timesteps_per_pair_average_the_draws(train_batch_factory):
+    from diffrl.algorithms.diffusion_dpo import DPOConfig, loss
+
+    batch = train_batch_factory(8)  # 4 pairs
+    cfg = DPOConfig(mode="offline", beta=50.0, sigma_min=0.4, sigma_max=0.6, timesteps_per_pair=3)
+    policy = _RecordingPolicy()
+    total, _ = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
+    assert len(policy.sigmas) == 6  # policy + reference per draw
+    for s in policy.sigmas:
+        assert float(s.min()) >= 0.4 and float(s.max()) <= 0.6
+        assert torch.equal(s[0::2], s[1::2])  # shared within each pair
+    # the same generator stream, one draw at a time: the 3-draw loss is their mean
+    gen, single = torch.Generator().manual_seed(0), []
+    for _ in range(3):
+        one = DPOConfig(mode="offline", beta=50.0, sigma_min=0.4, sigma_max=0.6)
+        single.append(float(loss(_RecordingPolicy(), batch, one, gen)[0]))
+    assert abs(float(total) - sum(single) / 3) < 1e-6
+
+
+def test_bad_sigma_range_is_a_config_error():
+    import pytest
+
+    from diffrl.algorithms.diffusion_dpo import DPOConfig
+    from diffrl.errors import FieldError
+
+    with pytest.raises(FieldError, match="sigma_max"):
+        DPOConfig(sigma_min=0.5, sigma_max=0.4).validate()
+    with pytest.raises(FieldError, match="timesteps_per_pair"):
+        DPOConfig(timesteps_per_pair=0).validate()

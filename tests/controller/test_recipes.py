@@ -46,3 +46,16 @@ def test_grpo_refuses_rollouts_without_log_probs(bad, key, tiny_checkpoint, tmp_
     cfg = load_config("shapes_grpo.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, bad))
     with pytest.raises(ConfigError, match=key):
         build(cfg)
+
+
+def test_eval_samples_without_the_rollouts_guidance(tiny_checkpoint, tmp_path: Path) -> None:
+    cfg = load_config(
+        "shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.cfg_scale=3")
+    )
+    parts = build(cfg)
+    assert parts.rollout.cfg.cfg_scale == 3.0
+    assert parts.evaluator.cfg.cfg_scale == 1.0  # rollout.eval_cfg_scale's default
+    guided = load_config(
+        "shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.eval_cfg_scale=2")
+    )
+    assert build(guided).evaluator.cfg.cfg_scale == 2.0
