@@ -35,9 +35,9 @@ from diffrl.types import images_from_uint8
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    steps: int = 6000  # the shipped base: 6000 x 256 on one H200 (~2.5 min)
+    steps: int = 9000  # the shipped base: 9000 x 256 on one H200 (~3 min alone)
     schedule_steps: int = 12000  # length of the cosine LR schedule (0 = steps); the shipped
-    # base is the step-6000 point of a 12000-step schedule, deliberately stopped early
+    # base is the step-9000 point of a 12000-step schedule, deliberately stopped early
     batch: int = 256
     lr: float = 1e-3
     warmup: int = 200
