@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffrl.algorithms.registry import Algorithm, AlgorithmConfig, Policy, register_algorithm
+from diffrl.algorithms.registry import (
+    Algorithm,
+    AlgorithmConfig,
+    Policy,
+    check_training_draws,
+    register_algorithm,
+)
 from diffrl.errors import check, check_choice
 from diffrl.types import ScoredBatch, TrainBatch
 
@@ -41,17 +47,8 @@ class DPOConfig(AlgorithmConfig):
 
     def validate(self) -> None:
         check(self.beta > 0, "beta", self.beta, "must be > 0")
-        check(
-            self.timesteps_per_pair >= 1,
-            "timesteps_per_pair",
-            self.timesteps_per_pair,
-            "must be >= 1",
-        )
-        check(
-            0 <= self.sigma_min < self.sigma_max <= 1,
-            "sigma_max",
-            self.sigma_max,
-            "need 0 <= sigma_min < sigma_max <= 1",
+        check_training_draws(
+            "timesteps_per_pair", self.timesteps_per_pair, self.sigma_min, self.sigma_max
         )
         check_choice("pairs", self.pairs, ("best_worst", "margin"))
         check(self.margin >= 0, "margin", self.margin, "must be >= 0")

@@ -23,7 +23,13 @@ import torch
 from torch import Tensor
 
 from diffrl.algorithms.advantage import group_advantages
-from diffrl.algorithms.registry import Algorithm, AlgorithmConfig, Policy, register_algorithm
+from diffrl.algorithms.registry import (
+    Algorithm,
+    AlgorithmConfig,
+    Policy,
+    check_training_draws,
+    register_algorithm,
+)
 from diffrl.errors import check, check_choice
 from diffrl.types import ScoredBatch, TrainBatch
 
@@ -54,17 +60,8 @@ class NFTConfig(AlgorithmConfig):
         check(self.beta > 0, "beta", self.beta, "must be > 0")
         check(self.adv_clip > 0, "adv_clip", self.adv_clip, "must be > 0")
         check_choice("weighting", self.weighting, ("adaptive", "uniform"))
-        check(
-            self.timesteps_per_sample >= 1,
-            "timesteps_per_sample",
-            self.timesteps_per_sample,
-            "must be >= 1",
-        )
-        check(
-            0 <= self.sigma_min < self.sigma_max <= 1,
-            "sigma_max",
-            self.sigma_max,
-            "need 0 <= sigma_min < sigma_max <= 1",
+        check_training_draws(
+            "timesteps_per_sample", self.timesteps_per_sample, self.sigma_min, self.sigma_max
         )
         check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
         check_choice("old_update", self.old_update, ("copy", "ema"))

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from diffrl.errors import check
 from diffrl.types import ScoredBatch, TrainBatch
 
 
@@ -29,6 +30,18 @@ class AlgorithmConfig:
     """Base of every algorithm's config; each algorithm subclasses it with its own fields."""
 
     name: str = "diffusion_nft"
+
+
+def check_training_draws(draws_key: str, draws: int, sigma_min: float, sigma_max: float) -> None:
+    """The shared checks of losses that re-noise clean samples: draws >= 1, and
+    sigma ~ U(sigma_min, sigma_max) inside [0, 1]."""
+    check(draws >= 1, draws_key, draws, "must be >= 1")
+    check(
+        0 <= sigma_min < sigma_max <= 1,
+        "sigma_max",
+        sigma_max,
+        "need 0 <= sigma_min < sigma_max <= 1",
+    )
 
 
 class Policy(Protocol):
