@@ -20,7 +20,7 @@ def test_default_recipe_loads_with_its_values() -> None:
     assert isinstance(cfg.algorithm, NFTConfig)
     # values the recipe sets (differ from the dataclass defaults where noted)
     assert cfg.run.name == "shapes_nft"
-    assert cfg.run.steps == 70
+    assert cfg.run.steps == 90
     assert cfg.run.save_every == 5  # dataclass default is 10
     assert cfg.model.checkpoint == "builtin:shapes_dit"
     assert cfg.data.prompts_per_step == 16
@@ -29,9 +29,10 @@ def test_default_recipe_loads_with_its_values() -> None:
     assert cfg.actor.lr == pytest.approx(1e-3)
     assert cfg.actor.lora.rank == 32 and cfg.actor.lora.alpha == 32
     assert [s.name for s in cfg.reward.scorers] == ["shapes"]
-    assert cfg.reward.scorers[0].params == {"mode": "partial"}
+    assert cfg.reward.scorers[0].params == {"mode": "overall"}
     assert cfg.algorithm.name == "diffusion_nft"
-    assert cfg.algorithm.beta == 1.0 and cfg.algorithm.old_every == 2
+    assert cfg.algorithm.beta == 1.0 and cfg.algorithm.timesteps_per_sample == 4
+    assert cfg.algorithm.old_update == "ema" and cfg.algorithm.sigma_min == pytest.approx(0.3)
     # keys the recipe leaves out keep the dataclass defaults
     assert cfg.run.out_dir == "runs"
     assert cfg.algorithm.weighting == "adaptive"
