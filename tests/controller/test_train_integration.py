@@ -32,6 +32,13 @@ def overrides(checkpoint: Path, out_dir: Path, steps: int) -> list[str]:
         "model.probe=false",
         f"run.out_dir={out_dir}",
         "run.tensorboard=true",
+        # partial credit: a random model rarely meets every constraint, and with the default
+        # binary reward its groups would tie (r = 1/2 everywhere: no gradient to check)
+        "reward.scorers=[{name: shapes, weight: 1.0, required: true, params: {mode: partial}}]",
+        # the delayed copy of `old` (every 2 steps), whose schedule these tests check; the
+        # default recipe's EMA refreshes every step
+        "algorithm.old_update=copy",
+        "algorithm.old_every=2",
     ]
 
 
