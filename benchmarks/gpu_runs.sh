@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run many short `diffrl train` jobs side by side on one GPU and print each one's held-out
 # accuracy curve. Each line of SPEC is `name recipe [key=value ...]`; `#` lines are skipped.
-# A line may start with `after=FILE` to wait (up to WAIT_S) until FILE exists, e.g. a base
-# model that a `diffrl pretrain` started beside it is still writing.
+# A line may start with `after=FILE` to wait until FILE exists (at most until a minute before
+# DEADLINE_S), e.g. a marker that a `diffrl pretrain` started beside it touches when done.
 # Usage (device machine): bash benchmarks/gpu_runs.sh SPEC OUTLOG [PARALLEL] [DEADLINE_S]
 set -uo pipefail
 SPEC=${1:?spec file}; LOG=${2:?output log}; PAR=${3:-6}; DEADLINE=${4:-540}
@@ -35,10 +35,9 @@ echo "runs done $(date +%T)" >> "$LOG"
 
 for name in "${names[@]}"; do
   python3 - "$RUNS/$name" "$name" <<'PY' | tee -a "$LOG"
-import json, sys, pathlib
-run, name = pathlib.Path(sys.argv[1]), sys.argv[2]
-path = run / "metrics.jsonl"
-rows = [json.loads(l) for l in path.open()] if path.exists() else []
+import sys
+from diffrl.controller.run_dir import read_metrics
+rows, name = read_metrics(sys.argv[1]), sys.argv[2]
 ev = [(r["step"], round(r["eval/overall"], 3)) for r in rows if "eval/overall" in r]
 wall = max((r.get("perf/wall_s", 0) for r in rows), default=0)
 print(name, ev, f"wall {wall:.0f}s")
