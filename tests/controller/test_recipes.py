@@ -48,13 +48,16 @@ def test_grpo_refuses_rollouts_without_log_probs(bad, key, tiny_checkpoint, tmp_
         build(cfg)
 
 
-def test_eval_samples_without_the_rollouts_guidance(tiny_checkpoint, tmp_path: Path) -> None:
-    cfg = load_config(
-        "shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.cfg_scale=3")
-    )
+def test_eval_samples_without_the_rollouts_guidance_or_shared_noise(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    overrides = ("rollout.cfg_scale=3", "rollout.shared_init_noise=true")
+    cfg = load_config("shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, *overrides))
     parts = build(cfg)
-    assert parts.rollout.cfg.cfg_scale == 3.0
+    assert parts.rollout.cfg.cfg_scale == 3.0 and parts.rollout.cfg.shared_init_noise
     assert parts.evaluator.cfg.cfg_scale == 1.0  # rollout.eval_cfg_scale's default
+    # every held-out sample has its own initial noise (52 prompts x 4 = 208 draws, not 52)
+    assert not parts.evaluator.cfg.shared_init_noise
     guided = load_config(
         "shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.eval_cfg_scale=2")
     )
