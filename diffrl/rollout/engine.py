@@ -42,7 +42,12 @@ class RolloutConfig:
     sde_window_mode: str = "fixed"  # fixed | random (per iteration) | sliding (over iterations)
     sde_window_start: int = 0  # fixed: first SDE step; sliding: where the window starts
     sde_window_every: int = 1  # sliding: iterations between one-step moves of the window
-    shared_init_noise: bool = False  # DanceGRPO: a group's samples start from the same noise
+    # DanceGRPO: a group's samples start from the same noise. They stay identical until the first
+    # SDE step, so those steps run one forward per group (a window at step k branches there)
+    shared_init_noise: bool = False
+    # mirrored sampling: group members 2k+1 take the negated SDE noise of member 2k, so a pair's
+    # reward difference is the odd part of the reward in that noise (needs an even group_size)
+    antithetic_noise: bool = False
     shift: float = 1.0  # sigma-schedule time shift
     cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
     max_batch: int = 32  # samples per forward; each micro-batch streams to the reward pool
@@ -78,6 +83,13 @@ class RolloutConfig:
                 f"(num_steps={self.num_steps}, and the last step is deterministic)",
             )
         check(self.sde_window_every >= 1, "sde_window_every", self.sde_window_every, ">= 1")
+        if self.antithetic_noise:
+            check(
+                self.group_size % 2 == 0,
+                "group_size",
+                self.group_size,
+                "must be even with rollout.antithetic_noise (members are mirrored in pairs)",
+            )
         check(self.shift > 0, "shift", self.shift, "must be > 0")
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
         check(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
@@ -219,16 +231,25 @@ class RolloutEngine:
         t_steps = len(sigmas) - 1
         dtype = next(self.model.parameters()).dtype
         # the initial noise and every SDE step's noise come from the sample's own seed; with
-        # shared_init_noise a group starts from its first member's initial noise
+        # shared_init_noise a group starts from its first member's initial noise, and with
+        # antithetic_noise every odd member steps with its even partner's negated noise
         noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
+        if self.cfg.antithetic_noise:
+            odd = torch.arange(1, len(seeds), 2)  # groups are contiguous and of even size
+            noise[odd, 1:] = -noise[odd - 1, 1:]
         first = torch.arange(len(seeds)) // g * g if self.cfg.shared_init_noise else slice(None)
         x, ids = noise[first, 0], ids.to(self.device)
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs = [x], []
+        shared = self.cfg.shared_init_noise and g > 1  # members still bitwise copies of the first
         for i in range(t_steps):
             sigma = sigmas[i].expand(x.shape[0]).to(self.device, dtype)
             sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
-            v = self.velocity(x, sigma, ids)
+            if shared:  # one forward per group, copied to its members
+                v = self.velocity(x[::g], sigma[::g], ids[::g]).repeat_interleave(g, 0)
+            else:
+                v = self.velocity(x, sigma, ids)
+            shared = shared and not mask[i]
             if mask[i]:
                 x, lp, _, _ = step_fn(
                     x,

@@ -10,6 +10,7 @@ import torch
 from diffrl.channel import Channel
 from diffrl.data.prompts import PromptSet
 from diffrl.data.shapes import split_prompts
+from diffrl.errors import FieldError
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, noise_from_seeds, sample_seeds
 from diffrl.rollout.samplers import sigma_schedule
 from diffrl.sync.weights import SyncError, WeightUpdate
@@ -211,3 +212,30 @@ def test_trajectory_records_how_it_was_sampled(tiny_model, tok, prompt_set) -> N
     assert t0.step_spec.cfg_scale == 1.5 and t0.step_spec.null_id == tok.null_id
     ode = gen(engine(tiny_model, tok), prompt_set.batch([0]))
     assert not ode.sde_mask.any()
+
+
+def test_shared_prefix_runs_once_per_group(tiny_model, tok, prompt_set) -> None:
+    kw = dict(sampler="sde", keep_latents=True, group_size=3, num_steps=5, sde_window=1)
+    kw.update(sde_window_mode="fixed", sde_window_start=2)
+    eng = engine(tiny_model, tok, shared_init_noise=True, **kw)
+    sizes, velocity = [], eng.velocity
+    eng.velocity = lambda x, s, ids: sizes.append(len(x)) or velocity(x, s, ids)
+    traj = gen(eng, prompt_set.batch([0, 1]))
+    assert sizes == [2, 2, 2, 6, 6]  # steps 0-2 (x still shared) once per group, then per sample
+    lat = traj.latents
+    assert torch.equal(lat[0, :3], lat[2, :3]) and not torch.equal(lat[0, 3], lat[1, 3])
+    own = engine(tiny_model, tok, **kw)  # the same Euler prefix, one forward per sample
+    own_traj = gen(own, prompt_set.batch([0, 1]))
+    torch.testing.assert_close(lat[0, :3], own_traj.latents[0, :3])  # member 0 = own noise
+
+
+def test_antithetic_noise_mirrors_pairs(tiny_model, tok, prompt_set) -> None:
+    kw = dict(sampler="sde", keep_latents=True, group_size=4, num_steps=3, shared_init_noise=True)
+    traj = gen(engine(tiny_model, tok, antithetic_noise=True, **kw), prompt_set.batch([0]))
+    x1 = traj.latents[:, 1]  # after the first SDE step from the shared start: mu +- std * eps
+    assert not torch.equal(x1[0], x1[1])
+    torch.testing.assert_close(x1[0] + x1[1], x1[2] + x1[3])  # both pairs straddle the same mu
+    plain = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0]))
+    torch.testing.assert_close(plain.latents[0], traj.latents[0])  # even members unchanged
+    with pytest.raises(FieldError, match="group_size"):
+        RolloutConfig(group_size=3, antithetic_noise=True).validate()
