@@ -16,8 +16,9 @@ The family, as rollout options (the loss reads what the trajectory recorded, so 
 training cannot disagree): ``rollout.sde_step=cps`` (coefficients-preserving step, Wang et
 al., 2025), ``rollout.sde_window`` + ``sde_window_mode`` (Flow-GRPO-Fast / MixGRPO: SDE only in
 a window of k steps, ODE elsewhere, trained only there), ``rollout.shared_init_noise``
-(DanceGRPO: one initial noise per group), ``rollout.cfg_scale`` (CFG in rollout and in the
-recomputed log-probs alike).
+(DanceGRPO: one initial noise per group; with a one-step window the group branches at that
+step), ``rollout.antithetic_noise`` (mirrored SDE noise in pairs), ``rollout.cfg_scale`` (CFG in
+rollout and in the recomputed log-probs alike).
 """
 
 from __future__ import annotations
