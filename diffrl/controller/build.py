@@ -84,7 +84,10 @@ def build(cfg: Config) -> Parts:
     # held-out eval measures the policy itself: its own guidance, and independent initial noise
     # for every sample even when the rollout shares it within a group (DanceGRPO)
     eval_rollout = dataclasses.replace(
-        cfg.rollout, cfg_scale=cfg.rollout.eval_cfg_scale, shared_init_noise=False
+        cfg.rollout,
+        cfg_scale=cfg.rollout.eval_cfg_scale,
+        shared_init_noise=False,
+        antithetic_noise=False,
     )
     evaluator = RolloutEngine(base, eval_rollout, rollout_targets, tok.null_id, device)
     rewards = RewardPool(cfg.reward)

@@ -234,8 +234,9 @@ class RolloutEngine:
         # shared_init_noise a group starts from its first member's initial noise, and with
         # antithetic_noise every odd member steps with its even partner's negated noise
         noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
-        if self.cfg.antithetic_noise:
-            odd = torch.arange(1, len(seeds), 2)  # groups are contiguous and of even size
+        if self.cfg.antithetic_noise:  # groups are contiguous; an odd group's last is unpaired
+            member = torch.arange(len(seeds)) % g
+            odd = (member % 2 == 1).nonzero().squeeze(1)
             noise[odd, 1:] = -noise[odd - 1, 1:]
         first = torch.arange(len(seeds)) // g * g if self.cfg.shared_init_noise else slice(None)
         x, ids = noise[first, 0], ids.to(self.device)

@@ -237,5 +237,17 @@ def test_antithetic_noise_mirrors_pairs(tiny_model, tok, prompt_set) -> None:
     torch.testing.assert_close(x1[0] + x1[1], x1[2] + x1[3])  # both pairs straddle the same mu
     plain = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0]))
     torch.testing.assert_close(plain.latents[0], traj.latents[0])  # even members unchanged
+    # a call with odd groups of 3: members (0, 1) and (3, 4) are pairs; 2 and 5 keep their noise
+    mirrored, own = (
+        gen(
+            engine(tiny_model, tok, antithetic_noise=a, **kw),
+            prompt_set.batch([0, 1]),
+            group_size=3,
+        )
+        for a in (True, False)
+    )
+    y, z = mirrored.latents[:, 1], own.latents[:, 1]
+    torch.testing.assert_close(y[[0, 2, 3, 5]], z[[0, 2, 3, 5]])
+    assert not torch.allclose(y[[1, 4]], z[[1, 4]])
     with pytest.raises(FieldError, match="group_size"):
         RolloutConfig(group_size=3, antithetic_noise=True).validate()
