@@ -234,11 +234,11 @@ class RolloutEngine:
         # shared_init_noise a group starts from its first member's initial noise, and with
         # antithetic_noise every odd member steps with its even partner's negated noise
         noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
-        if self.cfg.antithetic_noise:  # groups are contiguous; an odd group's last is unpaired
-            member = torch.arange(len(seeds)) % g
+        member = torch.arange(len(seeds)) % g  # position within its (contiguous) group
+        if self.cfg.antithetic_noise:  # an odd-sized group's last member stays unpaired
             odd = (member % 2 == 1).nonzero().squeeze(1)
             noise[odd, 1:] = -noise[odd - 1, 1:]
-        first = torch.arange(len(seeds)) // g * g if self.cfg.shared_init_noise else slice(None)
+        first = torch.arange(len(seeds)) - member if self.cfg.shared_init_noise else slice(None)
         x, ids = noise[first, 0], ids.to(self.device)
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs = [x], []
