@@ -15,7 +15,8 @@ the SDE steps (shuffled per sample or in order).
 The family, as rollout options (the loss reads what the trajectory recorded, so rollout and
 training cannot disagree): ``rollout.sde_step=cps`` (coefficients-preserving step, Wang et
 al., 2025), ``rollout.sde_window`` + ``sde_window_mode`` (Flow-GRPO-Fast / MixGRPO: SDE only in
-a window of k steps, ODE elsewhere, trained only there), ``rollout.shared_init_noise``
+a window of k steps, ODE elsewhere, trained only there; ``rollout.ode_tail_steps`` runs the ODE
+steps after the window on a coarser grid), ``rollout.shared_init_noise``
 (DanceGRPO: one initial noise per group; with a one-step window the group branches at that
 step), ``rollout.antithetic_noise`` (mirrored SDE noise in pairs), ``rollout.cfg_scale`` (CFG in
 rollout and in the recomputed log-probs alike).

@@ -20,6 +20,7 @@ from diffrl.errors import check, check_choice
 from diffrl.models.convention import VelocityModel
 from diffrl.rollout.samplers import (
     STOCHASTIC_STEPS,
+    coarse_tail,
     euler_step,
     guided_velocity,
     sde_window,
@@ -48,6 +49,10 @@ class RolloutConfig:
     # mirrored sampling: group members 2k+1 take the negated SDE noise of member 2k, so a pair's
     # reward difference is the odd part of the reward in that noise (needs an even group_size)
     antithetic_noise: bool = False
+    # MixGRPO-Flash's cheap tail: the ODE steps after the last SDE step (no log-probs, never
+    # trained; only their end point is scored) re-gridded to this many Euler steps; 0 = off.
+    # Held-out eval always samples the full num_steps/eval_num_steps grid
+    ode_tail_steps: int = 0
     shift: float = 1.0  # sigma-schedule time shift
     cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
     max_batch: int = 32  # samples per forward; each micro-batch streams to the reward pool
@@ -89,6 +94,15 @@ class RolloutConfig:
                 "group_size",
                 self.group_size,
                 "must be even with rollout.antithetic_noise (members are mirrored in pairs)",
+            )
+        check(self.ode_tail_steps >= 0, "ode_tail_steps", self.ode_tail_steps, "must be >= 0")
+        if self.ode_tail_steps:
+            check(
+                self.sampler == "sde" and self.sde_window > 0,
+                "ode_tail_steps",
+                self.ode_tail_steps,
+                "needs an SDE window (rollout.sampler=sde, rollout.sde_window > 0): it re-grids "
+                "the ODE steps after the window",
             )
         check(self.shift > 0, "shift", self.shift, "must be > 0")
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
@@ -159,6 +173,9 @@ class RolloutEngine:
         mask = self.sde_mask(
             sampler or self.cfg.sampler, num_steps or self.cfg.num_steps, iteration, seed
         )
+        sigmas, mask = coarse_tail(
+            sigma_schedule(len(mask), self.cfg.shift), mask, self.cfg.ode_tail_steps, self.cfg.shift
+        )
         try:
             for k in range(0, len(prompts), per):
                 sub = prompts.select(torch.arange(k, min(k + per, len(prompts))))
@@ -168,6 +185,7 @@ class RolloutEngine:
                     seeds[k * g : (k + len(sub)) * g],
                     g,
                     k,
+                    sigmas,
                     mask,
                 )
                 await channel.put(traj, traj.policy_version)
@@ -199,10 +217,15 @@ class RolloutEngine:
 
     @torch.no_grad()
     def _generate(
-        self, prompts: PromptBatch, seeds: Tensor, g: int, group_offset: int, mask: Tensor
+        self,
+        prompts: PromptBatch,
+        seeds: Tensor,
+        g: int,
+        group_offset: int,
+        sigmas: Tensor,
+        mask: Tensor,
     ) -> Trajectory:
         batch = prompts.repeat(g)
-        sigmas = sigma_schedule(len(mask), self.cfg.shift)
         x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, mask, g)
         group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
         return Trajectory(

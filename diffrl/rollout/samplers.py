@@ -163,3 +163,21 @@ def guided_velocity(
         2
     )
     return v_u + scale * (v_c - v_u)
+
+
+def coarse_tail(sigmas: Tensor, mask: Tensor, tail_steps: int, shift: float = 1.0):
+    """(sigmas, mask) with the ODE steps after the last SDE step re-gridded to ``tail_steps``
+    Euler steps down to sigma=0 (MixGRPO-Flash's cheap ODE tail: those steps carry no log-prob
+    and are never trained, so the rollout only needs their end point for the reward). Returned
+    unchanged when there is no SDE step, ``tail_steps`` is 0, or the tail is already that short.
+    The tail keeps the schedule's spacing: ``sigma_schedule(tail_steps, shift)`` scaled to start
+    at the sigma the window ends on."""
+    if tail_steps <= 0 or not mask.any():
+        return sigmas, mask
+    end = int(mask.nonzero().max()) + 1  # sigmas[end]: where the last SDE step lands
+    if len(mask) - end <= tail_steps:
+        return sigmas, mask
+    tail = sigmas[end] * sigma_schedule(tail_steps, shift, sigmas.device)[1:]
+    return torch.cat([sigmas[: end + 1], tail]), torch.cat(
+        [mask[:end], torch.zeros(tail_steps, dtype=torch.bool)]
+    )

@@ -128,8 +128,9 @@ def _engine_batch(model, tok, rollout: RolloutConfig, rewards=None):
         {},
         {"sde_step": "cps", "noise_level": 0.5},
         {"cfg_scale": 2.5, "sde_window": 3, "sde_window_start": 2},
+        {"sde_window": 1, "sde_window_start": 1, "ode_tail_steps": 2, "shared_init_noise": True},
     ],
-    ids=["flow_grpo", "cps", "cfg+window"],
+    ids=["flow_grpo", "cps", "cfg+window", "branch+coarse_tail"],
 )
 def test_rollout_and_training_log_probs_agree(tiny_model, tok, actor_factory, kw) -> None:
     """The consistency metric: training recomputes the rollout's log-probs exactly (fp32)."""

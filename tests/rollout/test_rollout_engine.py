@@ -251,3 +251,28 @@ def test_antithetic_noise_mirrors_pairs(tiny_model, tok, prompt_set) -> None:
     assert not torch.allclose(y[[1, 4]], z[[1, 4]])
     with pytest.raises(FieldError, match="group_size"):
         RolloutConfig(group_size=3, antithetic_noise=True).validate()
+
+
+def test_coarse_ode_tail(tiny_model, tok, prompt_set) -> None:
+    kw = dict(sampler="sde", keep_latents=True, group_size=2, num_steps=6, sde_window=1)
+    kw.update(sde_window_start=1)
+    coarse = gen(engine(tiny_model, tok, ode_tail_steps=2, **kw), prompt_set.batch([0, 1]))
+    full = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0, 1]))
+    assert coarse.sde_mask.tolist() == [False, True, False, False]
+    assert coarse.latents.shape[1] == len(coarse.sigmas) == 5 and coarse.log_probs.shape[1] == 4
+    # the same path up to where the window lands (same seeds), then 2 Euler steps instead of 4
+    torch.testing.assert_close(coarse.latents[:, :3], full.latents[:, :3])
+    torch.testing.assert_close(coarse.log_probs[:, 1], full.log_probs[:, 1])
+    torch.testing.assert_close(coarse.sigmas, torch.tensor([1.0, 5 / 6, 4 / 6, 2 / 6, 0.0]))
+    x, sig = coarse.latents[:, 2], coarse.sigmas
+    for i in (2, 3):
+        v = tiny_model(x, sig[i].expand(len(x)), coarse.prompts.input_ids)
+        x = x + v * (sig[i + 1] - sig[i])
+    torch.testing.assert_close(coarse.x0, x, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(coarse.x0, full.x0)
+    ode = gen(engine(tiny_model, tok, ode_tail_steps=2, **kw), prompt_set.batch([0]), sampler="ode")
+    assert len(ode.sigmas) == 7  # no SDE step (the held-out eval): the full grid
+    with pytest.raises(FieldError, match="ode_tail_steps"):
+        RolloutConfig(sampler="sde", ode_tail_steps=3).validate()  # no window to follow
+    with pytest.raises(FieldError, match="ode_tail_steps"):
+        RolloutConfig(ode_tail_steps=-1).validate()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffrl.rollout.samplers import (
+    coarse_tail,
     cps_step_with_logprob,
     euler_step,
     gaussian_log_prob,
@@ -205,3 +206,20 @@ def test_fixed_window_out_of_range_is_an_error() -> None:
     with pytest.raises(ConfigError, match="sde_window_start"):
         validate_tree(RolloutConfig(num_steps=10, sde_window=3, sde_window_start=7), "rollout")
     validate_tree(RolloutConfig(num_steps=10, sde_window=3, sde_window_start=6), "rollout")
+
+
+def test_coarse_tail_regrids_only_the_ode_steps_after_the_window() -> None:
+    sig = sigma_schedule(10)
+    mask = sde_window(10, 1, "fixed", 2, 1, 0, 0)
+    s, m = coarse_tail(sig, mask, 4)
+    assert m.tolist() == [False, False, True] + [False] * 4  # window kept, 4 tail steps
+    torch.testing.assert_close(s[:4], sig[:4])  # up to where the window lands, untouched
+    torch.testing.assert_close(s[3:], sig[3] * torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    shifted, _ = coarse_tail(sigma_schedule(10, 3.0), mask, 4, shift=3.0)
+    end = sigma_schedule(10, 3.0)[3]
+    torch.testing.assert_close(shifted[3:], end * sigma_schedule(4, 3.0))  # the same spacing
+    for tail_steps, m_ in ((0, mask), (7, mask), (9, mask), (3, torch.zeros(10, dtype=torch.bool))):
+        s_, k_ = coarse_tail(sig, m_, tail_steps)  # off, already short enough, or no SDE step
+        assert torch.equal(s_, sig) and torch.equal(k_, m_)
+    last = sde_window(10, 2, "fixed", 7, 1, 0, 0)  # a window ending at the last SDE step
+    assert torch.equal(coarse_tail(sig, last, 1)[0], sig)
