@@ -109,50 +109,8 @@ def cps_step_with_logprob(
     return x_next, gaussian_log_prob(x_next, mean, std), mean, std
 
 
-def block_mean(x: Tensor, pool: int) -> Tensor:
-    """(B, C, H, W) -> (B, C, H/pool, W/pool): the mean of each pool x pool block."""
-    return torch.nn.functional.avg_pool2d(x, pool)
-
-
-def lowfreq_sde_step(pool: int):
-    """FlowGRPO's SDE step with its noise (and the matching score correction) confined to the
-    block-constant subspace of ``pool`` x ``pool`` blocks; the rest of x takes the Euler step.
-
-    With P the projection onto that subspace (x -> each block's mean, broadcast back), the SDE
-    with diffusion matrix s^2 P keeps the marginals of the flow's ODE when its drift adds the
-    score term through P (any positive semi-definite diffusion does, with its own correction):
-
-        mu = x + v d_sigma + P[s^2 / (2 sigma) (x + (1 - sigma) v)] d_sigma
-        x' = mu + s sqrt(-d_sigma) P eps
-
-    The policy is Gaussian on the subspace's orthonormal coordinates z = pool * block_mean(x)
-    and deterministic on its complement; the log-prob is the mean over those coordinates.
-    Noise in the blocks' fine detail barely moves a shape's layout, and it is where most of an
-    isotropic step's REINFORCE noise comes from: here only the coarse part is explored."""
-
-    def step(x, v, sigma, sigma_next, noise_level, sigma_cap, noise=None, x_next=None):
-        s = sde_std(sigma, noise_level, sigma_cap).to(x)
-        sig, ds = _bcast(sigma, x), _bcast(sigma_next - sigma, x)
-        score = _bcast(s, x).pow(2) / (2 * sig) * (x + (1 - sig) * v)
-        up = lambda t: t.repeat_interleave(pool, -2).repeat_interleave(pool, -1)  # noqa: E731
-        mean = x + v * ds + up(block_mean(score, pool)) * ds
-        std = s * torch.sqrt((sigma - sigma_next).to(x))
-        if x_next is None:
-            if noise is None:
-                raise ValueError("the low-frequency SDE step needs noise or x_next")
-            x_next = mean + _bcast(std, x) * up(block_mean(noise, pool))
-        z = pool * block_mean(x_next - mean, pool)  # ~ N(0, std^2) per subspace coordinate
-        return x_next, gaussian_log_prob(z, torch.zeros_like(z), std), mean, std
-
-    return step
-
-
 # The stochastic steps a rollout may use; each returns (x_next, log_prob, mean, std).
-STOCHASTIC_STEPS = {
-    "flow_grpo": sde_step_with_logprob,
-    "cps": cps_step_with_logprob,
-    **{f"flow_grpo_lf{p}": lowfreq_sde_step(p) for p in (2, 4, 8)},
-}
+STOCHASTIC_STEPS = {"flow_grpo": sde_step_with_logprob, "cps": cps_step_with_logprob}
 
 
 def sde_window(
