@@ -2,7 +2,8 @@
 over windows of steps (single evals on 208 samples carry +-3.4 points of sampling noise).
 
 Usage: python benchmarks/eval_windows.py LOG [LOG ...] [--start 100 --width 40 --every 40 --n 7]
-Prints a Markdown table: one row per run, one column per window [a, a + width].
+Prints a Markdown table: one row per run, one column per window [a, a + width], both ends
+included (with --every equal to --width, neighbouring windows share their boundary eval).
 """
 
 from __future__ import annotations

@@ -99,8 +99,15 @@ def build(cfg: Config) -> Parts:
 
 
 def check_rollout_for(algorithm: Algorithm, cfg: Config) -> None:
-    """An algorithm that trains on per-step log-probs needs stochastic, kept trajectories."""
+    """An algorithm that trains on per-step log-probs needs stochastic, kept trajectories; one
+    that trains on the final samples must not get them from a coarse ODE tail."""
     if not algorithm.needs_logprobs:
+        if cfg.rollout.ode_tail_steps:
+            raise ConfigError(
+                f"config key 'rollout.ode_tail_steps' = {cfg.rollout.ode_tail_steps}: "
+                f"{algorithm.name} trains on the final samples, so a coarse ODE tail would train "
+                "it on rougher images; the option is for the GRPO family (set it to 0)"
+            )
         return
     r, name = cfg.rollout, algorithm.name
     for key, ok, want in (

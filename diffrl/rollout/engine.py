@@ -51,7 +51,7 @@ class RolloutConfig:
     antithetic_noise: bool = False
     # MixGRPO-Flash's cheap tail: the ODE steps after the last SDE step (no log-probs, never
     # trained; only their end point is scored) re-gridded to this many Euler steps; 0 = off.
-    # Held-out eval always samples the full num_steps/eval_num_steps grid
+    # Held-out eval (ODE, eval_num_steps) is never re-gridded
     ode_tail_steps: int = 0
     shift: float = 1.0  # sigma-schedule time shift
     cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
@@ -101,9 +101,20 @@ class RolloutConfig:
                 self.sampler == "sde" and self.sde_window > 0,
                 "ode_tail_steps",
                 self.ode_tail_steps,
-                "needs an SDE window (rollout.sampler=sde, rollout.sde_window > 0): it re-grids "
-                "the ODE steps after the window",
+                "re-grids the ODE steps after an SDE window, and this rollout has none: set "
+                "rollout.sampler=sde and rollout.sde_window > 0 (sde_window=0 makes every step "
+                "but the last stochastic)",
             )
+            if self.sde_window_mode == "fixed":
+                after = self.num_steps - self.sde_window_start - self.sde_window
+                check(
+                    self.ode_tail_steps < after,
+                    "ode_tail_steps",
+                    self.ode_tail_steps,
+                    f"must be < {after}, the ODE steps after the fixed window (steps "
+                    f"{self.sde_window_start}..{self.sde_window_start + self.sde_window - 1} of "
+                    f"{self.num_steps}); at {after} or more it changes nothing",
+                )
         check(self.shift > 0, "shift", self.shift, "must be > 0")
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
         check(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")

@@ -170,8 +170,8 @@ def coarse_tail(sigmas: Tensor, mask: Tensor, tail_steps: int, shift: float = 1.
     Euler steps down to sigma=0 (MixGRPO-Flash's cheap ODE tail: those steps carry no log-prob
     and are never trained, so the rollout only needs their end point for the reward). Returned
     unchanged when there is no SDE step, ``tail_steps`` is 0, or the tail is already that short.
-    The tail keeps the schedule's spacing: ``sigma_schedule(tail_steps, shift)`` scaled to start
-    at the sigma the window ends on."""
+    The tail is spaced as ``sigma_schedule(tail_steps, shift)``, scaled to start at the sigma the
+    window ends on (uniform in sigma for shift 1)."""
     if tail_steps <= 0 or not mask.any():
         return sigmas, mask
     end = int(mask.nonzero().max()) + 1  # sigmas[end]: where the last SDE step lands

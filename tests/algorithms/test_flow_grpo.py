@@ -137,6 +137,8 @@ def test_rollout_and_training_log_probs_agree(tiny_model, tok, actor_factory, kw
     rollout = RolloutConfig(group_size=4, num_steps=6, sampler="sde", keep_latents=True, **kw)
     actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=GRPOConfig())
     traj, batch = _engine_batch(tiny_model, tok, rollout)
+    if rollout.ode_tail_steps:  # steps 0-1 as sampled, then 2 tail steps instead of 4
+        assert len(traj.sigmas) == 5 and traj.latents.shape[1] == 5
     m = consistency(actor, batch, GRPOConfig())
     assert m["grpo/logp_diff_max"] < 1e-6 and m["grpo/logp_diff_mean"] < 1e-6
     # and the actor reports it before its first update

@@ -48,6 +48,17 @@ def test_grpo_refuses_rollouts_without_log_probs(bad, key, tiny_checkpoint, tmp_
         build(cfg)
 
 
+@pytest.mark.parametrize("recipe", ["shapes_nft.yaml", "shapes_dpo.yaml"])
+def test_sample_trained_algorithms_refuse_a_coarse_ode_tail(recipe, tiny_checkpoint, tmp_path):
+    window = ("rollout.sampler=sde", "rollout.sde_window=1", "rollout.sde_window_start=1")
+    cfg = load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 1, *window))
+    build(cfg)  # a window alone is fine: the samples are still the full grid's
+    tail = (*window, "rollout.ode_tail_steps=2")
+    cfg = load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 1, *tail))
+    with pytest.raises(ConfigError, match="rollout.ode_tail_steps"):
+        build(cfg)
+
+
 def test_eval_samples_without_the_rollouts_guidance_or_shared_noise(
     tiny_checkpoint, tmp_path: Path
 ) -> None:

@@ -276,3 +276,10 @@ def test_coarse_ode_tail(tiny_model, tok, prompt_set) -> None:
         RolloutConfig(sampler="sde", ode_tail_steps=3).validate()  # no window to follow
     with pytest.raises(FieldError, match="ode_tail_steps"):
         RolloutConfig(ode_tail_steps=-1).validate()
+    with pytest.raises(FieldError, match="changes nothing"):  # 7 ODE steps follow a window at 2
+        RolloutConfig(
+            sampler="sde", num_steps=10, sde_window=1, sde_window_start=2, ode_tail_steps=7
+        ).validate()
+    RolloutConfig(
+        sampler="sde", num_steps=10, sde_window=1, sde_window_start=2, ode_tail_steps=6
+    ).validate()

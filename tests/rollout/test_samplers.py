@@ -216,8 +216,8 @@ def test_coarse_tail_regrids_only_the_ode_steps_after_the_window() -> None:
     torch.testing.assert_close(s[:4], sig[:4])  # up to where the window lands, untouched
     torch.testing.assert_close(s[3:], sig[3] * torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
     shifted, _ = coarse_tail(sigma_schedule(10, 3.0), mask, 4, shift=3.0)
-    end = sigma_schedule(10, 3.0)[3]
-    torch.testing.assert_close(shifted[3:], end * sigma_schedule(4, 3.0))  # the same spacing
+    end, u = 3 * 0.7 / (1 + 2 * 0.7), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    torch.testing.assert_close(shifted[3:], end * 3 * u / (1 + 2 * u))  # shift 3's spacing
     for tail_steps, m_ in ((0, mask), (7, mask), (9, mask), (3, torch.zeros(10, dtype=torch.bool))):
         s_, k_ = coarse_tail(sig, m_, tail_steps)  # off, already short enough, or no SDE step
         assert torch.equal(s_, sig) and torch.equal(k_, m_)
