@@ -41,6 +41,9 @@ rows, name = read_metrics(sys.argv[1]), sys.argv[2]
 ev = [(r["step"], round(r["eval/overall"], 3)) for r in rows if "eval/overall" in r]
 wall = max((r.get("perf/wall_s", 0) for r in rows), default=0)
 print(name, ev, f"wall {wall:.0f}s")
+live = [(r["step"], round(r["eval_live/overall"], 3)) for r in rows if "eval_live/overall" in r]
+if live:  # run.eval_live with an EMA: the live weights' curve too
+    print(name + ":live", live, f"wall {wall:.0f}s")
 PY
   grep -iE "error|Traceback" "$RUNS/$name.log" | tail -2 | tee -a "$LOG"
 done

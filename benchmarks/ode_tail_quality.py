@@ -1,10 +1,12 @@
-"""How far a coarse ODE tail (``rollout.ode_tail_steps``) moves the samples the reward sees.
+"""How far a coarse ODE tail (``rollout.ode_tail_steps``) or bfloat16 ODE steps
+(``rollout.ode_dtype``) move the samples the reward sees.
 
 Samples the held-out ShapesBench prompts with the base model along the full Euler grid and
 along grids whose steps after an SDE window were re-gridded by ``coarse_tail`` (the window's
 own step taken as an Euler step here, so the two paths share the same start and prefix), and
 prints the verifier's accuracy, the fraction of verdicts unchanged, and the mean squared
-difference of the final samples.
+difference of the final samples; the last row is the full grid with every step's forward in
+bfloat16 autocast.
 
 Usage: python benchmarks/ode_tail_quality.py [--steps 10] [--window-start 2] [--tails 2 3 4 5]
 """
@@ -12,13 +14,14 @@ Usage: python benchmarks/ode_tail_quality.py [--steps 10] [--window-start 2] [--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 from diffrl.config import load_config
 from diffrl.controller.build import build
 from diffrl.data.shapes import parse_prompt, score_batch
-from diffrl.rollout.engine import sample_seeds
+from diffrl.rollout.engine import RolloutEngine, sample_seeds
 from diffrl.rollout.samplers import coarse_tail, sde_window, sigma_schedule
 from diffrl.types import images_to_uint8
 
@@ -36,7 +39,7 @@ def main() -> None:
     seeds = sample_seeds(1234, len(batch))
     prompts = [parse_prompt(t) for t in batch.texts]
 
-    def sample(sigmas: torch.Tensor):
+    def sample(sigmas: torch.Tensor, engine: RolloutEngine = engine):
         ode = torch.zeros(len(sigmas) - 1, dtype=torch.bool)
         x0 = torch.cat(
             [
@@ -59,6 +62,16 @@ def main() -> None:
         same = (ok == ref).float().mean()
         mse = ((x0 - x_ref) ** 2).mean()
         print(f"| {tail} | {ok.float().mean():.3f} | {same:.3f} | {mse:.4f} |")
+    low = RolloutEngine(
+        engine.model,
+        dataclasses.replace(engine.cfg, ode_dtype="bfloat16"),
+        [],
+        engine.null_id,
+        engine.device,
+    )
+    ok, x0 = sample(full, low)
+    same, mse = (ok == ref).float().mean(), ((x0 - x_ref) ** 2).mean()
+    print(f"| {a.steps} steps, bfloat16 | {ok.float().mean():.3f} | {same:.3f} | {mse:.5f} |")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ class RunConfig:
     # start step k+1's rollout while step k's update runs, when the algorithm says the update
     # cannot change the rollout's weights (e.g. NFT between old-policy refreshes): same results
     prefetch: bool = True
+    # with actor.ema_decay > 0: also evaluate the live (non-EMA) weights, as eval_live/*
+    # (doubles the eval time; for comparing the two)
+    eval_live: bool = False
 
     def validate(self) -> None:
         check(bool(self.name) and "/" not in self.name, "name", self.name, "a non-empty name")

@@ -1,7 +1,9 @@
 """The actor engine: LoRA adapters via peft on the base model, AdamW, grad clipping.
 
-Adapters: ``default`` (trained) and ``old`` (frozen, refreshed by the algorithm's schedule);
-the reference policy is the base model with adapters disabled. The actor never samples
+Adapters: ``default`` (trained), ``old`` (frozen, refreshed by the algorithm's schedule) and,
+with ``ema_decay`` > 0, ``ema`` (frozen, an exponential moving average of ``default`` updated after
+every optimizer step, which held-out eval samples with); the reference policy is the base model
+with adapters disabled. The actor never samples
 trajectories; it trains on what the rollout produced and exports versioned LoRA deltas.
 """
 
@@ -54,6 +56,11 @@ class ActorConfig:
     # one AdamW step (PPO-style minibatches; 1 = one step on the whole batch)
     minibatches: int = 1
     max_nonfinite_steps: int = 3  # consecutive NaN/inf losses before training stops
+    # > 0: keep an ``ema`` adapter, ema <- d*ema + (1-d)*default after each optimizer step, with
+    # d = min(ema_decay, k/(k+1)) at the k-th step (a plain mean of the iterates until the EMA's
+    # horizon 1/(1-ema_decay) is reached); held-out eval then measures the EMA policy, while
+    # rollouts keep sampling with the live one. 0 = off
+    ema_decay: float = 0.0
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 
     def validate(self) -> None:
@@ -62,6 +69,7 @@ class ActorConfig:
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         check(self.micro_batch >= 1, "micro_batch", self.micro_batch, "must be >= 1")
         check(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
+        check(0 <= self.ema_decay < 1, "ema_decay", self.ema_decay, "must be in [0, 1)")
 
 
 class NonFiniteLoss(DiffrlError):
@@ -88,7 +96,9 @@ class ActorEngine:
             init_lora_weights=True,
         )
         self.model = get_peft_model(model.to(device), lora)
-        self.model.add_adapter("old", lora)
+        self.frozen = ("old", "ema") if cfg.ema_decay > 0 else ("old",)
+        for name in self.frozen:
+            self.model.add_adapter(name, lora)
         self.model.base_model.set_adapter("default")
         self.layers = {
             name.removeprefix(PEFT_PREFIX): m
@@ -100,7 +110,8 @@ class ActorEngine:
         ]
         if missing or not self.layers:
             raise DiffrlError(f"LoRA targets {missing or targets} matched no module of the model")
-        self.update_old(decay=0.0)  # old == default at start (peft inits A randomly per adapter)
+        for name in self.frozen:  # == default at start (peft inits A randomly per adapter)
+            self.blend(name, decay=0.0)
         self.params = [p for n, p in self.model.named_parameters() if ".default." in n]
         for p in self.params:
             p.requires_grad_(True)
@@ -127,11 +138,12 @@ class ActorEngine:
             self._activate("default")
 
     def _activate(self, adapter: str) -> None:
-        # peft's set_adapter also flips requires_grad; keep "old" frozen whatever is active
+        # peft's set_adapter also flips requires_grad; keep the others frozen whatever is active
         for layer in self.layers.values():
             layer.set_adapter(adapter)
             for name in ("lora_A", "lora_B"):
-                getattr(layer, name)["old"].requires_grad_(False)
+                for frozen in self.frozen:
+                    getattr(layer, name)[frozen].requires_grad_(False)
 
     # --- training -----------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -186,15 +198,26 @@ class ActorEngine:
         self.nonfinite = 0
         self.opt.step()
         self.version += 1
+        if self.cfg.ema_decay > 0:
+            self.blend("ema", decay=min(self.cfg.ema_decay, self.version / (self.version + 1)))
         return {**metrics, "actor/loss": total, "actor/grad_norm": grad_norm}
 
-    @torch.no_grad()
     def update_old(self, decay: float) -> None:
         """old <- decay * old + (1 - decay) * default (decay=0: a copy)."""
+        self.blend("old", decay)
+
+    @torch.no_grad()
+    def blend(self, adapter: str, decay: float) -> None:
+        """adapter <- decay * adapter + (1 - decay) * default, factor by factor (LoRA A and B)."""
         for layer in self.layers.values():
             for name in ("lora_A", "lora_B"):
                 mods = getattr(layer, name)
-                mods["old"].weight.mul_(decay).add_(mods["default"].weight, alpha=1 - decay)
+                mods[adapter].weight.mul_(decay).add_(mods["default"].weight, alpha=1 - decay)
+
+    @property
+    def eval_adapter(self) -> str:
+        """The adapter held-out eval measures: the EMA when there is one."""
+        return "ema" if self.cfg.ema_decay > 0 else "default"
 
     def export_weights(self, adapter: str = "default") -> WeightUpdate:
         deltas = {

@@ -116,11 +116,35 @@ def step_logprob(
     def velocity(x_, s_, ids_):
         return policy.velocity(x_, s_, ids_, adapter=adapter)
 
-    v = guided_velocity(velocity, x_t, sigma, batch.input_ids[rows], spec.cfg_scale, spec.null_id)
+    ids = batch.input_ids[rows]
+    shared = None
+    if batch.group is not None:
+        shared = shared_rows(x_t, ids, batch.group[rows].to(j.device) * len(sig) + j)
+    if shared is None:
+        v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_id)
+    else:  # one forward per distinct input; the gradient sums back over the copies
+        first, inverse = shared
+        v = guided_velocity(
+            velocity, x_t[first], sigma[first], ids[first], spec.cfg_scale, spec.null_id
+        )[inverse]
     _, logp, mean, std = STOCHASTIC_STEPS[spec.kind](
         x_t, v, sigma, sigma_next, spec.noise_level, float(sig[1]), x_next=x_next
     )
     return logp, mean, std
+
+
+def shared_rows(x: Tensor, ids: Tensor, key: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Rows with the same ``key`` (group and step) whose inputs are bitwise equal: a group that
+    shares its trajectory up to this step (DanceGRPO's shared initial noise, before or at its
+    first SDE step, e.g. Flow-GRPO-Fast's branching step) needs one forward, not one per member.
+    -> (first, inverse): x[first][inverse] == x; None when no row repeats or inputs differ."""
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    if len(uniq) == len(key):
+        return None
+    index = torch.arange(len(key), device=key.device)
+    first = torch.full_like(uniq, len(key)).scatter_reduce(0, inverse, index, "amin")
+    same = torch.equal(x[first][inverse], x) and torch.equal(ids[first][inverse], ids)
+    return (first, inverse) if same else None
 
 
 def loss(

@@ -81,13 +81,14 @@ def build(cfg: Config) -> Parts:
     check_rollout_for(algorithm, cfg)
     rollout_targets = _expanded_targets(base, targets)
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
-    # held-out eval measures the policy itself: its own guidance, and independent initial noise
-    # for every sample even when the rollout shares it within a group (DanceGRPO)
+    # held-out eval measures the policy itself: its own guidance, full precision, and independent
+    # initial noise for every sample even when the rollout shares it within a group (DanceGRPO)
     eval_rollout = dataclasses.replace(
         cfg.rollout,
         cfg_scale=cfg.rollout.eval_cfg_scale,
         shared_init_noise=False,
         antithetic_noise=False,
+        ode_dtype="float32",
     )
     evaluator = RolloutEngine(base, eval_rollout, rollout_targets, tok.null_id, device)
     rewards = RewardPool(cfg.reward)

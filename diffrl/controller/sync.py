@@ -54,18 +54,28 @@ async def rollout_and_score(parts: Parts, step: int):
 
 
 async def run_eval(parts: Parts, run: RunDir, step: int) -> dict[str, float]:
-    parts.evaluator.load_weights(parts.actor.export_weights("default"))
+    """Held-out eval of the policy the run ships (the EMA one with ``actor.ema_decay``) as
+    ``eval/*``; with ``run.eval_live`` and an EMA, also the live weights as ``eval_live/*``."""
+    cfg, adapter = parts.cfg, parts.actor.eval_adapter
+    metrics, images, texts, ok = await _evaluate_adapter(parts, adapter)
+    idx = grid_pick(texts, cfg.data.eval_samples_per_prompt)
+    run.save_grid(step, images[idx], [texts[i] for i in idx], [ok[i] for i in idx])
+    if cfg.run.eval_live and adapter != "default":
+        live = (await _evaluate_adapter(parts, "default"))[0]
+        metrics.update({k.replace("eval/", "eval_live/", 1): v for k, v in live.items()})
+    return metrics
+
+
+async def _evaluate_adapter(parts: Parts, adapter: str):
+    parts.evaluator.load_weights(parts.actor.export_weights(adapter))
     cfg = parts.cfg
-    metrics, images, texts, ok = await evaluate(
+    return await evaluate(
         parts.evaluator,
         parts.eval_set,
         cfg.data.eval_samples_per_prompt,
         cfg.data.eval_seed,
         cfg.rollout.eval_num_steps,
     )
-    idx = grid_pick(texts, cfg.data.eval_samples_per_prompt)
-    run.save_grid(step, images[idx], [texts[i] for i in idx], [ok[i] for i in idx])
-    return metrics
 
 
 def can_prefetch(parts: Parts, step: int) -> bool:

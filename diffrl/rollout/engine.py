@@ -53,6 +53,10 @@ class RolloutConfig:
     # trained; only their end point is scored) re-gridded to this many Euler steps; 0 = off.
     # Held-out eval (ODE, eval_num_steps) is never re-gridded
     ode_tail_steps: int = 0
+    # precision of the deterministic steps' forward passes (autocast): bfloat16 runs them about
+    # 1.4x faster on a CPU with AVX512-BF16 or on a GPU. SDE steps always run in the model's own
+    # dtype, so the recorded log-probs stay exact; held-out eval always runs in it
+    ode_dtype: str = "float32"  # float32 | bfloat16
     shift: float = 1.0  # sigma-schedule time shift
     cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
     max_batch: int = 32  # samples per forward; each micro-batch streams to the reward pool
@@ -115,6 +119,7 @@ class RolloutConfig:
                     f"{self.sde_window_start}..{self.sde_window_start + self.sde_window - 1} of "
                     f"{self.num_steps}); at {after} or more it changes nothing",
                 )
+        check_choice("ode_dtype", self.ode_dtype, ("float32", "bfloat16"))
         check(self.shift > 0, "shift", self.shift, "must be > 0")
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
         check(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
@@ -277,13 +282,16 @@ class RolloutEngine:
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs = [x], []
         shared = self.cfg.shared_init_noise and g > 1  # members still bitwise copies of the first
+        low = self.cfg.ode_dtype == "bfloat16"
         for i in range(t_steps):
             sigma = sigmas[i].expand(x.shape[0]).to(self.device, dtype)
             sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
-            if shared:  # one forward per group, copied to its members
-                v = self.velocity(x[::g], sigma[::g], ids[::g]).repeat_interleave(g, 0)
-            else:
-                v = self.velocity(x, sigma, ids)
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=low and not mask[i]):
+                if shared:  # one forward per group, copied to its members
+                    v = self.velocity(x[::g], sigma[::g], ids[::g]).repeat_interleave(g, 0)
+                else:
+                    v = self.velocity(x, sigma, ids)
+            v = v.to(dtype)
             shared = shared and not mask[i]
             if mask[i]:
                 x, lp, _, _ = step_fn(

@@ -264,3 +264,46 @@ def test_unknown_lora_target_raises(tiny_model) -> None:
         build(["attn.nope"])
     with pytest.raises(DiffrlError, match=r"\['attn.nope'\] matched no module"):
         build(["attn.qkv", "attn.nope"])  # one matches: diffrl names the one that does not
+
+
+def test_ema_adapter_averages_the_iterates(tiny_model, actor_factory, train_batch_factory) -> None:
+    """ema_decay d: a plain mean of the iterates for the first 1/(1-d) steps, then an EMA; the
+    ema adapter stays frozen, held-out eval reads it, and a checkpoint round-trips it."""
+    batch = train_batch_factory(4)
+    actor = actor_factory(copy.deepcopy(tiny_model), ema_decay=0.6)
+    assert (
+        actor.eval_adapter == "ema"
+        and actor_factory(copy.deepcopy(tiny_model)).eval_adapter == "default"
+    )
+    iterates = [lora_weights(actor, "default")]
+    ema = lora_weights(actor, "ema")
+    for k in ema:
+        assert torch.equal(ema[k], iterates[0][k]), k
+    for step in range(1, 5):
+        actor.train_step(batch)
+        iterates.append(lora_weights(actor, "default"))
+        d = min(0.6, step / (step + 1))  # 1/2, 2/3 -> 0.6, 0.6, 0.6
+        ema = {k: d * ema[k] + (1 - d) * iterates[-1][k] for k in ema}
+        if step == 1:  # the mean of the first two iterates
+            for k in ema:
+                torch.testing.assert_close(ema[k], (iterates[0][k] + iterates[1][k]) / 2)
+    got = lora_weights(actor, "ema")
+    for k in ema:
+        torch.testing.assert_close(got[k], ema[k], rtol=1e-5, atol=1e-7)
+    assert not torch.equal(got[k], iterates[-1][k])
+    assert all(".default." in n for n, p in actor.model.named_parameters() if p.requires_grad)
+    exported = actor.export_weights("ema")
+    assert exported.adapter == "ema" and set(exported.deltas) == set(actor.layers)
+    other = actor_factory(copy.deepcopy(tiny_model), ema_decay=0.6)
+    other.load_state(actor.adapter_tensors(), actor.state_dict())
+    for k, v in lora_weights(other, "ema").items():
+        assert torch.equal(v, got[k]), k
+
+
+def test_ema_decay_out_of_range_is_a_config_error() -> None:
+    from diffrl.config import load_config
+    from diffrl.errors import ConfigError
+
+    for bad in ("1.0", "-0.1"):
+        with pytest.raises(ConfigError, match=r"actor\.ema_decay.*\[0, 1\)"):
+            load_config("recipes/shapes_grpo_fast.yaml", [f"actor.ema_decay={bad}"])

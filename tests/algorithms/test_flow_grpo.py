@@ -5,12 +5,14 @@ import asyncio
 import pytest
 import torch
 
+from diffrl.actor.engine import _select
 from diffrl.algorithms.flow_grpo import (
     GRPOConfig,
     clipped_objective,
     consistency,
     loss,
     prepare,
+    shared_rows,
     train_steps,
 )
 from diffrl.algorithms.registry import get_algorithm
@@ -183,3 +185,66 @@ def test_window_trajectory_trains_only_inside_the_window(tiny_model, tok, actor_
 def test_prepare_refuses_ode_trajectories(tiny_model, tok) -> None:
     with pytest.raises(ValueError, match="rollout.sampler=sde"):
         _engine_batch(tiny_model, tok, RolloutConfig(group_size=2, num_steps=4, keep_latents=True))
+
+
+def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
+    tiny_model, tok, actor_factory, monkeypatch
+) -> None:
+    """Flow-GRPO-Fast's branching step: a group shares x up to and at its SDE step, so training
+    runs one forward per group there; the loss and gradient are those of one per member."""
+    rollout = RolloutConfig(
+        group_size=4,
+        num_steps=6,
+        sampler="sde",
+        keep_latents=True,
+        shared_init_noise=True,
+        sde_window=2,  # step 1 is the branch (shared input), step 2 is not (members differ)
+        sde_window_start=1,
+    )
+    _, batch = _engine_batch(tiny_model, tok, rollout)
+    batch = _select(batch, torch.randperm(len(batch), generator=torch.Generator().manual_seed(1)))
+    cfg = GRPOConfig(timestep_fraction=1.0, timestep_order="ordered", kl_coef=0.1)
+    actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=cfg)
+    with torch.no_grad():  # weights unlike the rollout's, so the ratio and the KL move
+        for layer in actor.layers.values():
+            layer.lora_B["default"].weight.normal_(
+                0, 0.02, generator=torch.Generator().manual_seed(0)
+            )
+    sizes = []
+    forward = actor.velocity
+
+    def counted(x, sigma, ids, adapter="default"):
+        sizes.append(len(x))
+        return forward(x, sigma, ids, adapter=adapter)
+
+    def loss_and_grad():
+        actor.opt.zero_grad(set_to_none=True)
+        value, m = loss(actor, batch, cfg, torch.Generator().manual_seed(0))
+        value.backward()
+        return value.detach(), m, [p.grad.clone() for p in actor.params]
+
+    monkeypatch.setattr(actor, "velocity", counted)
+    once = loss_and_grad()
+    assert sizes == [3, 3, 12, 12]  # step 1 (policy, reference): one row per group; step 2: all
+    monkeypatch.setattr("diffrl.algorithms.flow_grpo.shared_rows", lambda *a: None)
+    sizes.clear()
+    each = loss_and_grad()
+    assert sizes == [12, 12, 12, 12]
+    torch.testing.assert_close(once[0], each[0], rtol=1e-5, atol=1e-8)
+    assert once[1] == pytest.approx(each[1], rel=1e-4, abs=1e-8)
+    for a, b in zip(once[2], each[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in once[2])
+
+
+def test_shared_rows_only_merges_bitwise_equal_inputs() -> None:
+    x = torch.randn(4, 3)
+    ids = torch.ones(4, 2, dtype=torch.long)
+    key = torch.tensor([7, 7, 9, 9])
+    assert shared_rows(x, ids, key) is None  # same key, different inputs: no merging
+    x[1], x[3] = x[0], x[2]
+    first, inverse = shared_rows(x, ids, key)
+    assert first.tolist() == [0, 2] and inverse.tolist() == [0, 0, 1, 1]
+    assert shared_rows(x, ids, torch.arange(4)) is None  # every key distinct
+    ids[3, 1] = 5
+    assert shared_rows(x, ids, key) is None

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 from tiny_runs import tiny_run
 
 from diffrl.config import REPO_ROOT, load_config
@@ -73,3 +74,19 @@ def test_eval_samples_without_the_rollouts_guidance_or_shared_noise(
         "shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.eval_cfg_scale=2")
     )
     assert build(guided).evaluator.cfg.cfg_scale == 2.0
+
+
+def test_ema_eval_reports_the_ema_policy_and_optionally_the_live_one(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    extra = ("rollout.num_steps=4", "actor.ema_decay=0.5", "run.eval_every=1", "run.eval_live=true")
+    cfg = load_config("shapes_grpo_fast.yaml", tiny_run(tiny_checkpoint, tmp_path, 2, *extra))
+    root = asyncio.run(train(cfg))
+    rows = read_metrics(root)
+    assert all("eval/overall" in r and "eval_live/overall" in r for r in rows)
+    assert rows[0]["eval/overall"] == rows[0]["eval_live/overall"]  # identical at the start
+    ckpt = root / "checkpoints" / (root / "checkpoints" / "latest").read_text().strip()
+    saved = load_file(str(ckpt / "adapters.safetensors"))
+    assert any(".ema." in k for k in saved)  # resume restores the average too
+    plain = load_config("shapes_grpo_fast.yaml", tiny_run(tiny_checkpoint, tmp_path / "p", 0))
+    assert build(plain).actor.eval_adapter == "default"  # off by default: no eval_live/*
