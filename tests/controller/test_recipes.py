@@ -63,13 +63,18 @@ def test_sample_trained_algorithms_refuse_a_coarse_ode_tail(recipe, tiny_checkpo
 def test_eval_samples_without_the_rollouts_guidance_or_shared_noise(
     tiny_checkpoint, tmp_path: Path
 ) -> None:
-    overrides = ("rollout.cfg_scale=3", "rollout.shared_init_noise=true")
+    overrides = (
+        "rollout.cfg_scale=3",
+        "rollout.shared_init_noise=true",
+        "rollout.ode_dtype=bfloat16",
+    )
     cfg = load_config("shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, *overrides))
     parts = build(cfg)
     assert parts.rollout.cfg.cfg_scale == 3.0 and parts.rollout.cfg.shared_init_noise
     assert parts.evaluator.cfg.cfg_scale == 1.0  # rollout.eval_cfg_scale's default
     # every held-out sample has its own initial noise (52 prompts x 4 = 208 draws, not 52)
     assert not parts.evaluator.cfg.shared_init_noise
+    assert parts.evaluator.cfg.ode_dtype == "float32"  # and in full precision
     guided = load_config(
         "shapes_nft.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.eval_cfg_scale=2")
     )
