@@ -19,7 +19,9 @@ a window of k steps, ODE elsewhere, trained only there; ``rollout.ode_tail_steps
 steps after the window on a coarser grid), ``rollout.shared_init_noise``
 (DanceGRPO: one initial noise per group; with a one-step window the group branches at that
 step), ``rollout.antithetic_noise`` (mirrored SDE noise in pairs), ``rollout.cfg_scale`` (CFG in
-rollout and in the recomputed log-probs alike).
+rollout and in the recomputed log-probs alike). Where a group's members share their input at a
+trained step (shared initial noise, up to and at the step where they branch), the loss runs one
+forward per group and spreads it over the members: the same loss and gradient, for less work.
 """
 
 from __future__ import annotations
