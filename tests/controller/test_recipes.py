@@ -93,5 +93,5 @@ def test_ema_eval_reports_the_ema_policy_and_optionally_the_live_one(
     ckpt = root / "checkpoints" / (root / "checkpoints" / "latest").read_text().strip()
     saved = load_file(str(ckpt / "adapters.safetensors"))
     assert any(".ema." in k for k in saved)  # resume restores the average too
-    plain = load_config("shapes_grpo_fast.yaml", tiny_run(tiny_checkpoint, tmp_path / "p", 0))
-    assert build(plain).actor.eval_adapter == "default"  # off by default: no eval_live/*
+    plain = load_config("shapes_grpo.yaml", tiny_run(tiny_checkpoint, tmp_path / "p", 0))
+    assert build(plain).actor.eval_adapter == "default"  # off unless set: no eval_live/*
