@@ -1,10 +1,10 @@
 """The actor engine: LoRA adapters via peft on the base model, AdamW, grad clipping.
 
 Adapters: ``default`` (trained), ``old`` (frozen, refreshed by the algorithm's schedule) and,
-with ``ema_decay`` > 0, ``ema`` (frozen, an exponential moving average of ``default`` updated after
-every optimizer step, which held-out eval samples with); the reference policy is the base model
-with adapters disabled. The actor never samples
-trajectories; it trains on what the rollout produced and exports versioned LoRA deltas.
+with ``ema_decay`` > 0, ``ema`` (frozen, an exponential moving average of ``default`` updated
+after every optimizer step, which held-out eval samples with); the reference policy is the base
+model with adapters disabled. The actor never samples trajectories; it trains on what the
+rollout produced and exports versioned LoRA deltas.
 """
 
 from __future__ import annotations
@@ -245,8 +245,21 @@ class ActorEngine:
         }
 
     def load_state(self, adapters: dict[str, Tensor], state: dict) -> None:
+        """Restore adapters and optimizer state. A run resumed with ``ema_decay`` switched on
+        starts its average from the resumed weights; switched off, it drops the saved one."""
         params = dict(self.model.named_parameters())
-        missing = sorted(set(params) & {n for n in params if "lora_" in n} - set(adapters))
+        saved_ema = any(".ema." in n for n in adapters)
+        if saved_ema and "ema" not in self.frozen:
+            log.warning("checkpoint has an EMA adapter and actor.ema_decay is 0: dropping it")
+            adapters = {n: t for n, t in adapters.items() if ".ema." not in n}
+        start_ema = "ema" in self.frozen and not saved_ema
+        if start_ema:
+            log.warning("checkpoint has no EMA adapter: the average starts at the resumed weights")
+        missing = sorted(
+            n
+            for n in params
+            if "lora_" in n and n not in adapters and not (start_ema and ".ema." in n)
+        )
         if missing:
             raise DiffrlError(f"checkpoint lacks adapter tensors {missing[:4]}")
         with torch.no_grad():
@@ -257,6 +270,8 @@ class ActorEngine:
                         "model (different LoRA rank or targets?)"
                     )
                 params[n].copy_(t)
+        if start_ema:
+            self.blend("ema", decay=0.0)
         self.opt.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.gen.set_state(state["gen"])

@@ -307,3 +307,24 @@ def test_ema_decay_out_of_range_is_a_config_error() -> None:
     for bad in ("1.0", "-0.1"):
         with pytest.raises(ConfigError, match=r"actor\.ema_decay.*\[0, 1\)"):
             load_config("recipes/shapes_grpo_fast.yaml", [f"actor.ema_decay={bad}"])
+
+
+def test_resume_switching_the_ema_on_or_off(tiny_model, actor_factory, train_batch_factory) -> None:
+    """A checkpoint without an EMA resumed with one starts the average at the resumed weights;
+    one with an EMA resumed without it drops it. Either way the trained weights come back."""
+    batch = train_batch_factory(4)
+    plain = actor_factory(copy.deepcopy(tiny_model))
+    plain.train_step(batch)
+    with_ema = actor_factory(copy.deepcopy(tiny_model), ema_decay=0.9)
+    with_ema.load_state(plain.adapter_tensors(), plain.state_dict())
+    trained = lora_weights(plain, "default")
+    for k, v in lora_weights(with_ema, "ema").items():
+        assert torch.equal(v, trained[k]), k
+    for k, v in lora_weights(with_ema, "default").items():
+        assert torch.equal(v, trained[k]), k
+    with_ema.train_step(batch)
+    again = actor_factory(copy.deepcopy(tiny_model))
+    again.load_state(with_ema.adapter_tensors(), with_ema.state_dict())
+    assert again.version == 2
+    for k, v in lora_weights(again, "default").items():
+        assert torch.equal(v, lora_weights(with_ema, "default")[k]), k
