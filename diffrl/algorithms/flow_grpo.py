@@ -121,7 +121,7 @@ def step_logprob(
     ids = batch.input_ids[rows]
     shared = None
     if batch.group is not None:
-        shared = shared_rows(x_t, ids, batch.group[rows].to(j.device) * len(sig) + j)
+        shared = shared_rows(x_t, ids, j)
     if shared is None:
         v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_id)
     else:  # one forward per distinct input; the gradient sums back over the copies
@@ -136,17 +136,19 @@ def step_logprob(
 
 
 def shared_rows(x: Tensor, ids: Tensor, key: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Rows with the same ``key`` (group and step) whose inputs are bitwise equal: a group that
-    shares its trajectory up to this step (DanceGRPO's shared initial noise, before or at its
-    first SDE step, e.g. Flow-GRPO-Fast's branching step) needs one forward, not one per member.
-    -> (first, inverse): x[first][inverse] == x; None when no row repeats or inputs differ."""
-    uniq, inverse = torch.unique(key, return_inverse=True)
+    """Rows whose forward input is bitwise the same (``key``, e.g. the step, ``ids`` and ``x``):
+    a group that shares its trajectory up to a step (DanceGRPO's shared initial noise, before
+    or at its first SDE step, e.g. Flow-GRPO-Fast's branching step; a tree's inner nodes, see
+    ``rollout.tree_noise``) needs one forward per distinct input, not one per member.
+    -> (first, inverse): x[first][inverse] == x; None when every row is distinct."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    rows = torch.cat([key[:, None], ids.long(), x.flatten(1).contiguous().view(bits).long()], 1)
+    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
     if len(uniq) == len(key):
         return None
     index = torch.arange(len(key), device=key.device)
-    first = torch.full_like(uniq, len(key)).scatter_reduce(0, inverse, index, "amin")
-    same = torch.equal(x[first][inverse], x) and torch.equal(ids[first][inverse], ids)
-    return (first, inverse) if same else None
+    first = torch.full((len(uniq),), len(key), device=key.device)
+    return first.scatter_reduce(0, inverse, index, "amin"), inverse
 
 
 def loss(

@@ -88,6 +88,7 @@ def build(cfg: Config) -> Parts:
         cfg_scale=cfg.rollout.eval_cfg_scale,
         shared_init_noise=False,
         antithetic_noise=False,
+        tree_noise=False,
         ode_dtype="float32",
     )
     evaluator = RolloutEngine(base, eval_rollout, rollout_targets, tok.null_id, device)

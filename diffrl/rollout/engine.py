@@ -25,6 +25,7 @@ from diffrl.rollout.samplers import (
     guided_velocity,
     sde_window,
     sigma_schedule,
+    tree_noise_blocks,
 )
 from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncError, SyncReport, WeightUpdate
 from diffrl.types import PromptBatch, StepSpec, Trajectory, images_to_uint8
@@ -41,7 +42,9 @@ class RolloutConfig:
     # (and trained), the rest are ODE; 0 = every step but the last
     sde_window: int = 0
     sde_window_mode: str = "fixed"  # fixed | random (per iteration) | sliding (over iterations)
-    sde_window_start: int = 0  # fixed: first SDE step; sliding: where the window starts
+    sde_window_start: int = 0  # fixed: first SDE step; random, sliding: the earliest start
+    # random, sliding: the latest step the window may start at; -1 = the last that fits
+    sde_window_end: int = -1
     sde_window_every: int = 1  # sliding: iterations between one-step moves of the window
     # DanceGRPO: a group's samples start from the same noise. They stay identical until the first
     # SDE step, so those steps run one forward per group (a window at step k branches there)
@@ -49,6 +52,13 @@ class RolloutConfig:
     # mirrored sampling: group members 2k+1 take the negated SDE noise of member 2k, so a pair's
     # reward difference is the odd part of the reward in that noise (needs an even group_size)
     antithetic_noise: bool = False
+    # tree-structured groups (BranchGRPO-style): with shared_init_noise and an SDE window of k
+    # steps, members share each SDE step's noise in blocks of g/2, g/4, ..., (the last window
+    # step's noise is their own), so the group splits in two at each window step: a binary tree
+    # whose nodes' inputs run one forward each, in rollout and training. GRPO's loss then
+    # credits every node with the advantages of the leaves below it (needs g divisible by
+    # 2^(k-1))
+    tree_noise: bool = False
     # MixGRPO-Flash's cheap tail: the ODE steps after the last SDE step (no log-probs, never
     # trained; only their end point is scored) re-gridded to this many Euler steps; 0 = off.
     # Held-out eval (ODE, eval_num_steps) is never re-gridded
@@ -82,16 +92,39 @@ class RolloutConfig:
         )
         check_choice("sde_window_mode", self.sde_window_mode, ("fixed", "random", "sliding"))
         check(self.sde_window_start >= 0, "sde_window_start", self.sde_window_start, ">= 0")
-        if self.sde_window and self.sde_window_mode == "fixed":
+        if self.sde_window:
             last = self.num_steps - 1 - self.sde_window  # the last step is never stochastic
             check(
                 self.sde_window_start <= last,
                 "sde_window_start",
                 self.sde_window_start,
-                f"a fixed window of {self.sde_window} must start at <= {last} "
+                f"a window of {self.sde_window} must start at <= {last} "
                 f"(num_steps={self.num_steps}, and the last step is deterministic)",
             )
         check(self.sde_window_every >= 1, "sde_window_every", self.sde_window_every, ">= 1")
+        if self.sde_window and self.sde_window_mode != "fixed" and self.sde_window_end >= 0:
+            check(
+                self.sde_window_start <= self.sde_window_end <= last,
+                "sde_window_end",
+                self.sde_window_end,
+                f"must be in [sde_window_start = {self.sde_window_start}, {last}] (-1 = {last})",
+            )
+        if self.tree_noise:
+            k = self.sde_window or self.num_steps - 1
+            check(
+                self.shared_init_noise and not self.antithetic_noise and self.sampler == "sde",
+                "tree_noise",
+                self.tree_noise,
+                "needs rollout.sampler=sde and rollout.shared_init_noise=true (the tree's root "
+                "is the group's one initial noise), and excludes rollout.antithetic_noise",
+            )
+            check(
+                self.group_size % 2 ** (k - 1) == 0,
+                "group_size",
+                self.group_size,
+                f"must be divisible by 2^(k-1) = {2 ** (k - 1)} for a tree over k = {k} SDE "
+                "steps (rollout.tree_noise)",
+            )
         if self.antithetic_noise:
             check(
                 self.group_size % 2 == 0,
@@ -229,6 +262,7 @@ class RolloutEngine:
             c.sde_window_every,
             iteration,
             seed,
+            c.sde_window_end,
         )
 
     @torch.no_grad()
@@ -270,29 +304,38 @@ class RolloutEngine:
         t_steps = len(sigmas) - 1
         dtype = next(self.model.parameters()).dtype
         # the initial noise and every SDE step's noise come from the sample's own seed; with
-        # shared_init_noise a group starts from its first member's initial noise, and with
-        # antithetic_noise every odd member steps with its even partner's negated noise
+        # shared_init_noise a group starts from its first member's initial noise, with
+        # antithetic_noise every odd member steps with its even partner's negated noise, and
+        # with tree_noise the members share each SDE step's noise in runs of `after[i]`
         noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
-        member = torch.arange(len(seeds)) % g  # position within its (contiguous) group
+        row = torch.arange(len(seeds))
+        member = row % g  # position within its (contiguous) group
         if self.cfg.antithetic_noise:  # an odd-sized group's last member stays unpaired
             odd = (member % 2 == 1).nonzero().squeeze(1)
             noise[odd, 1:] = -noise[odd - 1, 1:]
-        first = torch.arange(len(seeds)) - member if self.cfg.shared_init_noise else slice(None)
+        after = [1] * t_steps  # after step i, rows are bitwise copies in runs of after[i]
+        if self.cfg.tree_noise:
+            for i, run in zip(mask.nonzero().flatten().tolist(), tree_noise_blocks(mask, g)):
+                noise[:, i + 1] = noise[row - row % run, i + 1]
+                after[i] = run
+        first = row - member if self.cfg.shared_init_noise else slice(None)
         x, ids = noise[first, 0], ids.to(self.device)
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs = [x], []
-        shared = self.cfg.shared_init_noise and g > 1  # members still bitwise copies of the first
+        copies = g if self.cfg.shared_init_noise else 1  # x is bitwise copies in runs of this
         low = self.cfg.ode_dtype == "bfloat16"
         for i in range(t_steps):
             sigma = sigmas[i].expand(x.shape[0]).to(self.device, dtype)
             sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
             with torch.autocast(self.device.type, torch.bfloat16, enabled=low and not mask[i]):
-                if shared:  # one forward per group, copied to its members
-                    v = self.velocity(x[::g], sigma[::g], ids[::g]).repeat_interleave(g, 0)
+                if copies > 1:  # one forward per run of copies, copied to its members
+                    v = self.velocity(x[::copies], sigma[::copies], ids[::copies])
+                    v = v.repeat_interleave(copies, 0)
                 else:
                     v = self.velocity(x, sigma, ids)
+            if mask[i]:
+                copies = min(copies, after[i])
             v = v.to(dtype)
-            shared = shared and not mask[i]
             if mask[i]:
                 x, lp, _, _ = step_fn(
                     x,

@@ -114,35 +114,61 @@ STOCHASTIC_STEPS = {"flow_grpo": sde_step_with_logprob, "cps": cps_step_with_log
 
 
 def sde_window(
-    num_steps: int, size: int, mode: str, start: int, every: int, iteration: int, seed: int
+    num_steps: int,
+    size: int,
+    mode: str,
+    start: int,
+    every: int,
+    iteration: int,
+    seed: int,
+    end: int = -1,
 ) -> Tensor:
     """(T,) bool: which of the T sampler steps are stochastic (the rest are Euler/ODE).
 
     The last step (to sigma=0) is always deterministic, so at most T-1 steps are SDE. ``size``
     0 means every one of them (plain FlowGRPO). Otherwise a window of ``size`` consecutive
-    steps (Flow-GRPO-Fast / MixGRPO): ``fixed`` at ``start``; ``random``, drawn per iteration
-    from ``seed``; ``sliding``, starting at ``start`` and moving one step later every ``every``
-    iterations, wrapping around."""
+    steps (Flow-GRPO-Fast / MixGRPO): ``fixed`` at ``start``; ``random``, its start drawn per
+    iteration from ``seed``, uniformly in [start, end]; ``sliding``, starting at ``start`` and
+    moving one step later every ``every`` iterations, back to ``start`` after ``end``. ``end``
+    -1 is the last start that fits."""
     n_sde = max(num_steps - 1, 0)
     mask = torch.zeros(num_steps, dtype=torch.bool)
     if size == 0 or size >= n_sde:
         mask[:n_sde] = True
         return mask
-    span = n_sde - size + 1  # possible window starts
+    last = n_sde - size  # the last possible window start
+    end = last if end < 0 or mode == "fixed" else end
+    if not start <= end <= last:
+        raise ValueError(
+            f"a window of {size} steps of {num_steps} cannot start at step {max(start, end)}: "
+            f"its start must lie in [0, {last}] (and sde_window_start <= sde_window_end)"
+        )
     if mode == "fixed":
-        if start >= span:
-            raise ValueError(
-                f"a window of {size} steps cannot start at step {start} of {num_steps}"
-            )
         lo = start
     elif mode == "random":
-        lo = int(torch.randint(span, (1,), generator=torch.Generator().manual_seed(seed)))
+        gen = torch.Generator().manual_seed(seed)
+        lo = start + int(torch.randint(end - start + 1, (1,), generator=gen))
     elif mode == "sliding":
-        lo = (start + iteration // every) % span
+        lo = start + (iteration // every) % (end - start + 1)
     else:
         raise ValueError(f"unknown SDE window mode {mode!r}; expected fixed, random or sliding")
     mask[lo : lo + size] = True
     return mask
+
+
+def tree_noise_blocks(mask: Tensor, group_size: int) -> list[int]:
+    """Tree-structured rollouts (BranchGRPO-style branching): for each SDE step of ``mask``, in
+    order, how many consecutive members of a group share that step's noise. The group splits
+    in two at each SDE step but the last (blocks of g/2, g/4, ...), and at the last every
+    member draws its own noise, so a group that starts from one shared noise becomes a binary
+    tree whose 2, 4, ... inner nodes end in g leaves."""
+    k = int(mask.sum())
+    if k and group_size % 2 ** (k - 1):
+        raise ValueError(
+            f"a tree over {k} SDE steps needs a group_size divisible by 2^{k - 1} = "
+            f"{2 ** (k - 1)}, got {group_size}"
+        )
+    return [group_size >> (p + 1) for p in range(k - 1)] + [1] * min(k, 1)
 
 
 def guided_velocity(

@@ -193,11 +193,13 @@ def test_prepare_refuses_ode_trajectories(tiny_model, tok) -> None:
         _engine_batch(tiny_model, tok, RolloutConfig(group_size=2, num_steps=4, keep_latents=True))
 
 
+@pytest.mark.parametrize("tree", [False, True])
 def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
-    tiny_model, tok, actor_factory, monkeypatch
+    tiny_model, tok, actor_factory, monkeypatch, tree
 ) -> None:
     """Flow-GRPO-Fast's branching step: a group shares x up to and at its SDE step, so training
-    runs one forward per group there; the loss and gradient are those of one per member."""
+    runs one forward per group there; the loss and gradient are those of one per member. With
+    tree noise the second window step has two distinct inputs per group: two forwards."""
     rollout = RolloutConfig(
         group_size=4,
         num_steps=6,
@@ -206,6 +208,7 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
         shared_init_noise=True,
         sde_window=2,  # step 1 is the branch (shared input), step 2 is not (members differ)
         sde_window_start=1,
+        tree_noise=tree,
     )
     _, batch = _engine_batch(tiny_model, tok, rollout)
     batch = _select(batch, torch.randperm(len(batch), generator=torch.Generator().manual_seed(1)))
@@ -231,7 +234,8 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
 
     monkeypatch.setattr(actor, "velocity", counted)
     once = loss_and_grad()
-    assert sizes == [3, 3, 12, 12]  # step 1 (policy, reference): one row per group; step 2: all
+    # step 1 (policy, reference): one row per group; step 2: all, or one per half-group (tree)
+    assert sizes == ([3, 3, 6, 6] if tree else [3, 3, 12, 12])
     monkeypatch.setattr("diffrl.algorithms.flow_grpo.shared_rows", lambda *a: None)
     sizes.clear()
     each = loss_and_grad()
@@ -252,5 +256,8 @@ def test_shared_rows_only_merges_bitwise_equal_inputs() -> None:
     first, inverse = shared_rows(x, ids, key)
     assert first.tolist() == [0, 2] and inverse.tolist() == [0, 0, 1, 1]
     assert shared_rows(x, ids, torch.arange(4)) is None  # every key distinct
-    ids[3, 1] = 5
-    assert shared_rows(x, ids, key) is None
+    ids[3, 1] = 5  # another prompt: row 3 runs alone, rows 0 and 1 still share
+    first, inverse = shared_rows(x, ids, key)
+    assert first.tolist() == [0, 2, 3] and inverse.tolist() == [0, 0, 1, 2]
+    x[1, 0] = -0.0 if x[0, 0] == 0 else x[0, 0] * (1 + 2**-20)  # off by one bit or so: no
+    assert shared_rows(x, ids, key) is None  # all four inputs differ now

@@ -229,6 +229,35 @@ def test_shared_prefix_runs_once_per_group(tiny_model, tok, prompt_set) -> None:
     torch.testing.assert_close(lat[0, :3], own_traj.latents[0, :3])  # member 0 = own noise
 
 
+def test_tree_noise_branches_each_group_in_two_per_window_step(
+    tiny_model, tok, prompt_set
+) -> None:
+    kw = dict(sampler="sde", keep_latents=True, group_size=8, num_steps=6, sde_window=3)
+    kw.update(sde_window_start=1, shared_init_noise=True)
+    eng = engine(tiny_model, tok, tree_noise=True, **kw)
+    sizes, velocity = [], eng.velocity
+    eng.velocity = lambda x, s, ids: sizes.append(len(x)) or velocity(x, s, ids)
+    traj = gen(eng, prompt_set.batch([0, 1]))
+    # steps 0-1 once per group, step 2 once per half-group, step 3 per quarter, then per sample
+    assert sizes == [2, 2, 4, 8, 16, 16]
+    lat = traj.latents
+    for step, runs in ((2, 4), (3, 2), (4, 1)):  # after SDE steps 1, 2, 3: copies in runs
+        distinct = {tuple(lat[m, step].flatten()[:4].tolist()) for m in range(8)}
+        assert len(distinct) == 8 // runs
+        for m in range(0, 8, runs):
+            assert all(torch.equal(lat[m, step], lat[m + r, step]) for r in range(runs))
+    # every member is still an honest draw of the SDE: its recorded log-probs are its own
+    plain = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0, 1]))
+    torch.testing.assert_close(lat[0], plain.latents[0])  # member 0 keeps its own noise
+    assert not torch.equal(lat[1, 2], plain.latents[1, 2])  # member 1 takes member 0's
+    with pytest.raises(FieldError, match="group_size"):
+        RolloutConfig(tree_noise=True, **{**kw, "group_size": 6}).validate()
+    with pytest.raises(FieldError, match="tree_noise"):
+        RolloutConfig(tree_noise=True, sampler="sde", sde_window=1).validate()
+    with pytest.raises(FieldError, match="tree_noise"):
+        RolloutConfig(tree_noise=True, antithetic_noise=True, **kw).validate()
+
+
 def test_antithetic_noise_mirrors_pairs(tiny_model, tok, prompt_set) -> None:
     kw = dict(sampler="sde", keep_latents=True, group_size=4, num_steps=3, shared_init_noise=True)
     traj = gen(engine(tiny_model, tok, antithetic_noise=True, **kw), prompt_set.batch([0]))

@@ -16,6 +16,7 @@ from diffrl.rollout.samplers import (
     sde_step_with_logprob,
     sde_window,
     sigma_schedule,
+    tree_noise_blocks,
 )
 
 SHAPE = (4, 3, 5, 5)
@@ -188,12 +189,29 @@ def test_sde_window_masks(mode: str) -> None:
         assert len(idx) == 3 and idx == list(range(idx[0], idx[0] + 3)) and idx[-1] <= 6
         if mode == "fixed":
             assert idx[0] == 2
-        if mode == "sliding":  # starts at 2, moves one step every 2 iterations, wraps over 5
-            assert idx[0] == (2 + it // 2) % 5
+        if mode == "sliding":  # starts at 2, moves one step every 2 iterations, back to 2 after 4
+            assert idx[0] == 2 + (it // 2) % 3
+            ranged = sde_window(8, 3, mode, 1, 1, it, 0, end=2).nonzero().flatten().tolist()
+            assert ranged[0] == 1 + it % 2
     if mode == "random":
         starts = {int(sde_window(8, 3, mode, 0, 1, 0, seed=s).nonzero()[0]) for s in range(40)}
         assert starts == {0, 1, 2, 3, 4}
+        ranged = {int(sde_window(8, 1, mode, 1, 1, 0, s, end=3).nonzero()[0]) for s in range(40)}
+        assert ranged == {1, 2, 3}  # drawn in [start, end] only
+        with pytest.raises(ValueError, match="cannot start"):
+            sde_window(8, 3, mode, 3, 1, 0, 0, end=2)  # end before start
+        with pytest.raises(ValueError, match="cannot start"):
+            sde_window(8, 3, mode, 0, 1, 0, 0, end=5)  # a window of 3 from 5 runs past step 6
         assert torch.equal(sde_window(8, 3, mode, 0, 1, 0, 7), sde_window(8, 3, mode, 0, 1, 5, 7))
+
+
+def test_tree_noise_blocks_halve_per_window_step() -> None:
+    mask = sde_window(10, 3, "fixed", 1, 1, 0, 0)
+    assert tree_noise_blocks(mask, 8) == [4, 2, 1]
+    assert tree_noise_blocks(mask, 16) == [8, 4, 1]  # the last window step: every member
+    assert tree_noise_blocks(sde_window(10, 1, "fixed", 2, 1, 0, 0), 8) == [1]  # plain branch
+    with pytest.raises(ValueError, match="divisible by 2\\^2"):
+        tree_noise_blocks(mask, 6)
 
 
 def test_fixed_window_out_of_range_is_an_error() -> None:
@@ -206,6 +224,11 @@ def test_fixed_window_out_of_range_is_an_error() -> None:
     with pytest.raises(ConfigError, match="sde_window_start"):
         validate_tree(RolloutConfig(num_steps=10, sde_window=3, sde_window_start=7), "rollout")
     validate_tree(RolloutConfig(num_steps=10, sde_window=3, sde_window_start=6), "rollout")
+    with pytest.raises(ConfigError, match="sde_window_start"):  # any mode: the window must fit
+        validate_tree(RolloutConfig(sde_window=3, sde_window_mode="random", sde_window_start=7))
+    with pytest.raises(ConfigError, match="sde_window_end"):
+        validate_tree(RolloutConfig(sde_window=1, sde_window_mode="random", sde_window_end=9))
+    validate_tree(RolloutConfig(sde_window=1, sde_window_mode="random", sde_window_end=4))
 
 
 def test_coarse_tail_regrids_only_the_ode_steps_after_the_window() -> None:
