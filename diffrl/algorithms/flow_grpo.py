@@ -141,14 +141,21 @@ def shared_rows(x: Tensor, ids: Tensor, key: Tensor) -> tuple[Tensor, Tensor] | 
     or at its first SDE step, e.g. Flow-GRPO-Fast's branching step; a tree's inner nodes, see
     ``rollout.tree_noise``) needs one forward per distinct input, not one per member.
     -> (first, inverse): x[first][inverse] == x; None when every row is distinct."""
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    rows = torch.cat([key[:, None], ids.long(), x.flatten(1).contiguous().view(bits).long()], 1)
-    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    if len(uniq) == len(key):
+    n, flat = len(key), x.flatten(1)
+    # rows are grouped by a random projection (torch.unique over whole rows is slow on CUDA),
+    # then checked bitwise: after a collision nothing is merged; equal rows project equally
+    gen = torch.Generator().manual_seed(0)
+    proj = torch.randn(flat.shape[1] + ids.shape[1], generator=gen).to(flat)
+    code = torch.stack(
+        [key.to(flat), flat @ proj[: flat.shape[1]], ids.to(flat) @ proj[-ids.shape[1] :]], 1
+    )
+    uniq, inverse = torch.unique(code, dim=0, return_inverse=True)
+    if len(uniq) == n:
         return None
-    index = torch.arange(len(key), device=key.device)
-    first = torch.full((len(uniq),), len(key), device=key.device)
-    return first.scatter_reduce(0, inverse, index, "amin"), inverse
+    index = torch.arange(n, device=key.device)
+    first = torch.full((len(uniq),), n, device=key.device).scatter_reduce(0, inverse, index, "amin")
+    same = all(torch.equal(t[first][inverse], t) for t in (x, ids, key))
+    return (first, inverse) if same else None
 
 
 def loss(

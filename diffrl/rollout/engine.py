@@ -315,7 +315,8 @@ class RolloutEngine:
             noise[odd, 1:] = -noise[odd - 1, 1:]
         after = [1] * t_steps  # after step i, rows are bitwise copies in runs of after[i]
         if self.cfg.tree_noise:
-            for i, run in zip(mask.nonzero().flatten().tolist(), tree_noise_blocks(mask, g)):
+            steps = mask.nonzero().flatten().tolist()
+            for i, run in zip(steps, tree_noise_blocks(mask, g), strict=True):
                 noise[:, i + 1] = noise[row - row % run, i + 1]
                 after[i] = run
         first = row - member if self.cfg.shared_init_noise else slice(None)

@@ -248,16 +248,21 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
 
 
 def test_shared_rows_only_merges_bitwise_equal_inputs() -> None:
+    def partition(shared):  # which rows run together, e.g. [[0, 1], [2, 3]]
+        first, inverse = shared
+        assert torch.equal(inverse[first], torch.arange(len(first)))  # each run's first row
+        return sorted(
+            sorted(i for i in range(len(inverse)) if inverse[i] == u) for u in inverse.unique()
+        )
+
     x = torch.randn(4, 3)
     ids = torch.ones(4, 2, dtype=torch.long)
     key = torch.tensor([7, 7, 9, 9])
     assert shared_rows(x, ids, key) is None  # same key, different inputs: no merging
     x[1], x[3] = x[0], x[2]
-    first, inverse = shared_rows(x, ids, key)
-    assert first.tolist() == [0, 2] and inverse.tolist() == [0, 0, 1, 1]
+    assert partition(shared_rows(x, ids, key)) == [[0, 1], [2, 3]]
     assert shared_rows(x, ids, torch.arange(4)) is None  # every key distinct
     ids[3, 1] = 5  # another prompt: row 3 runs alone, rows 0 and 1 still share
-    first, inverse = shared_rows(x, ids, key)
-    assert first.tolist() == [0, 2, 3] and inverse.tolist() == [0, 0, 1, 2]
-    x[1, 0] = -0.0 if x[0, 0] == 0 else x[0, 0] * (1 + 2**-20)  # off by one bit or so: no
+    assert partition(shared_rows(x, ids, key)) == [[0, 1], [2], [3]]
+    x[1, 0] = x[0, 0] * (1 + 2**-20) + 1e-30  # a bit or so apart
     assert shared_rows(x, ids, key) is None  # all four inputs differ now

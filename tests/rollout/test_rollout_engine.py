@@ -229,9 +229,7 @@ def test_shared_prefix_runs_once_per_group(tiny_model, tok, prompt_set) -> None:
     torch.testing.assert_close(lat[0, :3], own_traj.latents[0, :3])  # member 0 = own noise
 
 
-def test_tree_noise_branches_each_group_in_two_per_window_step(
-    tiny_model, tok, prompt_set
-) -> None:
+def test_tree_noise_branches_each_group_in_two_per_window_step(tiny_model, tok, prompt_set) -> None:
     kw = dict(sampler="sde", keep_latents=True, group_size=8, num_steps=6, sde_window=3)
     kw.update(sde_window_start=1, shared_init_noise=True)
     eng = engine(tiny_model, tok, tree_noise=True, **kw)
