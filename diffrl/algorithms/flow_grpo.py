@@ -94,7 +94,10 @@ def train_steps(sde_steps: Tensor, batch: int, cfg: GRPOConfig, gen: torch.Gener
     k = max(1, round(cfg.timestep_fraction * n_sde))
     if cfg.timestep_order == "ordered":
         return sde_steps[:k].expand(batch, k)
-    return torch.stack([sde_steps[torch.randperm(n_sde, generator=gen)[:k]] for _ in range(batch)])
+    # each sample's draw in step order: its loss is the same sum, and the rows that share an
+    # input (see shared_rows) line up in the same pass, e.g. all of them when k = n_sde
+    draws = [torch.randperm(n_sde, generator=gen)[:k].sort().values for _ in range(batch)]
+    return sde_steps[torch.stack(draws)]
 
 
 def clipped_objective(ratio: Tensor, adv: Tensor, clip_range: float) -> Tensor:
