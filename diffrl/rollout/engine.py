@@ -334,10 +334,9 @@ class RolloutEngine:
                     v = v.repeat_interleave(copies, 0)
                 else:
                     v = self.velocity(x, sigma, ids)
-            if mask[i]:
-                copies = min(copies, after[i])
             v = v.to(dtype)
             if mask[i]:
+                copies = min(copies, after[i])  # the SDE noise splits the runs of copies
                 x, lp, _, _ = step_fn(
                     x,
                     v,
