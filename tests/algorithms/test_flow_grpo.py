@@ -242,7 +242,9 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
     sizes.clear()
     each = loss_and_grad()
     assert sizes == [12, 12, 12, 12]
-    torch.testing.assert_close(once[0], each[0], rtol=1e-5, atol=1e-8)
+    # the loss is a mean of O(1) terms -A * ratio that nearly cancel (advantages sum to 0 per
+    # group): another summation order moves it by float32 rounding of those terms, ~1e-8
+    torch.testing.assert_close(once[0], each[0], rtol=1e-5, atol=1e-6)
     assert once[1] == pytest.approx(each[1], rel=1e-4, abs=1e-8)
     for a, b in zip(once[2], each[2], strict=True):  # summed in another order: float noise only
         assert (a - b).norm() <= 1e-4 * b.norm() + 1e-9
