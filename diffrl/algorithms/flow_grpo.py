@@ -122,9 +122,7 @@ def step_logprob(
         return policy.velocity(x_, s_, ids_, adapter=adapter)
 
     ids = batch.input_ids[rows]
-    shared = None
-    if batch.group is not None:
-        shared = shared_rows(x_t, ids, j)
+    shared = shared_rows(x_t, ids, j)  # the input alone decides; no group ids needed
     if shared is None:
         v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_id)
     else:  # one forward per distinct input; the gradient sums back over the copies
