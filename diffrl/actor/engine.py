@@ -19,7 +19,7 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor
 
 from diffrl.data.tokenizer import hash_ids
-from diffrl.errors import DiffrlError, check
+from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.models.convention import VelocityModel
 from diffrl.sync.weights import LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
@@ -48,6 +48,14 @@ class AdapterConfig:
 @dataclass(frozen=True)
 class ActorConfig:
     lr: float = 1e-3
+    # learning-rate schedule over optimizer steps: constant, or a linear or cosine decay from
+    # `lr` to `lr * lr_end` at step `lr_horizon` (0 = run.steps x minibatches, filled in when
+    # the run is built), after `lr_warmup` steps of linear warm-up from 0. A run stopped early by
+    # run.max_minutes ends before the decay does
+    lr_schedule: str = "constant"  # constant | linear | cosine
+    lr_warmup: int = 0
+    lr_end: float = 0.0
+    lr_horizon: int = 0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
@@ -65,11 +73,34 @@ class ActorConfig:
 
     def validate(self) -> None:
         check(self.lr > 0, "lr", self.lr, "must be > 0")
+        check_choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        check(self.lr_warmup >= 0, "lr_warmup", self.lr_warmup, "must be >= 0")
+        check(0 <= self.lr_end <= 1, "lr_end", self.lr_end, "must be in [0, 1] (a fraction of lr)")
+        check(self.lr_horizon >= 0, "lr_horizon", self.lr_horizon, "must be >= 0")
+        if self.lr_horizon:
+            check(
+                self.lr_warmup < self.lr_horizon,
+                "lr_warmup",
+                self.lr_warmup,
+                f"must be < lr_horizon = {self.lr_horizon}",
+            )
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         check(self.micro_batch >= 1, "micro_batch", self.micro_batch, "must be >= 1")
         check(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
         check(0 <= self.ema_decay < 1, "ema_decay", self.ema_decay, "must be in [0, 1)")
+
+
+def lr_factor(cfg: ActorConfig, step: int) -> float:
+    """The multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): a pure function of
+    the step, so a resumed run continues the schedule exactly (no scheduler state to save)."""
+    if step < cfg.lr_warmup:
+        return (step + 1) / (cfg.lr_warmup + 1)
+    if cfg.lr_schedule == "constant" or not cfg.lr_horizon:
+        return 1.0
+    done = min(1.0, (step - cfg.lr_warmup) / max(1, cfg.lr_horizon - cfg.lr_warmup))
+    shape = 1 - done if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done))
+    return cfg.lr_end + (1 - cfg.lr_end) * shape
 
 
 class NonFiniteLoss(DiffrlError):
@@ -196,11 +227,14 @@ class ActorEngine:
                 )
             return {**metrics, "actor/loss": total, "actor/skipped_nonfinite": 1.0}
         self.nonfinite = 0
+        lr = self.cfg.lr * lr_factor(self.cfg, self.version)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         self.opt.step()
         self.version += 1
         if self.cfg.ema_decay > 0:
             self.blend("ema", decay=min(self.cfg.ema_decay, self.version / (self.version + 1)))
-        return {**metrics, "actor/loss": total, "actor/grad_norm": grad_norm}
+        return {**metrics, "actor/loss": total, "actor/grad_norm": grad_norm, "actor/lr": lr}
 
     def update_old(self, decay: float) -> None:
         """old <- decay * old + (1 - decay) * default (decay=0: a copy)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffrl.actor.engine import ActorEngine
+from diffrl.actor.engine import ActorConfig, ActorEngine
 from diffrl.algorithms.registry import Algorithm, get_algorithm
 from diffrl.config import Config
 from diffrl.data.prompts import PromptSet, PromptSource, build_data
@@ -94,10 +94,26 @@ def build(cfg: Config) -> Parts:
     evaluator = RolloutEngine(base, eval_rollout, rollout_targets, tok.null_id, device)
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced=set(rollout.produces))
-    actor = ActorEngine(base, cfg.actor, targets, algorithm, cfg.algorithm, device, cfg.run.seed)
+    actor_cfg = actor_with_horizon(cfg)
+    actor = ActorEngine(base, actor_cfg, targets, algorithm, cfg.algorithm, device, cfg.run.seed)
     return Parts(
         cfg, device, tok, source, eval_set, rollout, evaluator, rewards, actor, algorithm, probe
     )
+
+
+def actor_with_horizon(cfg: Config) -> ActorConfig:
+    """``actor.lr_horizon`` = 0 decays the learning rate over the whole run: run.steps RL steps
+    of ``actor.minibatches`` optimizer steps each."""
+    actor = cfg.actor
+    if actor.lr_schedule == "constant" or actor.lr_horizon:
+        return actor
+    horizon = cfg.run.steps * actor.minibatches
+    if horizon and actor.lr_warmup >= horizon:
+        raise ConfigError(
+            f"config key 'actor.lr_warmup' = {actor.lr_warmup}: must be < the schedule's "
+            f"horizon, run.steps x actor.minibatches = {horizon} (or set actor.lr_horizon)"
+        )
+    return dataclasses.replace(actor, lr_horizon=horizon)
 
 
 def check_rollout_for(algorithm: Algorithm, cfg: Config) -> None:

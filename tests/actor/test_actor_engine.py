@@ -328,3 +328,59 @@ def test_resume_switching_the_ema_on_or_off(tiny_model, actor_factory, train_bat
     assert again.version == 2
     for k, v in lora_weights(again, "default").items():
         assert torch.equal(v, lora_weights(with_ema, "default")[k]), k
+
+
+def test_lr_schedules_against_their_formulas() -> None:
+    import math
+
+    from diffrl.actor.engine import ActorConfig, lr_factor
+
+    const = ActorConfig(lr_warmup=3)
+    assert [lr_factor(const, k) for k in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    lin = ActorConfig(lr_schedule="linear", lr_horizon=10, lr_end=0.2)
+    assert lr_factor(lin, 0) == 1.0 and lr_factor(lin, 10) == lr_factor(lin, 99) == 0.2
+    assert math.isclose(lr_factor(lin, 5), 0.2 + 0.8 * 0.5)
+    cos = ActorConfig(lr_schedule="cosine", lr_horizon=12, lr_warmup=2)
+    assert lr_factor(cos, 0) == 1 / 3 and lr_factor(cos, 2) == 1.0
+    for k in range(2, 15):  # the decay runs over the 10 steps after the warm-up
+        want = 0.5 * (1 + math.cos(math.pi * min(1.0, (k - 2) / 10)))
+        assert math.isclose(lr_factor(cos, k), want, abs_tol=1e-12), k
+
+
+def test_the_scheduled_lr_is_applied_and_resumes_exactly(
+    tiny_model, actor_factory, train_batch_factory
+) -> None:
+    batch = train_batch_factory(4)
+    kw = dict(lr_schedule="cosine", lr_horizon=4)
+    actor = actor_factory(copy.deepcopy(tiny_model), **kw)
+    lr = actor.cfg.lr
+    lrs = [actor.train_step(batch)["actor/lr"] for _ in range(2)]
+    assert lrs == [pytest.approx(lr * f) for f in (1.0, 0.5 * (1 + 2**-0.5))]
+    assert actor.opt.param_groups[0]["lr"] == pytest.approx(lrs[1])
+    other = actor_factory(copy.deepcopy(tiny_model), **kw)
+    other.load_state(actor.adapter_tensors(), actor.state_dict())
+    assert other.train_step(batch)["actor/lr"] == actor.train_step(batch)["actor/lr"]
+    assert other.train_step(batch)["actor/lr"] == pytest.approx(lr * 0.5 * (1 - 2**-0.5))
+
+
+def test_lr_schedule_config_errors() -> None:
+    from diffrl.config import load_config
+    from diffrl.controller.build import actor_with_horizon
+    from diffrl.errors import ConfigError
+
+    recipe = "recipes/shapes_grpo_fast.yaml"
+    for bad, match in (
+        ("actor.lr_schedule=step", r"actor\.lr_schedule.*constant"),
+        ("actor.lr_end=1.5", r"actor\.lr_end.*\[0, 1\]"),
+        ("actor.lr_warmup=-1", r"actor\.lr_warmup"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(recipe, [bad])
+    with pytest.raises(ConfigError, match=r"actor\.lr_warmup.*< lr_horizon = 5"):
+        load_config(recipe, ["actor.lr_schedule=cosine", "actor.lr_horizon=5", "actor.lr_warmup=5"])
+    cfg = load_config(recipe, ["actor.lr_schedule=cosine", "run.steps=50", "actor.minibatches=2"])
+    assert actor_with_horizon(cfg).lr_horizon == 100  # 0 = the whole run, in optimizer steps
+    cfg = load_config(recipe, ["actor.lr_schedule=linear", "run.steps=3", "actor.lr_warmup=6"])
+    with pytest.raises(ConfigError, match=r"actor\.lr_warmup.*run\.steps x actor\.minibatches"):
+        actor_with_horizon(cfg)
+    assert actor_with_horizon(load_config(recipe)).lr_horizon == 0  # constant: left alone
