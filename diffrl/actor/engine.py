@@ -50,8 +50,8 @@ class ActorConfig:
     lr: float = 1e-3
     # learning-rate schedule over optimizer steps: constant, or a linear or cosine decay from
     # `lr` to `lr * lr_end` at step `lr_horizon` (0 = run.steps x minibatches, filled in when
-    # the run is built), after `lr_warmup` steps of linear warm-up from 0. A run stopped early by
-    # run.max_minutes ends before the decay does
+    # the run is built), after `lr_warmup` steps of linear warm-up (lr/(w+1), 2lr/(w+1), ..).
+    # A run stopped early by run.max_minutes ends before the decay does
     lr_schedule: str = "constant"  # constant | linear | cosine
     lr_warmup: int = 0
     lr_end: float = 0.0
