@@ -30,9 +30,9 @@ PEFT_PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    # Adam moves every adapter weight by about lr per step, so a higher rank is a larger update
-    # at the same lr: rank 128 (full rank on the tiny DiT) diverged at the GRPO recipes' 3e-4
-    # (BENCHMARKS section 13). Lower actor.lr when raising it
+    # Adam moves every adapter weight by about lr per step, so at the same scale (alpha = rank)
+    # a higher rank is a larger update: rank 128 (full rank on the tiny DiT) diverged at the
+    # GRPO recipes' lr 3e-4 (BENCHMARKS section 13). Lower actor.lr when raising it
     rank: int = 32
     alpha: float = 32.0  # LoRA scale = alpha / rank
     targets: list[str] = field(default_factory=list)  # empty = the model family's explicit list
