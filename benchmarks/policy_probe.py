@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from diffrl.actor.checkpoint import latest_checkpoint, load_checkpoint
 from diffrl.config import load_config
-from diffrl.controller.build import _expanded_targets, build
+from diffrl.controller.build import build
 from diffrl.controller.evaluate import evaluate
 from diffrl.data.prompts import PromptSet
 from diffrl.data.shapes import parse_prompt, score_batch, split_prompts
-from diffrl.models.registry import load_model, lora_targets
-from diffrl.rollout.engine import RolloutEngine
+from diffrl.models.registry import load_model
 from diffrl.rollout.samplers import guided_velocity
 
 SIGMA_RANGES = ((0, 2), (0.75, 2), (0.65, 2), (0.45, 2), (0, 0.75), (-1, -1))
@@ -37,6 +35,14 @@ def load_trained(parts, run_dir: Path) -> int:
     adapters, state, meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
     parts.actor.load_state(adapters, state)
     return meta["step"]
+
+
+async def accuracy(parts, engine, prompts, per: int | None) -> dict[str, float]:
+    """ODE accuracy per category with the run's own eval noise and step count."""
+    data = parts.cfg.data
+    per = per or data.eval_samples_per_prompt
+    steps = parts.cfg.rollout.eval_num_steps
+    return (await evaluate(engine, prompts, per, data.eval_seed, steps))[0]
 
 
 def fmt(metrics: dict[str, float]) -> str:
@@ -50,27 +56,25 @@ async def gap(parts, run_dir: Path, args) -> None:
             print("checkpoint step", load_trained(parts, run_dir))
         parts.evaluator.load_weights(parts.actor.export_weights(parts.actor.eval_adapter))
         for name, prompts in (("held-out", parts.eval_set), ("train", train)):
-            m = (await evaluate(parts.evaluator, prompts, args.per, 1234, args.num_steps))[0]
+            m = await accuracy(parts, parts.evaluator, prompts, args.per)
             print(f"{tag} {name}: {fmt(m)}", flush=True)
 
 
 async def branch(parts, run_dir: Path, args) -> None:
-    cfg = parts.cfg
-    base = load_model(cfg.model, parts.device)
-    names = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model.family))
-    targets = _expanded_targets(base, names)
     train = PromptSet(split_prompts("train"), parts.tokenizer)
     for tag in ("base", "trained"):
         if tag == "trained":
             load_trained(parts, run_dir)
         weights = parts.actor.export_weights(parts.actor.eval_adapter)
         for k in args.steps:
-            rc = dataclasses.replace(
-                cfg.rollout, sampler="sde", shared_init_noise=True, sde_window=1,
-                sde_window_mode="fixed", sde_window_start=k, keep_latents=False,
-                tree_noise=False, antithetic_noise=False, ode_tail_steps=0,
-            )  # fmt: skip
-            engine = RolloutEngine(base, rc, targets, parts.tokenizer.null_id, parts.device)
+            # the run's own rollout engine, built with a one-step window at step k
+            overrides = [
+                "rollout.sampler=sde", "rollout.shared_init_noise=true", "rollout.sde_window=1",
+                "rollout.sde_window_mode=fixed", f"rollout.sde_window_start={k}",
+                "rollout.tree_noise=false",
+                "rollout.antithetic_noise=false", "rollout.ode_tail_steps=0",
+            ]  # fmt: skip
+            engine = build(load_config(args.run_dir / "config.yaml", args.base + overrides)).rollout
             engine.load_weights(weights)
             traj = await engine.generate(train.all(), 7, group_size=8)
             prompts = [parse_prompt(t) for t in traj.prompts.texts]
@@ -96,7 +100,7 @@ async def where(parts, run_dir: Path, args) -> None:
             return guided_velocity(model, x, sigma, ids, 1.0, trained.null_id)
 
         trained.velocity = velocity  # this probe's engine only
-        m = (await evaluate(trained, parts.eval_set, args.per, 1234, args.num_steps))[0]
+        m = await accuracy(parts, trained, parts.eval_set, args.per)
         print(f"trained weights at sigma in [{lo}, {hi}): {fmt(m)}", flush=True)
 
 
@@ -105,13 +109,12 @@ def main() -> None:
     p.add_argument("probe", choices=("gap", "branch", "where"))
     p.add_argument("run_dir", type=Path)
     p.add_argument("--steps", default="0,1,2,3,5", help="branch: the SDE steps to try")
-    p.add_argument("--per", type=int, default=4, help="samples per prompt (gap, where)")
+    p.add_argument("--per", type=int, help="samples per prompt (gap, where; default: the run's)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     args.steps = [int(s) for s in args.steps.split(",")]
-    cfg = load_config(args.run_dir / "config.yaml", [f"run.threads={args.threads}"])
-    args.num_steps = cfg.rollout.eval_num_steps
-    parts = build(cfg)
+    args.base = [f"run.threads={args.threads}"]
+    parts = build(load_config(args.run_dir / "config.yaml", args.base))
     probe = {"gap": gap, "branch": branch, "where": where}[args.probe]
     asyncio.run(probe(parts, args.run_dir, args))
 
