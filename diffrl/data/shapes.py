@@ -92,6 +92,10 @@ class Verdict:
     overall: bool
     constraints: dict[str, bool]  # keys: "color", "count", "shape", "position"
     detected: tuple[Detection, ...]
+    # per constraint, the share of its checks that pass (one per wanted colour, per requested
+    # object group plus "no other colours", per detection); 1.0 exactly when the constraint
+    # holds, so a reward can credit two of three circles without changing the verdict
+    fractions: dict[str, float]
 
 
 # --------------------------------------------------------------------------- prompts
@@ -362,19 +366,23 @@ def verify(image: np.ndarray, prompt: ShapesPrompt) -> Verdict:
     for d in detected:
         by_color.setdefault(d.color, []).append(d)
     wanted = {obj.color for obj in prompt.objects}
-    constraints = {
-        "color": all(by_color.get(c) for c in wanted),
-        "count": all(len(by_color.get(o.color, [])) == o.count for o in prompt.objects)
-        and set(by_color) <= wanted,
-        "shape": all(d.shape == o.shape for o in prompt.objects for d in by_color.get(o.color, [])),
-        "position": all(
+    checks = {  # each constraint is the conjunction of its checks
+        "color": [bool(by_color.get(c)) for c in wanted],
+        "count": [len(by_color.get(o.color, [])) == o.count for o in prompt.objects]
+        + [set(by_color) <= wanted],
+        "shape": [d.shape == o.shape for o in prompt.objects for d in by_color.get(o.color, [])],
+        "position": [
             _in_region(o.position, d.cx, d.cy, height, width)
             for o in prompt.objects
             if o.position is not None
             for d in by_color.get(o.color, [])
-        ),
+        ],
     }
-    return Verdict(all(constraints.values()), constraints, detected)
+    constraints = {name: all(passed) for name, passed in checks.items()}
+    fractions = {  # no checks (no detections of that colour) holds vacuously, as `all` does
+        name: sum(passed) / len(passed) if passed else 1.0 for name, passed in checks.items()
+    }
+    return Verdict(all(constraints.values()), constraints, detected, fractions)
 
 
 def score_batch(images: np.ndarray, prompts: list[ShapesPrompt]) -> list[Verdict]:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from scipy import ndimage
 
 from diffrl.data import shapes
 from diffrl.data.shapes import (
@@ -321,3 +322,28 @@ def test_score_batch_and_category_accuracy(prompts: list[ShapesPrompt]) -> None:
         score_batch(images[0], chosen[:1])
     with pytest.raises(ValueError):
         category_accuracy(verdicts, chosen[:-1])
+
+
+def test_verifier_fractions_count_each_check() -> None:
+    """`fractions` is 1.0 exactly where a constraint holds, and counts the checks that pass."""
+    rng = np.random.default_rng(6)
+    prompt = parse_prompt("three red circles")
+    image = render(prompt, rng)
+    v = verify(image, prompt)
+    assert v.overall and v.fractions == {"color": 1.0, "count": 1.0, "shape": 1.0, "position": 1.0}
+    square_off_one_blob(image, "red")  # that blob becomes a square, the other two stay right
+    v = verify(image, prompt)
+    assert not v.constraints["shape"] and v.fractions["shape"] == pytest.approx(2 / 3)
+    assert v.constraints["count"] and v.fractions["count"] == 1.0
+    # a stray blue blob breaks "no other colours", one of count's two checks for one group
+    image[0:4, 0:4] = COLORS["blue"]
+    v = verify(image, prompt)
+    assert not v.constraints["count"] and v.fractions["count"] == 0.5
+    for name, holds in v.constraints.items():
+        assert holds == (v.fractions[name] == 1.0)
+
+
+def square_off_one_blob(image: np.ndarray, color: str) -> None:
+    """Fill the bounding box of the first `color` blob in place (a circle becomes a square)."""
+    labels, _ = ndimage.label((image == COLORS[color]).all(axis=-1))
+    image[ndimage.find_objects(labels)[0]] = COLORS[color]

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from scipy import ndimage
 
 from diffrl.data.prompts import PromptSet
-from diffrl.data.shapes import render, split_prompts
+from diffrl.data.shapes import COLORS, parse_prompt, render, split_prompts
 from diffrl.errors import DiffrlError
 from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig
 from diffrl.reward.scorer import (
@@ -243,3 +245,22 @@ def test_builtin_shapes_scorer_on_ground_truth() -> None:
     assert result.metrics["accuracy"] == 1.0
     blank = asyncio.run(build_scorer("shapes", {"mode": "partial"}).score(make_traj(3)))
     assert (blank.scores < 1.0).all() and (blank.scores >= 0).all()
+
+
+def test_shapes_scorer_graded_credits_part_of_a_constraint() -> None:
+    """On a render with one of three circles squared off, partial gives shape no credit and
+    graded gives it 2/3; both agree on the fully right image (1.0)."""
+    prompt = parse_prompt("three red circles")
+    good = render(prompt, np.random.default_rng(6))
+    bad = good.copy()
+    labels, _ = ndimage.label((bad == COLORS["red"]).all(axis=-1))
+    bad[ndimage.find_objects(labels)[0]] = COLORS["red"]
+    ps = PromptSet([prompt, prompt], _tok())
+    traj = replace(make_traj(2), prompts=ps.all()).with_fields(
+        image=torch.from_numpy(np.stack([good, bad]))
+    )
+    partial = asyncio.run(build_scorer("shapes", {"mode": "partial"}).score(traj)).scores
+    graded = asyncio.run(build_scorer("shapes", {"mode": "graded"}).score(traj)).scores
+    assert partial[0] == graded[0] == 1.0
+    assert partial[1] == pytest.approx(0.5 * 3 / 4)  # overall fails, three of four constraints hold
+    assert graded[1] == pytest.approx(0.5 * (3 + 2 / 3) / 4)

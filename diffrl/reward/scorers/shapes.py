@@ -18,12 +18,15 @@ CONSTRAINTS = ("color", "count", "shape", "position")
 @register_scorer("shapes")
 class ShapesScorer:
     """mode="partial": 0.5 * overall + 0.5 * mean of the four constraints (denser signal);
+    mode="graded": as partial, but each constraint counts the share of its checks that pass
+    (two of three circles right is 2/3 of "shape", not 0), which separates more of a group's
+    samples on prompts with several objects; the same as partial on one-object prompts;
     mode="overall": 1 if every constraint holds else 0 (GenEval's strict score)."""
 
     needs = frozenset({"image"})
 
     def __init__(self, mode: str = "partial") -> None:
-        check_choice("mode", mode, ("partial", "overall"))
+        check_choice("mode", mode, ("partial", "graded", "overall"))
         self.name = "shapes"
         self.mode = mode
 
@@ -37,7 +40,8 @@ class ShapesScorer:
         for img, text in zip(images, traj.prompts.texts, strict=True):
             v = verify(np.ascontiguousarray(img), parsed[text])
             overall.append(float(v.overall))
-            partial.append(float(np.mean([v.constraints[c] for c in CONSTRAINTS])))
+            per_constraint = v.fractions if self.mode == "graded" else v.constraints
+            partial.append(float(np.mean([per_constraint[c] for c in CONSTRAINTS])))
         overall_t, partial_t = torch.tensor(overall), torch.tensor(partial)
         scores = overall_t if self.mode == "overall" else 0.5 * overall_t + 0.5 * partial_t
         return ScoreResult(
