@@ -1,7 +1,8 @@
 """Compare run directories at equal wall time and at equal training samples.
 
 For each run, the held-out accuracy of the last eval at or before the budget (wall minutes
-from the run's start, or samples = steps * samples per step). Prints a Markdown table.
+from the run's start, or samples = steps * samples per step); "(stops at step N)" where the
+run ended before spending the budget. Prints a Markdown table.
 
 Usage: python benchmarks/compare_runs.py runs/a runs/b ... --minutes 11 20 --samples 4096 8192
 """
@@ -29,8 +30,11 @@ def evals(run: Path) -> tuple[list[tuple[int, float, float]], int]:
     return out, cfg.data.prompts_per_step * cfg.rollout.group_size
 
 
-def at_budget(points: list[tuple[int, float, float]], limit: float) -> str:
-    """Accuracy of the last (step, spent, accuracy) point with spent <= limit."""
+def at_budget(points: list[tuple[int, float, float]], limit: float, spent: float) -> str:
+    """Accuracy of the last (step, spent, accuracy) point with spent <= limit; a run that spent
+    less than `limit` in all has no reading there."""
+    if spent < limit:
+        return f"(stops at step {points[-1][0]})"
     ok = [p for p in points if p[1] <= limit]
     return f"{ok[-1][2]:.3f} (step {ok[-1][0]})" if ok else "n/a"
 
@@ -48,8 +52,10 @@ def main() -> None:
     for run in args.runs:
         pts, per_step = evals(run)
         cells = [run.name, f"{pts[0][2]:.3f}"]
-        cells += [at_budget(pts, 60 * m) for m in args.minutes]
-        cells += [at_budget([(s, s * per_step, a) for s, _, a in pts], n) for n in args.samples]
+        last_step, wall = pts[-1][0], pts[-1][1]
+        cells += [at_budget(pts, 60 * m, wall) for m in args.minutes]
+        by_samples = [(s, s * per_step, a) for s, _, a in pts]
+        cells += [at_budget(by_samples, n, last_step * per_step) for n in args.samples]
         cells.append(f"{pts[-1][2]:.3f} ({pts[-1][0]}, {pts[-1][1] / 60:.1f})")
         print("| " + " | ".join(cells) + " |")
 
