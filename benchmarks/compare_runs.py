@@ -52,11 +52,11 @@ def main() -> None:
     for run in args.runs:
         pts, per_step = evals(run)
         cells = [run.name, f"{pts[0][2]:.3f}"]
-        last_step, wall = pts[-1][0], pts[-1][1]
+        last_step, wall, last_acc = pts[-1]
         cells += [at_budget(pts, 60 * m, wall) for m in args.minutes]
         by_samples = [(s, s * per_step, a) for s, _, a in pts]
         cells += [at_budget(by_samples, n, last_step * per_step) for n in args.samples]
-        cells.append(f"{pts[-1][2]:.3f} ({pts[-1][0]}, {pts[-1][1] / 60:.1f})")
+        cells.append(f"{last_acc:.3f} ({last_step}, {wall / 60:.1f})")
         print("| " + " | ".join(cells) + " |")
 
 

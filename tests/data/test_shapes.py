@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from scipy import ndimage
+from shapes_images import square_off_one_blob
 
 from diffrl.data import shapes
 from diffrl.data.shapes import (
@@ -341,9 +341,3 @@ def test_verifier_fractions_count_each_check() -> None:
     assert not v.constraints["count"] and v.fractions["count"] == 0.5
     for name, holds in v.constraints.items():
         assert holds == (v.fractions[name] == 1.0)
-
-
-def square_off_one_blob(image: np.ndarray, color: str) -> None:
-    """Fill the bounding box of the first `color` blob in place (a circle becomes a square)."""
-    labels, _ = ndimage.label((image == COLORS[color]).all(axis=-1))
-    image[ndimage.find_objects(labels)[0]] = COLORS[color]

@@ -9,10 +9,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from scipy import ndimage
+from shapes_images import square_off_one_blob
 
 from diffrl.data.prompts import PromptSet
-from diffrl.data.shapes import COLORS, parse_prompt, render, split_prompts
+from diffrl.data.shapes import parse_prompt, render, split_prompts
 from diffrl.errors import DiffrlError
 from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig
 from diffrl.reward.scorer import (
@@ -253,8 +253,7 @@ def test_shapes_scorer_graded_credits_part_of_a_constraint() -> None:
     prompt = parse_prompt("three red circles")
     good = render(prompt, np.random.default_rng(6))
     bad = good.copy()
-    labels, _ = ndimage.label((bad == COLORS["red"]).all(axis=-1))
-    bad[ndimage.find_objects(labels)[0]] = COLORS["red"]
+    square_off_one_blob(bad, "red")
     ps = PromptSet([prompt, prompt], _tok())
     traj = replace(make_traj(2), prompts=ps.all()).with_fields(
         image=torch.from_numpy(np.stack([good, bad]))

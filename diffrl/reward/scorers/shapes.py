@@ -35,15 +35,15 @@ class ShapesScorer:
 
     def score_sync(self, traj: Trajectory) -> ScoreResult:
         images = traj.extra_fields["image"].numpy()  # (B, H, W, 3) uint8
-        overall, partial = [], []
+        overall, held = [], []  # held: the mean share of the constraints met
         parsed = {t: parse_prompt(t) for t in set(traj.prompts.texts)}
         for img, text in zip(images, traj.prompts.texts, strict=True):
             v = verify(np.ascontiguousarray(img), parsed[text])
             overall.append(float(v.overall))
             per_constraint = v.fractions if self.mode == "graded" else v.constraints
-            partial.append(float(np.mean([per_constraint[c] for c in CONSTRAINTS])))
-        overall_t, partial_t = torch.tensor(overall), torch.tensor(partial)
-        scores = overall_t if self.mode == "overall" else 0.5 * overall_t + 0.5 * partial_t
+            held.append(float(np.mean([per_constraint[c] for c in CONSTRAINTS])))
+        overall_t, held_t = torch.tensor(overall), torch.tensor(held)
+        scores = overall_t if self.mode == "overall" else 0.5 * overall_t + 0.5 * held_t
         return ScoreResult(
             scores.float(),
             torch.ones(len(scores), dtype=torch.bool),
