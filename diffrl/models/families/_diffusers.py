@@ -1,0 +1,287 @@
+"""Plumbing shared by the diffusers families (SD3, FLUX, Qwen-Image, Wan).
+
+A diffusers family loads in one of two ways, and both end in the same classes:
+
+- a local pipeline directory (``model_index.json`` plus one subfolder per component), read with
+  each class's own ``from_pretrained(local_files_only=True)``; ``check_pipeline_dir`` names what
+  is missing before anything loads;
+- a preset: the same classes built from a config dict with random weights
+  (``random_component``). Real-size presets are built on the ``meta`` device and materialised
+  straight onto the target device, so a 12 B transformer never needs its weights in CPU RAM.
+
+Tokenizers are never downloaded: ``word_tokenizer`` builds a word-level
+``PreTrainedTokenizerFast`` with the special tokens a tokenizer kind needs (CLIP, T5, Qwen), and
+``save_pipeline_dir`` writes tiny directories that load back through ``from_pretrained``.
+
+``DiffusersNet`` is the base of every family's native network: the trainable transformer is its
+one registered submodule (peft targets it), the frozen encoders and VAE live in a ``Shared``
+(one copy per process), and ``conditions`` runs the text encoders once per prompt row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from diffrl.errors import ConfigError
+from diffrl.models.family import EncodeCache, Shared
+
+# --- pipeline directories -------------------------------------------------------------------
+
+
+def _layout(components: dict[str, str]) -> str:
+    lines = ["  model_index.json"] + [f"  {sub}/  ({what})" for sub, what in components.items()]
+    return "\n".join(lines)
+
+
+def check_pipeline_dir(path: str, family: str, components: dict[str, str]) -> Path:
+    """The pipeline directory ``path`` as a Path, or a ConfigError naming what is missing and
+    the whole layout the family expects (``components``: subfolder -> what it holds)."""
+    root = Path(path).expanduser()
+    expected = (
+        f"model family {family!r} expects a diffusers pipeline directory:\n{_layout(components)}"
+    )
+    if not root.is_dir():
+        raise ConfigError(f"model.path {str(root)!r} is not a directory; {expected}")
+    missing = [] if (root / "model_index.json").is_file() else ["model_index.json"]
+    missing += [f"{sub}/" for sub in components if not (root / sub).is_dir()]
+    if missing:
+        raise ConfigError(f"model.path {str(root)!r} lacks {', '.join(missing)}; {expected}")
+    return root
+
+
+def _is_tokenizer(cls) -> bool:
+    return "Tokenizer" in cls.__name__
+
+
+def load_component(root: Path, subfolder: str, cls, dtype: torch.dtype, device: torch.device):
+    """One component of a pipeline directory, through its class's own ``from_pretrained``."""
+    path = root / subfolder
+    try:
+        if _is_tokenizer(cls):
+            return cls.from_pretrained(str(path), local_files_only=True)
+        key = "torch_dtype" if cls.__module__.startswith("diffusers") else "dtype"
+        model = cls.from_pretrained(str(path), local_files_only=True, **{key: dtype})
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot load {cls.__name__} from {path}: {e}") from e
+    return model.to(device).eval()
+
+
+def save_pipeline_dir(path: str | Path, components: dict[str, object], pipeline_class: str) -> Path:
+    """Write ``components`` (subfolder -> model or tokenizer, or None) in the diffusers layout:
+    each one's ``save_pretrained`` into its subfolder, plus ``model_index.json``."""
+    import diffusers
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    index: dict[str, object] = {
+        "_class_name": pipeline_class,
+        "_diffusers_version": diffusers.__version__,
+    }
+    for sub, obj in components.items():
+        if obj is None:
+            index[sub] = [None, None]
+            continue
+        obj.save_pretrained(str(root / sub))
+        index[sub] = [type(obj).__module__.split(".")[0], type(obj).__name__]
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    return root
+
+
+# --- random weights, built on the meta device -------------------------------------------------
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Parameters are created on ``meta`` (no memory, and their init is a no-op) while buffers
+    (position ids, sin-cos tables) are computed for real: the same trick as accelerate's
+    ``init_empty_weights(include_buffers=False)``, without needing accelerate."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return (
+        isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(module).__name__.lower()
+    )
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """In place: weights ~ N(0, std), biases 0, norm scales 1 (a plain, well-conditioned init
+    for benchmarks and tests; the diffusers classes bring no init of their own)."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.ndim == 1 and _is_norm(module):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+
+def random_component(cls, config: dict, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """``cls`` at the size ``config`` says, with random weights, on ``device`` in ``dtype``.
+
+    Works for diffusers models (``cls.from_config(config)``) and transformers models
+    (``cls(cls.config_class(**config))``)."""
+    with _params_on_meta():
+        if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
+            model = cls(cls.config_class(**config))
+        else:
+            model = cls.from_config(config)
+    buffers = dict(model.named_buffers())
+    if any(p.dtype != dtype for p in model.parameters()):
+        model = model.to(dtype=dtype)  # free on meta
+    model = model.to_empty(device=torch.device(device))
+    for name, buf in buffers.items():  # to_empty wiped the real buffers: put them back
+        owner, _, leaf = name.rpartition(".")
+        cast = dtype if buf.is_floating_point() else buf.dtype
+        model.get_submodule(owner)._buffers[leaf] = buf.to(device=device, dtype=cast)
+    init_weights(model)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model.eval()
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- tokenizers -------------------------------------------------------------------------------
+
+COMMON_WORDS = tuple(
+    """
+the of and to in is it that for on with as at by from this be are was an or not but all
+one two three four five six seven eight nine ten many some few big small large tiny little
+dog cat bird horse fish tree flower house car boat city street river mountain sky sun moon
+star cloud rain snow sea beach forest field road window door table chair book cup bottle
+man woman child people person face hand eye hair photo painting drawing picture image scene
+style light dark bright black white gray brown orange purple pink gold silver wooden glass
+standing sitting running flying under over near behind front next above below inside
+""".split()  # noqa: SIM905
+)
+
+
+def _tiny_words() -> tuple[str, ...]:
+    from diffrl.data.shapes import all_prompts
+
+    shapes = {w for p in all_prompts() for w in p.text.split()}
+    return tuple(sorted(shapes | set(COMMON_WORDS)))
+
+
+TINY_WORDS: tuple[str, ...] = _tiny_words()
+
+# Words of Qwen-Image's prompt template (qwen_image.py), so the template itself tokenizes.
+_QWEN_TEMPLATE = "system user assistant describe detailing color shape size texture quantity text "
+QWEN_TEMPLATE_WORDS = tuple((_QWEN_TEMPLATE + "spatial relationships objects background").split())
+
+_SPECIALS = {
+    # kind -> (specials placed before the words, specials placed after, unk)
+    # CLIP's bos/eos take the two highest ids as in the real vocabulary, so its pooled-output
+    # rule (argmax of the ids, or first eos) finds the eos either way.
+    "clip": (["[UNK]"], ["<|startoftext|>", "<|endoftext|>"], "[UNK]"),
+    "t5": (["<pad>", "</s>", "<unk>"], [], "<unk>"),
+    "qwen": (["[UNK]"], ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "[UNK]"),
+}
+
+
+def word_tokenizer(words, kind: str, max_len: int):
+    """A word-level ``PreTrainedTokenizerFast`` over ``words`` with the special tokens of
+    ``kind`` ("clip", "t5" or "qwen"): lowercased, split on whitespace and punctuation,
+    unknown words -> the unk token. It round-trips through save_pretrained/AutoTokenizer."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    if kind not in _SPECIALS:
+        raise ConfigError(f"tokenizer kind {kind!r}; known: {sorted(_SPECIALS)}")
+    before, after, unk = _SPECIALS[kind]
+    words = sorted(set(words) | (set(QWEN_TEMPLATE_WORDS) if kind == "qwen" else set()))
+    vocab = {tok: i for i, tok in enumerate([*before, *words, *after])}
+    tok = Tokenizer(WordLevel(vocab, unk_token=unk))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([*before, *after])
+    specials: dict[str, str] = {"unk_token": unk}
+    if kind == "clip":
+        bos, eos = after
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}", special_tokens=[(bos, vocab[bos]), (eos, vocab[eos])]
+        )
+        specials |= {"bos_token": bos, "eos_token": eos, "pad_token": eos}
+    elif kind == "t5":
+        tok.post_processor = processors.TemplateProcessing(
+            single="$A </s>", special_tokens=[("</s>", vocab["</s>"])]
+        )
+        specials |= {"eos_token": "</s>", "pad_token": "<pad>"}
+    else:  # qwen: no bos/eos added; the chat template is text the family writes around a prompt
+        specials |= {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_len, **specials)
+
+
+def tokenize_padded(tokenizer, texts: list[str], max_len: int) -> tuple[Tensor, Tensor]:
+    """(B, max_len) int64 ids and (B, max_len) bool mask, padded and truncated to max_len."""
+    enc = tokenizer(
+        list(texts), padding="max_length", max_length=max_len, truncation=True, return_tensors="pt"
+    )
+    return enc["input_ids"].long(), enc["attention_mask"].bool()
+
+
+# --- the native network -----------------------------------------------------------------------
+
+
+class DiffusersNet(nn.Module):
+    """Base of a diffusers family's native network: ``forward(x, t_native, input_ids)``.
+
+    ``transformer`` is the one registered submodule (LoRA goes there; ``FamilyModel`` module
+    names start with ``net.transformer.``). The frozen text encoders and VAE are in
+    ``self.frozen`` (a ``Shared``: every copy of the model uses the same ones), and
+    ``conditions`` encodes each distinct prompt row once (``EncodeCache``). Subclasses
+    implement ``encode_uncached`` and ``forward``."""
+
+    def __init__(self, transformer: nn.Module, **frozen) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.frozen = Shared(**frozen)
+        self.cache = EncodeCache()
+        for m in self.frozen_modules():
+            m.requires_grad_(False).eval()
+
+    def frozen_modules(self) -> list[nn.Module]:
+        return [m for m in vars(self.frozen).values() if isinstance(m, nn.Module)]
+
+    def encode_uncached(self, input_ids: Tensor) -> tuple[Tensor, ...]:
+        """(b, L) ids -> a tuple of (b, ...) tensors (the transformer's text conditions)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _encode(self, input_ids: Tensor) -> tuple[Tensor, ...]:
+        for m in self.frozen_modules():
+            m.eval()
+        return self.encode_uncached(input_ids)
+
+    def conditions(self, input_ids: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+        """(B, L) ids -> the text conditions batched as (B, ...) tensors, in ``dtype``."""
+        rows = self.cache.get(input_ids, self._encode)
+        out = tuple(torch.stack(parts) for parts in zip(*rows, strict=True))
+        return (
+            out
+            if dtype is None
+            else tuple(t.to(dtype) if t.is_floating_point() else t for t in out)
+        )
