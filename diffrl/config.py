@@ -47,7 +47,13 @@ class RunConfig:
     eval_live: bool = False
 
     def validate(self) -> None:
-        check(bool(self.name) and "/" not in self.name, "name", self.name, "a non-empty name")
+        check(
+            self.name not in ("", ".", "..") and not any(c in self.name for c in "/\\\0"),
+            "name",
+            self.name,
+            "a plain directory name (not '.' or '..', no path separators): the run's "
+            "directory is <out_dir>/<name>",
+        )
         check(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             "device",

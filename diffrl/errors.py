@@ -18,6 +18,11 @@ class ContractError(DiffrlError):
     """One of the design contracts (time convention, weight sync, token drift) was violated."""
 
 
+class CheckpointError(DiffrlError):
+    """A checkpoint cannot be used (a file missing, truncated or corrupted), or none of a run's
+    can; the message names each checkpoint and what is wrong with it."""
+
+
 class FieldError(ValueError):
     """Raised by a config dataclass's ``validate``; the loader prefixes the dotted path."""
 

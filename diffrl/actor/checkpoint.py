@@ -1,54 +1,274 @@
-"""Checkpoints: adapters as safetensors, optimizer / RNG / counters via torch.save of plain
-tensors and numbers (loaded back with ``weights_only=True``), plus the controller's JSON state.
+"""Checkpoints that a kill, a torn write or a flipped bit cannot turn into lost work.
 
-Each checkpoint is written to a temporary directory and renamed into place, and ``latest`` is
-updated only afterwards, so a kill at any moment leaves the previous checkpoint usable.
+A checkpoint is a directory ``step_XXXXXX`` holding ``adapters.safetensors``, ``actor.pt``
+(optimizer / RNG / counters: plain tensors and numbers, loaded back with ``weights_only=True``),
+``controller.json`` and ``manifest.json``: the size and sha256 of each of the three, written last.
+
+Writing: the files are written and fsynced in ``.tmp_step_XXXXXX``, the directory is fsynced and
+renamed into place, then the parent is fsynced; a kill at any moment leaves every earlier
+checkpoint whole. Re-saving a step renames the old copy to ``.old_step_XXXXXX`` before the new
+one goes in, and deletes it only afterwards: until then it still counts as a checkpoint. Weights
+that are not finite are never written (the previous checkpoint stays the newest).
+
+Reading: every file is checked against the manifest before it is parsed. Resuming takes the
+newest checkpoint that verifies, scanning the directories rather than trusting ``latest`` (kept
+as a pointer for people and scripts), and logs each newer one it skipped and why. "Newest" is
+the most recently written (the manifest's ``saved_at``), not the highest step: a run started
+over with ``run.resume=false`` writes low steps after an earlier run's high ones.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import logging
 import os
+import re
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch import Tensor
+
+from diffrl.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+FILES = ("adapters.safetensors", "actor.pt", "controller.json")
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"(?:\.old_)?step_(\d+)")  # step_000012, or one being re-saved
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    adapters: dict[str, Tensor]
+    actor_state: dict
+    controller_state: dict  # {"step": int, "wall_s": float}
+
+    @property
+    def step(self) -> int:
+        return int(self.controller_state["step"])
+
+    @property
+    def wall_s(self) -> float:
+        return float(self.controller_state["wall_s"])
 
 
 def save_checkpoint(
     root: Path, step: int, adapters: dict, actor_state: dict, controller_state: dict, keep: int = 2
-) -> Path:
+) -> Path | None:
+    """Write checkpoint ``step`` under ``root`` and keep the ``keep`` newest; None (and a
+    warning) when the adapters are not finite, which are then not written at all."""
+    bad = nonfinite_tensors(adapters)
+    if bad:
+        log.warning(
+            "step %d: %d adapter tensors are not finite (e.g. %s): checkpoint NOT written; "
+            "the previous one stays the newest",
+            step,
+            len(bad),
+            bad[0],
+        )
+        return None
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
+    name = f"step_{step:06d}"
+    final, tmp, old = root / name, root / f".tmp_{name}", root / f".old_{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in adapters.items()}, str(tmp / "adapters.safetensors"))
-    torch.save(actor_state, tmp / "actor.pt")
-    (tmp / "controller.json").write_text(json.dumps(controller_state, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / "latest")
-    # keep the newest by write time (not by step number: a restarted run may write lower steps)
-    others = sorted((p for p in root.glob("step_*") if p != final), key=lambda p: p.stat().st_mtime)
-    for old in others[: max(0, len(others) - (keep - 1))]:
+    blobs = {
+        "adapters.safetensors": save_safetensors({k: v.contiguous() for k, v in adapters.items()}),
+        "actor.pt": _torch_bytes(actor_state),
+        "controller.json": json.dumps(controller_state, indent=1, allow_nan=False).encode(),
+    }
+    manifest = {
+        "step": step,
+        "saved_at": time.time(),
+        "files": {n: {"bytes": len(b), "sha256": _sha256(b)} for n, b in blobs.items()},
+    }
+    for n, b in blobs.items():
+        _write(tmp / n, b)
+    _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: the files are whole
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving a step: the old copy stays a checkpoint until the new is in
         shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write(root / ".latest.tmp", name.encode())
+    os.replace(root / ".latest.tmp", root / "latest")
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    _prune(root, final, keep)
     return final
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "controller.json").exists() else None
-
-
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
-    adapters = load_file(str(path / "adapters.safetensors"))
-    actor_state = torch.load(path / "actor.pt", weights_only=True)
-    controller_state = json.loads((path / "controller.json").read_text())
-    return adapters, actor_state, controller_state
+    """(adapters, actor_state, controller_state) of one checkpoint, verified against its
+    manifest; ``CheckpointError`` names the first thing wrong."""
+    blobs = _verified_files(path)
+    parsers = {
+        "adapters.safetensors": load_safetensors,
+        "actor.pt": lambda b: torch.load(io.BytesIO(b), weights_only=True),
+        "controller.json": json.loads,
+    }
+    out = {}
+    for name, parse in parsers.items():
+        try:  # bytes that match the manifest yet do not parse: an incompatible writer
+            out[name] = parse(blobs[name])
+        except Exception as e:
+            raise CheckpointError(f"{path.name}: {name} does not load: {e}") from e
+    state = out["controller.json"]
+    if not isinstance(state, dict) or not {"step", "wall_s"} <= state.keys():
+        raise CheckpointError(f"{path.name}: controller.json lacks 'step' / 'wall_s': {state!r}")
+    return out["adapters.safetensors"], out["actor.pt"], state
+
+
+def load_latest(root: Path) -> Checkpoint | None:
+    """The newest checkpoint under ``root`` that verifies, logging each newer one skipped and
+    why; None when ``root`` holds no checkpoint directory at all. Raises ``CheckpointError``
+    when there are checkpoint directories but none verifies: starting over from step 0 would
+    overwrite the run's metrics and, by rotation, its checkpoints."""
+    dirs = _newest_first(_checkpoint_dirs(root))
+    if not dirs:
+        return None
+    problems = []
+    for path in dirs:
+        try:
+            ckpt = Checkpoint(path, *load_checkpoint(path))
+        except CheckpointError as e:
+            log.warning("skipping checkpoint %s", e)
+            problems.append(str(e))
+            continue
+        if problems:
+            log.warning("resuming from %s, the newest checkpoint that verifies", path)
+        else:
+            _check_pointer(root, path)
+        return ckpt
+    raise CheckpointError(
+        f"none of the {len(dirs)} checkpoints under {root} verifies ({'; '.join(problems)}); "
+        "repair or restore one, or move the directory away to start the run over"
+    )
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """Path of the checkpoint ``load_latest`` would resume from."""
+    ckpt = load_latest(root)
+    return None if ckpt is None else ckpt.path
+
+
+def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
+    return [k for k, v in tensors.items() if v.is_floating_point() and not v.isfinite().all()]
+
+
+# --- the pieces ----------------------------------------------------------------------------------
+
+
+def _verified_files(path: Path) -> dict[str, bytes]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+        files = {
+            n: (int(manifest["files"][n]["bytes"]), manifest["files"][n]["sha256"]) for n in FILES
+        }
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.name}: {MANIFEST} is missing") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path.name}: {MANIFEST} is unreadable ({e!r})") from None
+    blobs = {}
+    for name, (size, digest) in files.items():
+        try:
+            data = (path / name).read_bytes()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.name}: {name} is missing") from None
+        if len(data) != size:
+            raise CheckpointError(
+                f"{path.name}: {name} has {len(data)} bytes, the manifest says {size} (truncated?)"
+            )
+        if _sha256(data) != digest:
+            raise CheckpointError(f"{path.name}: {name} does not match its sha256 (corrupted)")
+        blobs[name] = data
+    return blobs
+
+
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and _NAME.fullmatch(p.name)]
+
+
+def _newest_first(dirs: list[Path]) -> list[Path]:
+    def written(p: Path) -> tuple[float, int, bool]:
+        try:
+            saved_at = float(json.loads((p / MANIFEST).read_bytes())["saved_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            saved_at = p.stat().st_mtime  # no readable manifest: it will be skipped anyway
+        return saved_at, int(_NAME.fullmatch(p.name).group(1)), not p.name.startswith(".")
+
+    return sorted(dirs, key=written, reverse=True)
+
+
+def _prune(root: Path, final: Path, keep: int) -> None:
+    """Keep ``final`` and the ``keep - 1`` newest other checkpoints whose files are all there
+    at their recorded sizes (a cheap check: hashes are verified on load); delete the rest and
+    any temp directory a killed save left."""
+    for old in root.glob(".old_step_*"):  # a kill between a re-save's renames stranded it
+        if not (root / old.name.removeprefix(".old_")).exists():
+            os.replace(old, root / old.name.removeprefix(".old_"))
+    others = [p for p in _newest_first(_checkpoint_dirs(root)) if p != final]
+    kept = [p for p in others if _sizes_match(p)][: max(0, keep - 1)]
+    for p in others:
+        if p not in kept:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp_step_*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _sizes_match(path: Path) -> bool:
+    try:
+        files = json.loads((path / MANIFEST).read_bytes())["files"]
+        return all((path / n).stat().st_size == files[n]["bytes"] for n in FILES)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _check_pointer(root: Path, chosen: Path) -> None:
+    try:
+        pointer = (root / "latest").read_text().strip()
+    except OSError:
+        pointer = ""
+    if pointer != chosen.name:
+        log.warning(
+            "%s/latest says %r; resuming from %s (the newest checkpoint that verifies)",
+            root,
+            pointer or "(missing or empty)",
+            chosen.name,
+        )
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename (or a new file) in ``path`` durable: fsync the directory itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -75,7 +75,7 @@ class ActorConfig:
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 
     def validate(self) -> None:
-        check(self.lr > 0, "lr", self.lr, "must be > 0")
+        check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be finite and > 0")
         check_choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
         check(self.lr_warmup >= 0, "lr_warmup", self.lr_warmup, "must be >= 0")
         check(0 <= self.lr_end <= 1, "lr_end", self.lr_end, "must be in [0, 1] (a fraction of lr)")
@@ -88,7 +88,12 @@ class ActorConfig:
                 f"must be < lr_horizon = {self.lr_horizon}",
             )
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
+        check(
+            math.isfinite(self.grad_clip) and self.grad_clip > 0,
+            "grad_clip",
+            self.grad_clip,
+            "must be finite and > 0",
+        )
         check(self.micro_batch >= 1, "micro_batch", self.micro_batch, "must be >= 1")
         check(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
         check(0 <= self.ema_decay < 1, "ema_decay", self.ema_decay, "must be in [0, 1)")

@@ -1,23 +1,47 @@
 """The run directory: runs/<name>/ with metrics.jsonl, TensorBoard events, sample grids,
-the reward / accuracy curve and the resolved config."""
+the reward / accuracy curve and the resolved config.
+
+metrics.jsonl is strict JSON, one row per logged step: a value that is not finite (a reward
+mean that overflowed, a NaN loss) is written as ``null``, never as ``Infinity`` / ``NaN``. Each
+row is fsynced; a line torn by a kill is skipped on reading and dropped on resume.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+log = logging.getLogger(__name__)
+
 
 def read_metrics(root: Path) -> list[dict]:
-    """The rows of ``root/metrics.jsonl`` (one per logged step), [] if nothing was logged."""
-    path = Path(root) / "metrics.jsonl"
+    """The rows of ``root/metrics.jsonl`` (one per logged step), [] if nothing was logged;
+    lines that are not JSON (torn by a kill) are skipped with a warning."""
+    return [row for _, row in _rows(Path(root) / "metrics.jsonl")]
+
+
+def _rows(path: Path) -> list[tuple[str, dict]]:
+    """(line, parsed row) for each JSON line of ``path``."""
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    rows, bad = [], []
+    for i, ln in enumerate(path.read_text().splitlines(), 1):
+        if not ln.strip():
+            continue
+        try:
+            rows.append((ln, json.loads(ln)))
+        except ValueError:
+            bad.append(i)
+    if bad:
+        log.warning("%s: lines %s are not JSON (torn by a kill?): skipped", path, bad)
+    return rows
 
 
 class RunDir:
@@ -39,17 +63,20 @@ class RunDir:
         """On resume: drop metrics logged after the checkpoint we resume from."""
         if not self.metrics_path.exists():
             return
-        keep = [
-            ln
-            for ln in self.metrics_path.read_text().splitlines()
-            if ln.strip() and json.loads(ln).get("step", 0) <= step
-        ]
-        self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+        keep = [ln for ln, row in _rows(self.metrics_path) if row.get("step", 0) <= step]
+        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")  # a kill keeps the old file
+        with tmp.open("w") as f:
+            f.write("".join(ln + "\n" for ln in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.metrics_path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time(), **{k: _num(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
@@ -120,4 +147,8 @@ class RunDir:
 
 
 def _num(v):
-    return float(v) if isinstance(v, (int, float, np.floating)) else v
+    """A metric as JSON: numbers as floats, and None for a number that is not finite."""
+    if isinstance(v, (int, float, np.floating, np.integer)):
+        v = float(v)
+        return v if math.isfinite(v) else None
+    return v

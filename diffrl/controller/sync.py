@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from diffrl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from diffrl.actor.checkpoint import load_latest, save_checkpoint
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
 from diffrl.controller.build import Parts, build
@@ -103,14 +103,16 @@ def checkpoint(parts: Parts, run: RunDir, step: int, wall: float) -> None:
 
 
 def resume(parts: Parts, run: RunDir) -> tuple[int, float]:
-    ckpt = latest_checkpoint(run.root / "checkpoints")
-    if not parts.cfg.run.resume or ckpt is None:
+    """The newest checkpoint that verifies (CheckpointError if there are some but none does)."""
+    ckpt = load_latest(run.root / "checkpoints") if parts.cfg.run.resume else None
+    if ckpt is None:
         run.truncate_after(-1)  # a fresh run starts a fresh metrics file
         return 0, 0.0
-    adapters, actor_state, state = load_checkpoint(ckpt)
-    parts.actor.load_state(adapters, actor_state)
-    run.truncate_after(state["step"])
-    return state["step"], state["wall_s"]
+    # the non-finite counter counts consecutive bad updates under the config that made them: a
+    # diverged run resumed from its last good checkpoint (say with a lower actor.lr) starts afresh
+    parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
+    run.truncate_after(ckpt.step)
+    return ckpt.step, ckpt.wall_s
 
 
 async def train(cfg: Config) -> Path:
