@@ -16,11 +16,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from diffrl.actor.engine import ActorConfig
 from diffrl.algorithms.registry import AlgorithmConfig, get_algorithm, registered_algorithms
-from diffrl.data.prompts import DataConfig
 from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.registry import ModelConfig
 from diffrl.reward.pool import RewardConfig
 from diffrl.rollout.engine import RolloutConfig
+from diffrl.tasks.base import TaskConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = "recipes/shapes_nft.yaml"
@@ -71,7 +71,7 @@ class RunConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)

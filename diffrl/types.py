@@ -9,6 +9,7 @@ Media that a scorer may need (decoded images, video frames, audio) ride in ``ext
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -16,15 +17,64 @@ from torch import Tensor
 
 from diffrl.errors import ContractError
 
+ROW = {"rows": True}  # field metadata: the field has one entry per row of its record
+
+
+def rows(default=None):
+    """A per-row field (a (B, ...) tensor, a (B,) tuple, or a nested record of B rows)."""
+    return field(default=default, metadata=ROW)
+
+
+def select_rows(record, index: Tensor):
+    """The one row-selection helper: rows ``index`` of any record in this module (per-row
+    fields picked, shared fields such as ``sigmas`` kept, ``extra_fields`` picked per key).
+    Every ``prepare``, the actor's minibatching and ``concat`` go through it or its inverse."""
+    idx = index.tolist()
+    changes = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if not f.metadata.get("rows") or value is None:
+            continue
+        if isinstance(value, dict):  # name -> (B, ...) tensor
+            changes[f.name] = {k: v[index] for k, v in value.items()}
+        elif isinstance(value, tuple):
+            changes[f.name] = tuple(value[i] for i in idx)
+        elif isinstance(value, Tensor):
+            changes[f.name] = value[index.to(value.device)]
+        else:
+            changes[f.name] = select_rows(value, index)
+    return replace(record, **changes)
+
+
+def concat_rows(records: list):
+    """Inverse of ``select_rows``: records joined row-wise; their shared fields must agree."""
+    first = records[0]
+    if len(records) == 1:
+        return first
+    changes = {}
+    for f in dataclasses.fields(first):
+        values = [getattr(r, f.name) for r in records]
+        if not f.metadata.get("rows") or values[0] is None:
+            continue
+        if isinstance(values[0], dict):
+            changes[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
+        elif isinstance(values[0], tuple):
+            changes[f.name] = sum(values, ())
+        elif isinstance(values[0], Tensor):
+            changes[f.name] = torch.cat(values)
+        else:
+            changes[f.name] = concat_rows(values)
+    return replace(first, **changes)
+
 
 @dataclass(frozen=True)
 class PromptBatch:
     """Prompts tokenized once, in the data stage; the same ``input_ids`` travel everywhere."""
 
-    texts: tuple[str, ...]  # (B,)
-    input_ids: Tensor  # (B, L) int64, right-padded
-    ids_hash: tuple[str, ...]  # (B,) stable per-row hash of input_ids (token-drift check)
-    prompt_ids: Tensor  # (B,) int64 index of each prompt in its prompt set
+    texts: tuple[str, ...] = rows()  # (B,)
+    input_ids: Tensor = rows()  # (B, L) int64, right-padded
+    ids_hash: tuple[str, ...] = rows()  # (B,) stable per-row hash of input_ids (token drift)
+    prompt_ids: Tensor = rows()  # (B,) int64 index of each prompt in its prompt set
 
     def __post_init__(self) -> None:
         n = len(self.texts)
@@ -46,13 +96,7 @@ class PromptBatch:
         )
 
     def select(self, index: Tensor) -> PromptBatch:
-        idx = index.tolist()
-        return PromptBatch(
-            texts=tuple(self.texts[i] for i in idx),
-            input_ids=self.input_ids[index],
-            ids_hash=tuple(self.ids_hash[i] for i in idx),
-            prompt_ids=self.prompt_ids[index],
-        )
+        return select_rows(self, index)
 
 
 @dataclass(frozen=True)
@@ -63,24 +107,27 @@ class StepSpec:
     kind: str  # "flow_grpo" | "cps" (see diffrl.rollout.samplers.STOCHASTIC_STEPS)
     noise_level: float
     cfg_scale: float  # classifier-free guidance used at every step (1 = off)
-    null_id: int  # token id of the empty prompt (for the unconditional branch of CFG)
+    null_ids: tuple[int, ...]  # (L,) ids of the empty prompt (the unconditional CFG branch)
 
 
 @dataclass(frozen=True)
 class Trajectory:
     """What the rollout engine produced for B = n_prompts * G samples."""
 
-    prompts: PromptBatch  # B rows, grouped: rows [k*G, (k+1)*G) share a prompt
-    group: Tensor  # (B,) int64 group id (one per prompt in this batch)
-    seeds: Tensor  # (B,) int64 seed of each sample's initial noise and SDE noise
-    x0: Tensor  # (B, C, H, W) final clean sample, canonical model space ([-1, 1] pixels)
-    sigmas: Tensor  # (T+1,) the sampler's sigma schedule, 1 -> 0
-    policy_version: int  # version of the weights that sampled this trajectory
-    latents: Tensor | None = None  # (B, T+1, C, H, W) x at each sigma (kept when asked)
-    log_probs: Tensor | None = None  # (B, T) per-step Gaussian log-prob (SDE steps; 0 for ODE)
+    prompts: PromptBatch = rows()  # B rows, grouped: rows [k*G, (k+1)*G) share a prompt
+    group: Tensor = rows()  # (B,) int64 group id (one per prompt in this batch)
+    seeds: Tensor = rows()  # (B,) int64 seed of each sample's initial noise and SDE noise
+    # (B, *S) final clean sample in the family's latent space; S = (C, H, W) for images,
+    # (C, F, H, W) for video ([-1, 1] pixels for the pixel-space tiny DiT)
+    x0: Tensor = rows()
+    sigmas: Tensor = None  # (T+1,) the sampler's sigma schedule, 1 -> 0
+    policy_version: int = 0  # version of the weights that sampled this trajectory
+    latents: Tensor | None = rows()  # (B, T+1, *S) x at each sigma (kept when asked)
+    log_probs: Tensor | None = rows()  # (B, T) per-step Gaussian log-prob (SDE; 0 for ODE)
     sde_mask: Tensor | None = None  # (T,) bool: steps taken stochastically (with log-probs)
     step_spec: StepSpec | None = None  # how the stochastic steps were taken
-    extra_fields: dict[str, Tensor] = field(default_factory=dict)  # media, e.g. "image"
+    # media, e.g. "image" (B, H, W, 3) uint8; "video" (B, T, H, W, 3) uint8 with "fps" (B,)
+    extra_fields: dict[str, Tensor] = field(default_factory=dict, metadata=ROW)
 
     def __len__(self) -> int:
         return self.x0.shape[0]
@@ -103,32 +150,7 @@ class Trajectory:
         ):
             raise ValueError("cannot concat trajectories sampled with different SDE settings")
 
-        def cat(get):
-            vals = [get(p) for p in parts]
-            return None if vals[0] is None else torch.cat(vals)
-
-        pb = [p.prompts for p in parts]
-        prompts = PromptBatch(
-            texts=sum((b.texts for b in pb), ()),
-            input_ids=torch.cat([b.input_ids for b in pb]),
-            ids_hash=sum((b.ids_hash for b in pb), ()),
-            prompt_ids=torch.cat([b.prompt_ids for b in pb]),
-        )
-        return Trajectory(
-            prompts=prompts,
-            group=cat(lambda p: p.group),
-            seeds=cat(lambda p: p.seeds),
-            x0=cat(lambda p: p.x0),
-            sigmas=first.sigmas,
-            policy_version=first.policy_version,
-            latents=cat(lambda p: p.latents),
-            log_probs=cat(lambda p: p.log_probs),
-            sde_mask=first.sde_mask,
-            step_spec=first.step_spec,
-            extra_fields={
-                k: torch.cat([p.extra_fields[k] for p in parts]) for k in first.extra_fields
-            },
-        )
+        return concat_rows(parts)
 
 
 @dataclass(frozen=True)
@@ -136,45 +158,78 @@ class ScoredBatch:
     """A trajectory plus rewards. Samples whose optional scorer failed are ``valid=False``
     and are excluded from advantages; they are never scored 0."""
 
-    traj: Trajectory
-    rewards: Tensor  # (B,) float32 weighted sum over scorers
-    per_scorer: dict[str, Tensor]  # name -> (B,) raw score (NaN where missing)
-    valid: Tensor  # (B,) bool
+    traj: Trajectory = rows()
+    rewards: Tensor = rows()  # (B,) float32 weighted sum over scorers
+    per_scorer: dict[str, Tensor] = rows()  # name -> (B,) raw score (NaN where missing)
+    valid: Tensor = rows()  # (B,) bool
 
     def __len__(self) -> int:
         return self.rewards.shape[0]
 
     @staticmethod
     def concat(parts: list[ScoredBatch]) -> ScoredBatch:
-        return ScoredBatch(
-            traj=Trajectory.concat([p.traj for p in parts]),
-            rewards=torch.cat([p.rewards for p in parts]),
-            per_scorer={
-                k: torch.cat([p.per_scorer[k] for p in parts]) for k in parts[0].per_scorer
-            },
-            valid=torch.cat([p.valid for p in parts]),
-        )
+        return replace(concat_rows(parts), traj=Trajectory.concat([p.traj for p in parts]))
 
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """What the actor trains on; ``algorithm.prepare`` fills the fields its loss reads."""
+    """What the actor trains on; ``algorithm.prepare`` fills the fields its loss reads (each
+    algorithm its own: ``optimality`` for DiffusionNFT, ``advantages`` and the path for
+    FlowGRPO, ``rewards`` and ``pairs`` for Diffusion-DPO)."""
 
-    input_ids: Tensor  # (B, L) int64, the same tensor the rollout saw
-    ids_hash: tuple[str, ...]  # (B,) hashes from the data stage
-    x0: Tensor  # (B, C, H, W) clean samples
-    weights: Tensor  # (B,) per-sample coefficient: NFT optimality r in [0,1], GRPO advantage
-    seeds: Tensor  # (B,) for reproducible training noise
-    group: Tensor | None = None  # (B,) group id (for pair construction)
-    latents: Tensor | None = None  # (B, T+1, C, H, W) (algorithms that need the path)
-    log_probs: Tensor | None = None  # (B, T) rollout log-probs
+    input_ids: Tensor = rows()  # (B, L) int64, the same tensor the rollout saw
+    ids_hash: tuple[str, ...] = rows()  # (B,) hashes from the data stage
+    x0: Tensor = rows()  # (B, *S) clean samples
+    seeds: Tensor = rows()  # (B,) for reproducible training noise
+    group: Tensor | None = rows()  # (B,) group id
+    optimality: Tensor | None = rows()  # (B,) DiffusionNFT's r in [0, 1]
+    advantages: Tensor | None = rows()  # (B,) FlowGRPO's clipped group advantage
+    rewards: Tensor | None = rows()  # (B,) raw rewards (Diffusion-DPO's pairs come from them)
+    noise_key: Tensor | None = rows()  # (B,) int64: rows with one key share training noise
+    latents: Tensor | None = rows()  # (B, T+1, *S) (algorithms that need the path)
+    log_probs: Tensor | None = rows()  # (B, T) rollout log-probs
     sigmas: Tensor | None = None  # (T+1,)
-    pairs: Tensor | None = None  # (P, 2) int64 (winner, loser) row indices
+    # (P, 2) int64 (winner, loser) row indices; the batch holds pairs as rows 2p, 2p+1
+    pairs: Tensor | None = None
     sde_mask: Tensor | None = None  # (T,) bool, from the trajectory
     step_spec: StepSpec | None = None  # from the trajectory
 
     def __len__(self) -> int:
         return self.x0.shape[0]
+
+    def select(self, index: Tensor, device=None) -> TrainBatch:
+        """Rows ``index`` (optionally moved to ``device``); pairs are re-indexed as consecutive
+        (winner, loser) rows, which is how the actor orders pairwise batches."""
+        out = select_rows(self, index)
+        if self.pairs is not None:
+            out = replace(out, pairs=torch.arange(len(index)).reshape(-1, 2))
+        if device is None:
+            return out
+        moved = {
+            f.name: getattr(out, f.name).to(device)
+            for f in dataclasses.fields(out)
+            if f.metadata.get("rows") and isinstance(getattr(out, f.name), Tensor)
+        }
+        return replace(out, **moved)
+
+
+def train_batch(scored: ScoredBatch, **fields: Tensor) -> TrainBatch:
+    """Every row of a scored batch as a ``TrainBatch`` carrying the trajectory's data plus the
+    algorithm's own per-row ``fields``; ``prepare`` then selects the rows it trains on."""
+    t = scored.traj
+    return TrainBatch(
+        input_ids=t.prompts.input_ids,
+        ids_hash=t.prompts.ids_hash,
+        x0=t.x0,
+        seeds=t.seeds,
+        group=t.group,
+        latents=t.latents,
+        log_probs=t.log_probs,
+        sigmas=t.sigmas,
+        sde_mask=t.sde_mask,
+        step_spec=t.step_spec,
+        **fields,
+    )
 
 
 def check_token_hashes(batch: TrainBatch, hash_fn) -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from diffrl.data.tokenizer import WordTokenizer
-from diffrl.models.convention import VelocityModel
-from diffrl.models.registry import save_model
-from diffrl.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffrl.models.families.tiny_dit import build, save_model
+from diffrl.models.family import FamilyModel
+from diffrl.models.tiny_dit import TinyDiTConfig
 
 # The models here are tiny: one intra-op thread is much faster than fighting over cores.
 torch.set_num_threads(1)
@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 TINY_ARCH = dict(hidden=32, depth=2, heads=2, max_text_len=12)
 
 
-def make_tiny_model(seed: int = 0) -> VelocityModel:
+def make_tiny_model(seed: int = 0) -> FamilyModel:
     """A random tiny DiT in the canonical 'sigma' convention.
 
     TinyDiT zero-initialises its AdaLN gates and output projection (DiT's zero init), so a
@@ -28,16 +28,16 @@ def make_tiny_model(seed: int = 0) -> VelocityModel:
     """
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        net = TinyDiT(TinyDiTConfig(vocab_size=WordTokenizer().vocab_size, **TINY_ARCH))
+        model = build(TinyDiTConfig(vocab_size=WordTokenizer().vocab_size, **TINY_ARCH))
         with torch.no_grad():
-            for p in net.parameters():
+            for p in model.parameters():
                 if not p.any():
                     p.normal_(0.0, 0.1)
-    return VelocityModel(net, "sigma")
+    return model
 
 
 @pytest.fixture
-def tiny_model() -> VelocityModel:
+def tiny_model() -> FamilyModel:
     return make_tiny_model(0)
 
 
@@ -72,7 +72,7 @@ def tiny_lora_names(model: torch.nn.Module) -> list[str]:
 
 
 def make_actor(
-    model: VelocityModel,
+    model: FamilyModel,
     *,
     lr: float = 1e-2,
     rank: int = 4,
@@ -108,7 +108,7 @@ def make_train_batch(n: int = 4, seed: int = 0):
         input_ids=ids,
         ids_hash=tuple(hash_ids(ids)),
         x0=torch.rand((n, 3, 32, 32), generator=g) * 2 - 1,
-        weights=torch.rand(n, generator=g),
+        optimality=torch.rand(n, generator=g),
         seeds=torch.arange(n),
     )
 

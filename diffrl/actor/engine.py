@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import Tensor
 
-from diffrl.data.tokenizer import hash_ids
 from diffrl.errors import DiffrlError, check, check_choice
-from diffrl.models.convention import VelocityModel
+from diffrl.models.family import FamilyModel, hash_rows
 from diffrl.sync.weights import LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
 
@@ -118,7 +117,7 @@ class NonFiniteLoss(DiffrlError):
 class ActorEngine:
     def __init__(
         self,
-        model: VelocityModel,
+        model: FamilyModel,
         cfg: ActorConfig,
         targets: list[str],
         algorithm,
@@ -187,7 +186,7 @@ class ActorEngine:
     # --- training -----------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update: ``minibatches`` optimizer steps over a shuffle of the batch."""
-        check_token_hashes(batch, hash_ids)
+        check_token_hashes(batch, hash_rows)
         self.model.train()
         n = len(batch)
         if n == 0:
@@ -200,11 +199,11 @@ class ActorEngine:
             parts = [torch.stack([2 * p, 2 * p + 1], 1).flatten() for p in pair_parts if len(p)]
         totals: dict[str, float] = {}
         if self.algorithm.diagnostics is not None:  # weights still those of the rollout
-            mb = _select(batch, torch.arange(min(n, self.cfg.micro_batch)), self.device)
+            mb = batch.select(torch.arange(min(n, self.cfg.micro_batch)), self.device)
             with torch.no_grad():
                 totals.update(self.algorithm.diagnostics(self, mb, self.algo_cfg))
         for part in parts:
-            m = self._optimizer_step(_select(batch, part))
+            m = self._optimizer_step(batch.select(part))
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v / len(parts)
         return totals
@@ -213,8 +212,8 @@ class ActorEngine:
         self.opt.zero_grad(set_to_none=True)
         n, metrics, total = len(batch), {}, 0.0
         for start in range(0, n, self.cfg.micro_batch):
-            mb = _select(
-                batch, torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
+            mb = batch.select(
+                torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
             )
             loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
             (loss * len(mb) / n).backward()
@@ -318,26 +317,3 @@ class ActorEngine:
         self.version = int(state["version"])
         self.gen.set_state(state["gen"])
         self.nonfinite = int(state["nonfinite"])
-
-
-def _select(batch: TrainBatch, index: Tensor, device=None) -> TrainBatch:
-    """Rows ``index`` of a batch (optionally moved to ``device``); pairs are re-indexed as
-    consecutive (winner, loser) rows, which is how ``train_step`` orders them. Fields shared by
-    every row (sigmas, sde_mask, step_spec) carry over as they are."""
-
-    def pick(t):
-        return None if t is None else t[index].to(device or t.device)
-
-    pairs = None if batch.pairs is None else torch.arange(len(index)).reshape(-1, 2)
-    return replace(
-        batch,
-        input_ids=pick(batch.input_ids),
-        ids_hash=tuple(batch.ids_hash[i] for i in index.tolist()),
-        x0=pick(batch.x0),
-        weights=pick(batch.weights),
-        seeds=pick(batch.seeds),
-        group=pick(batch.group),
-        latents=pick(batch.latents),
-        log_probs=pick(batch.log_probs),
-        pairs=pairs,
-    )

@@ -16,7 +16,7 @@ the ``old`` adapter as reference and refreshes it from ``default`` every ``ref_e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,13 @@ from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
     Policy,
+    WeightPlan,
     check_training_draws,
     register_algorithm,
 )
 from diffrl.errors import check, check_choice
-from diffrl.types import ScoredBatch, TrainBatch
+from diffrl.models.family import noised
+from diffrl.types import ScoredBatch, TrainBatch, train_batch
 
 
 @dataclass(frozen=True)
@@ -79,17 +81,8 @@ def make_pairs(rewards: Tensor, group: Tensor, valid: Tensor, how: str, margin: 
 def prepare(scored: ScoredBatch, cfg: DPOConfig) -> TrainBatch:
     traj = scored.traj
     pairs = make_pairs(scored.rewards, traj.group, scored.valid, cfg.pairs, cfg.margin)
-    rows = pairs.flatten()  # the batch holds [w0, l0, w1, l1, ...]
-    p = traj.prompts
-    return TrainBatch(
-        input_ids=p.input_ids[rows],
-        ids_hash=tuple(p.ids_hash[i] for i in rows),
-        x0=traj.x0[rows],
-        weights=scored.rewards[rows],
-        seeds=traj.seeds[rows],
-        group=traj.group[rows],
-        pairs=torch.arange(len(rows)).reshape(-1, 2),
-    )
+    batch = replace(train_batch(scored, rewards=scored.rewards), pairs=pairs)
+    return batch.select(pairs.flatten())  # the batch holds [w0, l0, w1, l1, ...]
 
 
 def dpo_loss(m_w: Tensor, m_l: Tensor, r_w: Tensor, r_l: Tensor, beta: float) -> Tensor:
@@ -120,9 +113,7 @@ def _pair_terms(
     sigma = (torch.rand(n_pairs, generator=gen) * span + cfg.sigma_min).repeat_interleave(2)
     sigma = sigma.to(x0)
     eps = torch.randn((n_pairs, *x0.shape[1:]), generator=gen).repeat_interleave(2, 0).to(x0)
-    s = sigma.view(-1, 1, 1, 1)
-    x = (1 - s) * x0 + s * eps
-    v = eps - x0
+    x, v = noised(x0, sigma, eps), eps - x0
     m = (policy.velocity(x, sigma, batch.input_ids) - v).pow(2).flatten(1).mean(1)
     with torch.no_grad():
         ref = "old" if cfg.mode == "online" else None
@@ -135,14 +126,11 @@ def _pair_terms(
     return per_pair, float(implicit_acc)
 
 
-def rollout_adapter(cfg: DPOConfig) -> str:
-    return "default"
-
-
-def after_step(actor, step: int, cfg: DPOConfig) -> bool:
-    if cfg.mode == "online" and step % cfg.ref_every == 0:
-        actor.update_old(decay=0.0)
-    return True
+def weight_plan(step: int, cfg: DPOConfig) -> WeightPlan:
+    """Samples with the current policy (synced every update); online mode refreshes the
+    reference (``old``) every ``ref_every`` updates."""
+    refresh = cfg.mode == "online" and step % cfg.ref_every == 0
+    return WeightPlan("default", refresh_old=0.0 if refresh else None)
 
 
 ALGORITHM = register_algorithm(
@@ -151,8 +139,7 @@ ALGORITHM = register_algorithm(
         config_cls=DPOConfig,
         prepare=prepare,
         loss=loss,
-        rollout_adapter=rollout_adapter,
-        after_step=after_step,
+        weight_plan=weight_plan,
         needs_logprobs=False,
     )
 )

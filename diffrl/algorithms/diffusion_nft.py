@@ -27,11 +27,13 @@ from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
     Policy,
+    WeightPlan,
     check_training_draws,
     register_algorithm,
 )
 from diffrl.errors import check, check_choice
-from diffrl.types import ScoredBatch, TrainBatch
+from diffrl.models.family import broadcast, noised
+from diffrl.types import ScoredBatch, TrainBatch, train_batch
 
 
 @dataclass(frozen=True)
@@ -80,16 +82,8 @@ def prepare(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
     keep_mask = scored.valid
     if cfg.skip_uniform_groups:
         keep_mask = keep_mask & informative_groups(scored.rewards, traj.group, scored.valid)
-    keep = keep_mask.nonzero().squeeze(1)
-    p = traj.prompts
-    return TrainBatch(
-        input_ids=p.input_ids[keep],
-        ids_hash=tuple(p.ids_hash[i] for i in keep),
-        x0=traj.x0[keep],
-        weights=optimality(adv[keep], cfg.adv_clip),
-        seeds=traj.seeds[keep],
-        group=traj.group[keep],
-    )
+    batch = train_batch(scored, optimality=optimality(adv, cfg.adv_clip), noise_key=group_key(traj))
+    return batch.select(keep_mask.nonzero().squeeze(1))
 
 
 def informative_groups(rewards: Tensor, group: Tensor, valid: Tensor) -> Tensor:
@@ -108,13 +102,15 @@ def informative_groups(rewards: Tensor, group: Tensor, valid: Tensor) -> Tensor:
 def training_noise(
     batch: TrainBatch, cfg: NFTConfig, gen: torch.Generator, j: int
 ) -> tuple[Tensor, Tensor]:
-    """(sigma (B,), eps (B, C, H, W)) for the j-th training timestep of each sample."""
+    """(sigma (B,), eps (B, *S)) for the j-th training timestep of each sample; with
+    ``shared_noise`` the draws are keyed on the sample's group (``noise_key``), so every member
+    of a group is noised alike (common random numbers)."""
     x0 = batch.x0
     if not cfg.shared_noise:
         sigma = torch.empty(len(x0)).uniform_(cfg.sigma_min, cfg.sigma_max, generator=gen)
         return sigma.to(x0), torch.randn(x0.shape, generator=gen).to(x0)
     sig, eps = [], []
-    for key in batch.seeds.tolist():  # the group's key: identical draws for its members
+    for key in batch.noise_key.tolist():  # the group's key: identical draws for its members
         g = torch.Generator().manual_seed((key * 31 + j) % (2**63 - 1))
         sig.append(torch.empty(()).uniform_(cfg.sigma_min, cfg.sigma_max, generator=g))
         eps.append(torch.randn(x0.shape[1:], generator=g))
@@ -133,8 +129,7 @@ def _per_sample_error(
     """(B,) error of one implicit policy against the target velocity."""
     if weighting == "uniform":
         return (v_pm - v).pow(2).flatten(1).mean(1)
-    s = sigma.view(-1, 1, 1, 1)
-    x0_hat = x - s * v_pm  # the implicit policy's clean-sample estimate
+    x0_hat = x - broadcast(sigma, x) * v_pm  # the implicit policy's clean-sample estimate
     scale = (x0_hat.detach() - x0).abs().flatten(1).mean(1).clamp(min=1e-5)
     return (x0_hat - x0).pow(2).flatten(1).mean(1) / scale
 
@@ -142,13 +137,11 @@ def _per_sample_error(
 def loss(
     policy: Policy, batch: TrainBatch, cfg: NFTConfig, gen: torch.Generator
 ) -> tuple[Tensor, dict[str, float]]:
-    x0, ids, r = batch.x0, batch.input_ids, batch.weights.to(batch.x0)
+    x0, ids, r = batch.x0, batch.input_ids, batch.optimality.to(batch.x0)
     total, metrics = x0.new_zeros(()), {"nft/r_mean": float(r.mean())}
     for j in range(cfg.timesteps_per_sample):
         sigma, eps = training_noise(batch, cfg, gen, j)
-        s = sigma.view(-1, 1, 1, 1)
-        x = (1 - s) * x0 + s * eps
-        v = eps - x0
+        x, v = noised(x0, sigma, eps), eps - x0
         with torch.no_grad():
             v_old = policy.velocity(x, sigma, ids, adapter="old")
         v_theta = policy.velocity(x, sigma, ids, adapter="default")
@@ -172,24 +165,22 @@ def loss(
     return total, metrics
 
 
-def rollout_adapter(cfg: NFTConfig) -> str:
-    return "old"  # as the reference implementation: sample with the old policy
-
-
-def changes_rollout(step: int, cfg: NFTConfig) -> bool:
-    """The rollout samples with ``old``, which only the schedule in ``after_step`` changes."""
-    return cfg.old_update == "ema" or step % cfg.old_every == 0
-
-
-def after_step(actor, step: int, cfg: NFTConfig) -> bool:
-    """Refresh ``old`` (step counts from 1); True when the rollout's weights changed."""
+def weight_plan(step: int, cfg: NFTConfig) -> WeightPlan:
+    """Sample with ``old`` (as the reference implementation); refresh it by copy every
+    ``old_every`` updates, or as an EMA after every update, and sync only then."""
     if cfg.old_update == "ema":
-        actor.update_old(decay=cfg.old_ema)
-        return True
-    if step % cfg.old_every == 0:
-        actor.update_old(decay=0.0)
-        return True
-    return False
+        return WeightPlan("old", refresh_old=cfg.old_ema)
+    refresh = step % cfg.old_every == 0
+    return WeightPlan("old", refresh_old=0.0 if refresh else None, sync=refresh)
+
+
+def group_key(traj) -> Tensor:
+    """(B,) int64: each row's group's first seed, a key shared by the group and distinct
+    across groups and steps (the seeds are per-step draws)."""
+    first = torch.full((int(traj.group.max()) + 1,), -1, dtype=torch.int64)
+    for row in range(len(traj.group) - 1, -1, -1):  # ends holding each group's first row
+        first[traj.group[row]] = traj.seeds[row]
+    return first[traj.group]
 
 
 ALGORITHM = register_algorithm(
@@ -198,9 +189,7 @@ ALGORITHM = register_algorithm(
         config_cls=NFTConfig,
         prepare=prepare,
         loss=loss,
-        rollout_adapter=rollout_adapter,
-        after_step=after_step,
-        changes_rollout=changes_rollout,
+        weight_plan=weight_plan,
         needs_logprobs=False,
     )
 )

@@ -32,10 +32,17 @@ import torch
 from torch import Tensor
 
 from diffrl.algorithms.advantage import group_advantages
-from diffrl.algorithms.registry import Algorithm, AlgorithmConfig, Policy, register_algorithm
+from diffrl.algorithms.registry import (
+    Algorithm,
+    AlgorithmConfig,
+    Policy,
+    WeightPlan,
+    register_algorithm,
+)
 from diffrl.errors import check, check_choice
+from diffrl.models.family import broadcast
 from diffrl.rollout.samplers import STOCHASTIC_STEPS, guided_velocity
-from diffrl.types import ScoredBatch, TrainBatch
+from diffrl.types import ScoredBatch, TrainBatch, train_batch
 
 
 @dataclass(frozen=True)
@@ -70,21 +77,7 @@ def prepare(scored: ScoredBatch, cfg: GRPOConfig) -> TrainBatch:
         )
     adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
     adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-    keep = scored.valid.nonzero().squeeze(1)
-    p = traj.prompts
-    return TrainBatch(
-        input_ids=p.input_ids[keep],
-        ids_hash=tuple(p.ids_hash[i] for i in keep),
-        x0=traj.x0[keep],
-        weights=adv[keep],
-        seeds=traj.seeds[keep],
-        group=traj.group[keep],
-        latents=traj.latents[keep],
-        log_probs=traj.log_probs[keep],
-        sigmas=traj.sigmas,
-        sde_mask=traj.sde_mask,
-        step_spec=traj.step_spec,
-    )
+    return train_batch(scored, advantages=adv).select(scored.valid.nonzero().squeeze(1))
 
 
 def train_steps(sde_steps: Tensor, batch: int, cfg: GRPOConfig, gen: torch.Generator) -> Tensor:
@@ -124,11 +117,11 @@ def step_logprob(
     ids = batch.input_ids[rows]
     shared = shared_rows(x_t, ids, j)  # the input alone decides; no group ids needed
     if shared is None:
-        v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_id)
+        v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_ids)
     else:  # one forward per distinct input; the gradient sums back over the copies
         first, inverse = shared
         v = guided_velocity(
-            velocity, x_t[first], sigma[first], ids[first], spec.cfg_scale, spec.null_id
+            velocity, x_t[first], sigma[first], ids[first], spec.cfg_scale, spec.null_ids
         )[inverse]
     _, logp, mean, std = STOCHASTIC_STEPS[spec.kind](
         x_t, v, sigma, sigma_next, spec.noise_level, float(sig[1]), x_next=x_next
@@ -171,11 +164,11 @@ def loss(
         j = steps[:, c]
         logp, mean, std = step_logprob(policy, batch, rows, j)
         ratio = torch.exp(logp - batch.log_probs[rows, j])
-        step_loss = clipped_objective(ratio, batch.weights, cfg.clip_range).mean()
+        step_loss = clipped_objective(ratio, batch.advantages, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
             with torch.no_grad():
                 _, mean_ref, _ = step_logprob(policy, batch, rows, j, adapter=None)
-            std_b = std.view(-1, *([1] * (mean.ndim - 1)))
+            std_b = broadcast(std, mean)
             kl = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1).mean(1).mean()
             step_loss = step_loss + cfg.kl_coef * kl
             m["grpo/kl"] += float(kl.detach()) / steps.shape[1]
@@ -200,12 +193,8 @@ def consistency(policy: Policy, batch: TrainBatch, cfg: GRPOConfig) -> dict[str,
     return {"grpo/logp_diff_max": float(diff.max()), "grpo/logp_diff_mean": float(diff.mean())}
 
 
-def rollout_adapter(cfg: GRPOConfig) -> str:
-    return "default"  # on-policy: the rollout samples with the current policy
-
-
-def after_step(actor, step: int, cfg: GRPOConfig) -> bool:
-    return True  # sync after every update
+def weight_plan(step: int, cfg: GRPOConfig) -> WeightPlan:
+    return WeightPlan("default")  # on-policy: sample with the current policy, sync every update
 
 
 ALGORITHM = register_algorithm(
@@ -214,8 +203,7 @@ ALGORITHM = register_algorithm(
         config_cls=GRPOConfig,
         prepare=prepare,
         loss=loss,
-        rollout_adapter=rollout_adapter,
-        after_step=after_step,
+        weight_plan=weight_plan,
         needs_logprobs=True,
         diagnostics=consistency,
     )

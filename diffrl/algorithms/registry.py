@@ -3,12 +3,11 @@
 An algorithm is a frozen config class plus pure functions:
   prepare(scored, cfg) -> TrainBatch              advantages / r in [0,1] / pairs
   loss(policy, batch, cfg, gen) -> (loss, metrics) one micro-batch, differentiable
-  rollout_adapter(cfg) -> str                      which actor adapter the rollout samples with
-  after_step(actor, step, cfg) -> bool             e.g. refresh the old policy; True = the
-                                                   rollout's adapter changed (sync it)
-  changes_rollout(step, cfg) -> bool               will after_step(step) change the rollout's
-                                                   weights? If not, the controller may start
-                                                   the next rollout before this update ends
+  weight_plan(step, cfg) -> WeightPlan             as data, what happens to the weights after
+                                                   update ``step`` (counted from 1): which
+                                                   adapter the rollout samples with, whether
+                                                   ``old`` refreshes, whether to sync; the
+                                                   controller carries it out
   diagnostics(policy, batch, cfg) -> metrics       optional, before the update (no grad)
 """
 
@@ -23,6 +22,19 @@ from torch import Tensor
 
 from diffrl.errors import check
 from diffrl.types import ScoredBatch, TrainBatch
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """What the controller does to the weights after one update (DESIGN §1).
+
+    ``sync`` is False only when the update cannot change the weights the rollout samples with
+    (DiffusionNFT between refreshes of ``old``): the controller may then start the next
+    step's rollout before the update ends, and the samples are the same either way."""
+
+    rollout_adapter: str  # the actor adapter the rollout samples with ("default" or "old")
+    refresh_old: float | None = None  # old <- d * old + (1 - d) * default; None = keep old
+    sync: bool = True  # push rollout_adapter's weights to the rollout after this update
 
 
 @dataclass(frozen=True)
@@ -59,10 +71,8 @@ class Algorithm:
     config_cls: type
     prepare: Callable[[ScoredBatch, Any], TrainBatch]
     loss: Callable[..., tuple[Tensor, dict[str, float]]]
-    rollout_adapter: Callable[[Any], str]
-    after_step: Callable[[Any, int, Any], bool]
+    weight_plan: Callable[[int, Any], WeightPlan]
     needs_logprobs: bool = False
-    changes_rollout: Callable[[int, Any], bool] = lambda step, cfg: True
     # diagnostics(policy, batch, cfg) -> metrics, run by the actor (no grad) before the
     # update, with the weights the rollout used (e.g. FlowGRPO's log-prob consistency)
     diagnostics: Callable[[Policy, TrainBatch, Any], dict[str, float]] | None = None

@@ -1,8 +1,13 @@
-"""Assemble the engines from a config (shared by the controllers and the CLI)."""
+"""The engine factory: builds the task, the model family and the three engines a run needs
+from its config, by registered name. The loop (``controller/sync.py``) receives what this
+returns and knows no task or family by name; a Ray factory can return remote engines behind
+the same Protocols (``diffrl.engines``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from dataclasses import dataclass
 
@@ -12,28 +17,29 @@ import torch
 from diffrl.actor.engine import ActorConfig, ActorEngine
 from diffrl.algorithms.registry import Algorithm, get_algorithm
 from diffrl.config import Config
-from diffrl.data.prompts import PromptSet, PromptSource, build_data
-from diffrl.data.shapes import render, split_prompts
-from diffrl.data.tokenizer import WordTokenizer
+from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
 from diffrl.errors import ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
+from diffrl.models.family import FamilyModel
 from diffrl.models.registry import load_model, lora_targets
 from diffrl.reward.pool import RewardPool
 from diffrl.rollout.engine import RolloutEngine
-from diffrl.types import images_from_uint8
+from diffrl.tasks import PromptSet, PromptSource, Task, build_task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class Parts:
+class Engines:
     cfg: Config
     device: torch.device
-    tokenizer: WordTokenizer
-    prompts: PromptSource
-    eval_set: PromptSet
-    rollout: RolloutEngine
-    evaluator: RolloutEngine  # samples with the trained adapter for held-out eval
-    rewards: RewardPool
-    actor: ActorEngine
+    task: Task
+    prompts: PromptSource  # training prompts, tokenized once
+    eval_set: PromptSet  # held-out prompts, tokenized once
+    rollout: RolloutEngineProtocol
+    evaluator: RolloutEngineProtocol  # samples held-out eval with the trained adapter
+    rewards: RewardEngineProtocol
+    actor: ActorEngineProtocol
     algorithm: Algorithm
     probe: ProbeReport | None
 
@@ -52,35 +58,41 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def probe_data(tok: WordTokenizer, n: int = 16, seed: int = 0):
-    """Renderer ground truth for the convention probe: x0 (n,3,H,W) in [-1,1] and ids."""
-    rng = np.random.default_rng(seed)
-    prompts = split_prompts("train")[:n]
-    x0 = images_from_uint8(torch.from_numpy(np.stack([render(p, rng) for p in prompts])))
-    return x0, tok.encode([p.text for p in prompts])
+def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
+    """Contract 1 at start-up: the declared time convention against the task's ground truth.
+    Raises on a wrong declaration; says why when it cannot decide."""
+    data = task.probe_data()
+    if data is None:
+        log.warning("time-convention probe skipped: task %r has no ground-truth samples", task.name)
+        return None
+    param = next(model.parameters())
+    x0 = model.family.encode_pixels(data.pixels.to(param.device, param.dtype))
+    ids = model.family.tokenize(data.texts).input_ids.to(param.device)
+    report = probe_convention(model, x0, ids)
+    if not report.conclusive:
+        log.warning("time-convention probe inconclusive: %s", report.reason)
+    return report
 
 
-def build(cfg: Config) -> Parts:
+def build(cfg: Config) -> Engines:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
-    tok, source, eval_set = build_data(cfg.data, cfg.run.seed)
+    task = build_task(cfg.data)
     base = load_model(cfg.model, device)
-    if base.net.cfg.vocab_size < tok.vocab_size:
-        raise ConfigError(
-            f"model vocab ({base.net.cfg.vocab_size}) is smaller than the "
-            f"tokenizer's ({tok.vocab_size})"
-        )
-    probe = None
-    if cfg.model.probe:
-        x0, ids = probe_data(tok)
-        probe = probe_convention(base, x0.to(device, next(base.parameters()).dtype), ids.to(device))
-    targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model.family))
+    tokenize = base.family.tokenize  # the data stage's one tokenization (contract 3)
+    train = PromptSet(task.prompts("train"), tokenize)
+    test_prompts = task.prompts("test")
+    if cfg.data.eval_prompts:
+        test_prompts = test_prompts[: cfg.data.eval_prompts]
+    eval_set = PromptSet(test_prompts, tokenize)
+    probe = run_probe(task, base) if cfg.model.probe else None
+    targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model))
     algorithm = get_algorithm(cfg.algorithm.name)
     check_rollout_for(algorithm, cfg)
-    rollout_targets = _expanded_targets(base, targets)
-    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, tok.null_id, device)
+    rollout_targets = expanded_targets(base, targets)
+    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent
     # initial noise for every sample even when the rollout shares it within a group (DanceGRPO)
     eval_rollout = dataclasses.replace(
@@ -91,13 +103,24 @@ def build(cfg: Config) -> Parts:
         tree_noise=False,
         ode_dtype="float32",
     )
-    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, tok.null_id, device)
+    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device)
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced=set(rollout.produces))
-    actor_cfg = actor_with_horizon(cfg)
-    actor = ActorEngine(base, actor_cfg, targets, algorithm, cfg.algorithm, device, cfg.run.seed)
-    return Parts(
-        cfg, device, tok, source, eval_set, rollout, evaluator, rewards, actor, algorithm, probe
+    actor = ActorEngine(
+        base, actor_with_horizon(cfg), targets, algorithm, cfg.algorithm, device, cfg.run.seed
+    )
+    return Engines(
+        cfg,
+        device,
+        task,
+        PromptSource(train, cfg.data.prompts_per_step, cfg.run.seed),
+        eval_set,
+        rollout,
+        evaluator,
+        rewards,
+        actor,
+        algorithm,
+        probe,
     )
 
 
@@ -141,8 +164,8 @@ def check_rollout_for(algorithm: Algorithm, cfg: Config) -> None:
             )
 
 
-def _expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
-    """Suffix targets ("attn.qkv") -> the full module names the rollout must receive."""
+def expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """Suffix targets ("attn.to_q") -> the full module names the rollout must receive."""
     names = [
         n
         for n, m in model.named_modules()

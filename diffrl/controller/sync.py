@@ -4,9 +4,14 @@ Each step streams the rollout's micro-batches through a channel into the reward 
 scoring of micro-batch i overlaps generation of micro-batch i+1; the update waits for the
 whole step's scores. Weights move to the rollout only through versioned, verified syncs.
 
-When the algorithm says update k cannot change the rollout's weights (DiffusionNFT between
-old-policy refreshes), step k+1's rollout and scoring start while update k runs: the samples
-are exactly those a strictly sequential loop would produce (same weights, same seeds).
+What happens to the weights after each update is the algorithm's weight plan, carried out
+here: refresh ``old``, then sync the adapter the rollout samples with. When the plan says
+update k cannot change the rollout's weights (DiffusionNFT between refreshes of ``old``), step
+k+1's rollout and scoring start while update k runs: the samples are exactly those a strictly
+sequential loop would produce (same weights, same seeds).
+
+The engines come from the factory (``controller/engines.py``); nothing here knows a task or a
+model family by name.
 """
 
 from __future__ import annotations
@@ -18,17 +23,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
+from diffrl.algorithms.registry import WeightPlan
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.build import Parts, build
-from diffrl.controller.evaluate import evaluate, grid_pick
+from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir
-from diffrl.errors import ContractError
 from diffrl.reward.pool import close_pool, reward_summary
 from diffrl.types import ScoredBatch
 
 
-async def rollout_and_score(parts: Parts, step: int):
+async def rollout_and_score(parts: Engines, step: int):
     """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics)."""
     channel = Channel(capacity=2)
     producer = asyncio.create_task(
@@ -53,46 +57,44 @@ async def rollout_and_score(parts: Parts, step: int):
     return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
 
 
-async def run_eval(parts: Parts, run: RunDir, step: int) -> dict[str, float]:
+async def run_eval(parts: Engines, run: RunDir, step: int) -> dict[str, float]:
     """Held-out eval of the policy the run ships (the EMA one with ``actor.ema_decay``) as
-    ``eval/*``; with ``run.eval_live`` and an EMA, also the live weights as ``eval_live/*``."""
-    cfg, adapter = parts.cfg, parts.actor.eval_adapter
-    metrics, images, texts, ok = await _evaluate_adapter(parts, adapter)
-    idx = grid_pick(texts, cfg.data.eval_samples_per_prompt)
-    run.save_grid(step, images[idx], [texts[i] for i in idx], [ok[i] for i in idx])
-    if cfg.run.eval_live and adapter != "default":
-        live = (await _evaluate_adapter(parts, "default"))[0]
+    ``eval/*``, and its sample grid; with ``run.eval_live`` and an EMA, also the live weights
+    as ``eval_live/*``."""
+    adapter = parts.actor.eval_adapter
+    result = await evaluate_adapter(parts, adapter)
+    run.save_grid(step, result.images, result.captions, result.ok)
+    metrics = dict(result.metrics)
+    if parts.cfg.run.eval_live and adapter != "default":
+        live = (await evaluate_adapter(parts, "default")).metrics
         metrics.update({k.replace("eval/", "eval_live/", 1): v for k, v in live.items()})
     return metrics
 
 
-async def _evaluate_adapter(parts: Parts, adapter: str):
+async def evaluate_adapter(parts: Engines, adapter: str):
+    """The task's held-out evaluation of one adapter: fixed prompts and noise, ODE sampling."""
+    cfg = parts.cfg
     parts.evaluator.load_weights(parts.actor.export_weights(adapter))
-    cfg = parts.cfg
-    return await evaluate(
-        parts.evaluator,
-        parts.eval_set,
-        cfg.data.eval_samples_per_prompt,
+    traj = await parts.evaluator.generate(
+        parts.eval_set.all(),
         cfg.data.eval_seed,
-        cfg.rollout.eval_num_steps,
+        group_size=cfg.data.eval_samples_per_prompt,
+        sampler="ode",
+        num_steps=cfg.rollout.eval_num_steps,
     )
+    return await parts.task.evaluate(traj, parts.rewards)
 
 
-def can_prefetch(parts: Parts, step: int) -> bool:
-    cfg = parts.cfg
-    return (
-        cfg.run.prefetch
-        and step + 1 < cfg.run.steps
-        and not parts.algorithm.changes_rollout(step + 1, cfg.algorithm)
-    )
+def apply_plan(parts: Engines, plan: WeightPlan) -> dict[str, float]:
+    """Carry out the algorithm's weight plan after an update: refresh ``old``, then sync."""
+    if plan.refresh_old is not None:
+        parts.actor.update_old(plan.refresh_old)
+    if not plan.sync:
+        return {}
+    return parts.rollout.load_weights(parts.actor.export_weights(plan.rollout_adapter)).as_metrics()
 
 
-def sync_rollout(parts: Parts):
-    adapter = parts.algorithm.rollout_adapter(parts.cfg.algorithm)
-    return parts.rollout.load_weights(parts.actor.export_weights(adapter))
-
-
-def checkpoint(parts: Parts, run: RunDir, step: int, wall: float) -> None:
+def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
     save_checkpoint(
         run.root / "checkpoints",
         step,
@@ -102,7 +104,7 @@ def checkpoint(parts: Parts, run: RunDir, step: int, wall: float) -> None:
     )
 
 
-def resume(parts: Parts, run: RunDir) -> tuple[int, float]:
+def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
     """The newest checkpoint that verifies (CheckpointError if there are some but none does)."""
     ckpt = load_latest(run.root / "checkpoints") if parts.cfg.run.resume else None
     if ckpt is None:
@@ -120,7 +122,8 @@ async def train(cfg: Config) -> Path:
     run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)
-    sync_rollout(parts)
+    plan_of = lambda k: parts.algorithm.weight_plan(k, cfg.algorithm)  # noqa: E731
+    parts.rollout.load_weights(parts.actor.export_weights(plan_of(start + 1).rollout_adapter))
     t0, samples, eval_m = time.time() - wall0, 0, {}
     if start == 0:
         eval_m = await run_eval(parts, run, 0)
@@ -132,16 +135,12 @@ async def train(cfg: Config) -> Path:
         scored, r_metrics = await (prefetch or rollout_and_score(parts, step))
         batch = parts.algorithm.prepare(scored, cfg.algorithm)
         prefetch = None
-        if can_prefetch(parts, step):
+        plan = plan_of(step + 1)  # what update step+1 does to the weights, as data
+        if cfg.run.prefetch and not plan.sync and step + 1 < cfg.run.steps:
             prefetch = asyncio.create_task(rollout_and_score(parts, step + 1))
-        metrics = await asyncio.to_thread(parts.actor.train_step, batch)  # the loop drives the
-        if parts.algorithm.after_step(parts.actor, step + 1, cfg.algorithm):  # prefetch meanwhile
-            if prefetch is not None:
-                raise ContractError(
-                    f"{cfg.algorithm.name}: changes_rollout({step + 1}) said the "
-                    "rollout weights stay, but after_step changed them"
-                )
-            metrics.update(sync_rollout(parts).as_metrics())
+        # the loop drives the prefetch while the update runs in a worker thread
+        metrics = await asyncio.to_thread(parts.actor.train_step, batch)
+        metrics.update(apply_plan(parts, plan))
         samples += len(scored)
         done = step + 1
         metrics.update(r_metrics)

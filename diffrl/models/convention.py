@@ -33,6 +33,17 @@ CONVENTIONS: dict[str, TimeConvention] = {
 }
 
 
+def broadcast(t: Tensor, like: Tensor) -> Tensor:
+    """(B,) -> (B, 1, ..., 1) with ``like``'s rank, for per-sample scalars on any x shape."""
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def noised(x0: Tensor, sigma: Tensor, eps: Tensor) -> Tensor:
+    """The interpolation of contract 1: x_sigma = (1 - sigma) x0 + sigma eps, sigma (B,)."""
+    s = broadcast(sigma, x0).to(x0.dtype)
+    return (1 - s) * x0 + s * eps
+
+
 def get_convention(name: str) -> TimeConvention:
     if name not in CONVENTIONS:
         raise ContractError(f"unknown time convention {name!r}; known: {sorted(CONVENTIONS)}")
@@ -57,6 +68,7 @@ class ProbeReport:
     cosine: float  # mean cos(v_pred, eps - x0) at the declared convention
     flipped_time_better: bool  # feeding 1 - sigma fit the data better than sigma
     conclusive: bool
+    reason: str = ""  # why the probe could not decide (e.g. random weights)
 
 
 @torch.no_grad()
@@ -72,14 +84,21 @@ def probe_convention(
     cos, err_declared, err_flipped = [], 0.0, 0.0
     for s in (0.25, 0.5, 0.75):
         sigma = torch.full((x0.shape[0],), s, device=x0.device, dtype=x0.dtype)
-        x = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * eps
+        x = noised(x0, sigma, eps)
         v = model(x, sigma, input_ids)
         cos.append(torch.nn.functional.cosine_similarity(v.flatten(1), target.flatten(1)).mean())
         err_declared += (v - target).pow(2).mean().item()
         err_flipped += (model(x, 1 - sigma, input_ids) - target).pow(2).mean().item()
     cosine = float(torch.stack(cos).mean())
     conclusive = abs(cosine) > 0.2
-    report = ProbeReport(cosine, err_flipped < 0.8 * err_declared, conclusive)
+    reason = (
+        ""
+        if conclusive
+        else f"|cos(v, eps - x0)| = {abs(cosine):.2f} <= 0.2: the model does not predict the "
+        "flow-matching velocity on this data at all (random or untrained weights, or data far "
+        "from its training distribution), so neither convention can be confirmed"
+    )
+    report = ProbeReport(cosine, err_flipped < 0.8 * err_declared, conclusive, reason)
     if conclusive and cosine < 0:
         raise ContractError(
             f"time-convention probe: velocity points the wrong way (cos={cosine:.2f} against "

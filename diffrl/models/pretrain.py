@@ -23,13 +23,15 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
-from diffrl.data.prompts import PromptSet
 from diffrl.data.shapes import ShapesPrompt, all_prompts, render, split_prompts
 from diffrl.data.tokenizer import WordTokenizer
 from diffrl.errors import ConfigError, check
-from diffrl.models.convention import VelocityModel
-from diffrl.models.registry import BUILTIN, ModelConfig, load_model, save_model
-from diffrl.models.tiny_dit import TinyDiT, TinyDiTConfig
+from diffrl.models.convention import noised
+from diffrl.models.families.tiny_dit import BUILTIN, build, save_model
+from diffrl.models.family import FamilyModel
+from diffrl.models.registry import ModelConfig, load_model
+from diffrl.models.tiny_dit import TinyDiTConfig
+from diffrl.tasks import Prompt, PromptSet
 from diffrl.types import images_from_uint8
 
 
@@ -128,7 +130,7 @@ def render_bank(
 
 
 def pretrain(cfg: PretrainConfig) -> Path:
-    from diffrl.controller.build import pick_device
+    from diffrl.controller.engines import pick_device
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -136,7 +138,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
     rng = np.random.default_rng(cfg.seed)
     device = pick_device(cfg.device)
     tok = WordTokenizer()
-    train = PromptSet(split_prompts("train"), tok)
+    shapes = split_prompts("train")
     arch = TinyDiTConfig(
         hidden=cfg.hidden,
         depth=cfg.depth,
@@ -145,16 +147,16 @@ def pretrain(cfg: PretrainConfig) -> Path:
         vocab_size=tok.vocab_size,
         max_text_len=tok.max_len,
     )
-    model = VelocityModel(TinyDiT(arch), "sigma").to(device)
+    model = build(arch).to(device)
+    train = PromptSet([Prompt(p.text) for p in shapes], model.family.tokenize)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.schedule_steps or cfg.steps)
     )
     ema_params, params = list(ema.parameters()), list(model.parameters())
-    bank = render_bank(train.prompts, cfg.bank_per_prompt, cfg.seed, cfg.workers, cfg.caption_noise)
-    null = torch.zeros(1, tok.max_len, dtype=torch.long)
-    null[0, 0] = tok.null_id
+    bank = render_bank(shapes, cfg.bank_per_prompt, cfg.seed, cfg.workers, cfg.caption_noise)
+    null = model.family.null_ids()[None]
     t0 = time.time()
     bar = tqdm(range(cfg.steps), desc="pretrain")
     for step in bar:
@@ -166,8 +168,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         ids[drop] = null
         sigma = torch.sigmoid(torch.randn(cfg.batch)).to(device)  # logit-normal(0, 1)
         eps = torch.randn_like(x0)
-        s = sigma.view(-1, 1, 1, 1)
-        loss = (model((1 - s) * x0 + s * eps, sigma, ids.to(device)) - (eps - x0)).pow(2).mean()
+        loss = (model(noised(x0, sigma, eps), sigma, ids.to(device)) - (eps - x0)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -191,7 +192,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
 
 
 def save_and_score(
-    model: VelocityModel, out: Path, cfg: PretrainConfig, steps: int, seconds: float
+    model: FamilyModel, out: Path, cfg: PretrainConfig, steps: int, seconds: float
 ) -> Path:
     """Save, evaluate on held-out prompts, and store the score in the file's metadata."""
     meta = {
@@ -217,14 +218,20 @@ def evaluate_checkpoint(
     seed: int = 1234,
 ) -> dict[str, float]:
     """Held-out ShapesBench accuracy of a base checkpoint (no adapters)."""
-    from diffrl.controller.build import pick_device
-    from diffrl.controller.evaluate import evaluate
+    from diffrl.controller.engines import pick_device
     from diffrl.rollout.engine import RolloutConfig, RolloutEngine
+    from diffrl.tasks import TaskConfig, build_task
 
     dev = pick_device(device)
     model = load_model(ModelConfig(checkpoint=checkpoint), dev)
-    tok = WordTokenizer()
-    engine = RolloutEngine(model, RolloutConfig(), [], tok.null_id, dev)
-    eval_set = PromptSet(split_prompts("eval"), tok)
-    metrics, *_ = asyncio.run(evaluate(engine, eval_set, samples_per_prompt, seed, num_steps))
-    return metrics
+    engine = RolloutEngine(model, RolloutConfig(), [], dev)
+    task = build_task(TaskConfig(task="shapes"))
+    eval_set = PromptSet(task.prompts("test"), model.family.tokenize)
+
+    async def run():
+        traj = await engine.generate(
+            eval_set.all(), seed, group_size=samples_per_prompt, sampler="ode", num_steps=num_steps
+        )
+        return (await task.evaluate(traj)).metrics
+
+    return asyncio.run(run())

@@ -1,35 +1,62 @@
-"""Model families: how to build one, load its weights from a local path, and which modules
-LoRA targets. The built-in base model ships inside the package (no downloads)."""
+"""Model families by name: which module builds each, which presets exist, and how a run's
+``model.*`` config picks one. Family modules are imported lazily, so the diffusers families
+cost nothing (and need no diffusers) when a run uses the built-in tiny DiT.
+
+A family module exposes ``load(cfg: ModelConfig, device) -> FamilyModel`` and ``PRESETS``.
+A model loads in one of three ways: a local diffusers directory (``model.path``), a preset
+built with random weights (``model.preset``: real size for benchmarks, ``*-tiny`` for CPU
+tests), or, for the tiny DiT, a diffrl ``.safetensors`` checkpoint (``model.checkpoint``).
+"""
 
 from __future__ import annotations
 
-import json
+import importlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from diffrl.errors import ConfigError, check, check_choice
-from diffrl.models.convention import CONVENTIONS, VelocityModel
-from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS, TinyDiT, TinyDiTConfig
+from diffrl.models.convention import CONVENTIONS
+from diffrl.models.family import FamilyModel
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-BUILTIN = {"builtin:shapes_dit": ASSETS / "shapes_dit.safetensors"}
+FAMILY_MODULES = {
+    "tiny_dit": "diffrl.models.families.tiny_dit",
+    "sd3": "diffrl.models.families.sd3",
+    "flux": "diffrl.models.families.flux",
+    "qwen_image": "diffrl.models.families.qwen_image",
+    "wan": "diffrl.models.families.wan",
+}
+
+# preset -> family (kept here so a config validates without importing the family's module)
+PRESET_FAMILY = {
+    "sd35-medium": "sd3",
+    "sd35-tiny": "sd3",
+    "sd3-shapes": "sd3",
+    "flux1-dev": "flux",
+    "flux1-tiny": "flux",
+    "qwen-image": "qwen_image",
+    "qwen-image-tiny": "qwen_image",
+    "wan2.1-1.3b": "wan",
+    "wan-tiny": "wan",
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = "tiny_dit"
-    # a local .safetensors path, or "builtin:shapes_dit" (ships with the package)
+    family: str = "tiny_dit"  # one of FAMILY_MODULES; a preset sets it
+    # tiny_dit only: a diffrl .safetensors checkpoint, or "builtin:shapes_dit" (ships inside)
     checkpoint: str = "builtin:shapes_dit"
+    path: str = ""  # a local diffusers directory (the pipeline layout: model_index.json, ...)
+    preset: str = ""  # random weights: real size (sd35-medium, ...) or tiny (sd35-tiny, ...)
     convention: str = ""  # "" = the family's native one; else one of CONVENTIONS
     dtype: str = "float32"  # float32 | bfloat16
     probe: bool = True  # check the time convention on task data at start-up
+    resolution: int = 0  # image side in pixels; 0 = the family's (or preset's) default
+    frames: int = 0  # video families: frames per clip; 0 = the family's default
+    max_text_len: int = 0  # text tokens per tokenizer; 0 = the family's default
 
     def validate(self) -> None:
-        check_choice("family", self.family, FAMILIES)
+        check_choice("family", self.family, FAMILY_MODULES)
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check(
             self.convention in ("", *CONVENTIONS),
@@ -37,64 +64,39 @@ class ModelConfig:
             self.convention,
             f"must be empty or one of {sorted(CONVENTIONS)}",
         )
-        check(
-            bool(self.checkpoint),
-            "checkpoint",
-            self.checkpoint,
-            f"a local .safetensors path or one of {sorted(BUILTIN)}",
-        )
+        if self.preset:
+            check_choice("preset", self.preset, PRESET_FAMILY)
+            check(
+                not self.path,
+                "path",
+                self.path,
+                "give model.path or model.preset, not both",
+            )
+        for key in ("resolution", "frames", "max_text_len"):
+            check(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0")
+
+    @property
+    def resolved_family(self) -> str:
+        return PRESET_FAMILY.get(self.preset, self.family)
 
 
-@dataclass(frozen=True)
-class Family:
-    native_convention: str
-    lora_targets: tuple[str, ...]
+def family_module(name: str):
+    if name not in FAMILY_MODULES:
+        raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILY_MODULES)}")
+    try:
+        return importlib.import_module(FAMILY_MODULES[name])
+    except ImportError as e:
+        raise ConfigError(
+            f"model family {name!r} needs a package that is not installed ({e}); "
+            "install diffusers and transformers (pip install -e '.[models]')"
+        ) from None
 
 
-FAMILIES = {"tiny_dit": Family("sigma", TINY_DIT_LORA_TARGETS)}
-
-
-def resolve_checkpoint(spec: str) -> Path:
-    path = BUILTIN.get(spec, Path(spec))
-    if not path.is_file():
-        hint = " (run `diffrl pretrain` to create it)" if spec in BUILTIN else ""
-        raise ConfigError(f"model checkpoint {spec!r} not found at {path}{hint}")
-    return path
-
-
-def read_metadata(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
-
-
-def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> VelocityModel:
-    """Build the family's network from the checkpoint's recorded architecture and load it."""
-    path = resolve_checkpoint(cfg.checkpoint)
-    meta = read_metadata(path)
-    if "arch" not in meta:
-        raise ConfigError(f"{path} has no 'arch' metadata; was it written by diffrl?")
-    net = TinyDiT(TinyDiTConfig(**json.loads(meta["arch"])))
-    state = load_file(str(path))
-    missing, unexpected = net.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-    convention = cfg.convention or FAMILIES[cfg.family].native_convention
-    model = VelocityModel(net, convention)
+def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> FamilyModel:
+    """The run's model, in diffrl's canonical convention, on ``device`` in ``cfg.dtype``."""
+    model = family_module(cfg.resolved_family).load(cfg, torch.device(device))
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))
 
 
-def save_model(model: VelocityModel, path: Path, extra: dict[str, str] | None = None) -> None:
-    net = model.net
-    meta = {
-        "arch": json.dumps(net.cfg.to_dict()),
-        "family": "tiny_dit",
-        "convention": model.convention.name,
-        **(extra or {}),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().contiguous().cpu() for k, v in net.state_dict().items()}
-    save_file(state, str(path), metadata=meta)
-
-
-def lora_targets(family: str) -> tuple[str, ...]:
-    return FAMILIES[family].lora_targets
+def lora_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    return tuple(family_module(cfg.resolved_family).LORA_TARGETS)

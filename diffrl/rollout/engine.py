@@ -17,7 +17,7 @@ from torch import Tensor
 
 from diffrl.channel import Channel
 from diffrl.errors import check, check_choice
-from diffrl.models.convention import VelocityModel
+from diffrl.models.family import FamilyModel
 from diffrl.rollout.samplers import (
     STOCHASTIC_STEPS,
     coarse_tail,
@@ -28,7 +28,7 @@ from diffrl.rollout.samplers import (
     tree_noise_blocks,
 )
 from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncError, SyncReport, WeightUpdate
-from diffrl.types import PromptBatch, StepSpec, Trajectory, images_to_uint8
+from diffrl.types import PromptBatch, StepSpec, Trajectory
 
 
 @dataclass(frozen=True)
@@ -175,25 +175,29 @@ def noise_from_seeds(seeds: Tensor, shape: tuple[int, ...], device) -> Tensor:
 class RolloutEngine:
     def __init__(
         self,
-        model: VelocityModel,
+        model: FamilyModel,
         cfg: RolloutConfig,
         lora_targets: list[str],
-        null_id: int,
         device: torch.device,
-        slot_map: SlotMap | None = None,
+        serving_layout: bool = True,
     ) -> None:
+        """Holds its own copy of ``model`` (the family's frozen encoders are shared, not
+        copied), re-laid out for serving by the family (fused QKV, sharded FCs; contract 2)
+        unless ``serving_layout`` is False; ``lora_targets`` are the actor's trained modules."""
         self.model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
+        self.family = model.family
         self.cfg = cfg
-        self.null_id = null_id
+        self.null_ids = tuple(int(i) for i in self.family.null_ids())
         self.device = device
         self.version = 0
+        slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
         self.target = MergedLoraTarget(self.model, lora_targets, slot_map)
 
     @property
     def produces(self) -> frozenset[str]:
         """The ``extra_fields`` every trajectory of this engine carries (for the start-up check
         of the scorers' declared inputs)."""
-        return frozenset({"image"})
+        return frozenset(self.family.media)
 
     def load_weights(self, update: WeightUpdate) -> SyncReport:
         if update.version < self.version:
@@ -289,18 +293,17 @@ class RolloutEngine:
             log_probs=log_probs.cpu(),
             sde_mask=mask,
             step_spec=StepSpec(
-                self.cfg.sde_step, self.cfg.noise_level, self.cfg.cfg_scale, self.null_id
+                self.cfg.sde_step, self.cfg.noise_level, self.cfg.cfg_scale, self.null_ids
             ),
-            extra_fields={"image": images_to_uint8(x0.cpu())},
+            extra_fields=self.family.decode(x0),
         )
 
     def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor) -> Tensor:
-        return guided_velocity(self.model, x, sigma, ids, self.cfg.cfg_scale, self.null_id)
+        return guided_velocity(self.model, x, sigma, ids, self.cfg.cfg_scale, self.null_ids)
 
     def _sample(self, ids: Tensor, seeds: Tensor, sigmas: Tensor, mask: Tensor, g: int):
-        """One micro-batch: returns x0 (b,C,H,W), latents (b,T+1,C,H,W), log_probs (b,T)."""
-        net = self.model.net
-        shape = (net.cfg.channels, net.cfg.image_size, net.cfg.image_size)
+        """One micro-batch: returns x0 (b, *S), latents (b, T+1, *S), log_probs (b, T)."""
+        shape = tuple(self.family.latent_shape())
         t_steps = len(sigmas) - 1
         dtype = next(self.model.parameters()).dtype
         # the initial noise and every SDE step's noise come from the sample's own seed; with

@@ -7,7 +7,7 @@ A step moves x from ``sigma`` to ``sigma_next < sigma`` (so d_sigma = sigma_next
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -177,14 +177,16 @@ def guided_velocity(
     sigma: Tensor,
     ids: Tensor,
     scale: float,
-    null_id: int,
+    null_ids: Sequence[int] | Tensor,
 ) -> Tensor:
     """Classifier-free guidance v_u + scale (v_c - v_u), the unconditional branch on the empty
-    prompt (``null_id`` then padding), both branches in one batched call; scale 1 = one call."""
+    prompt's ids ``null_ids`` (L,), both branches in one batched call; scale 1 = one call."""
     if scale == 1.0:
         return velocity(x, sigma, ids)
-    null = torch.zeros_like(ids)
-    null[:, 0] = null_id
+    null = torch.as_tensor(null_ids, dtype=ids.dtype, device=ids.device)
+    if null.shape != ids.shape[1:]:
+        raise ValueError(f"null prompt ids {tuple(null.shape)} do not fit ids {tuple(ids.shape)}")
+    null = null.expand_as(ids)
     v_c, v_u = velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([ids, null])).chunk(
         2
     )

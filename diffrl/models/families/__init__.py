@@ -1,0 +1,1 @@
+"""One module per model family (see diffrl.models.family for the protocol)."""

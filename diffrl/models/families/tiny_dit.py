@@ -1,0 +1,119 @@
+"""The built-in tiny pixel-space DiT (diffrl.models.tiny_dit) as a model family.
+
+It samples 32x32 RGB images directly (no VAE: decode is a cast to uint8), tokenizes with the
+ShapesBench word tokenizer, and is native in diffrl's own convention. Its checkpoints are
+diffrl .safetensors files that record the architecture in their metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from diffrl.data.tokenizer import WordTokenizer
+from diffrl.errors import ConfigError
+from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS, TinyDiT, TinyDiTConfig
+from diffrl.sync.weights import SlotMap
+from diffrl.types import images_to_uint8
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+BUILTIN = {"builtin:shapes_dit": ASSETS / "shapes_dit.safetensors"}
+LORA_TARGETS = TINY_DIT_LORA_TARGETS
+PRESETS: dict[str, dict] = {}
+
+
+class TinyDiTFamily:
+    name = "tiny_dit"
+    native_convention = "sigma"
+    lora_targets = LORA_TARGETS
+    media = frozenset({"image"})
+
+    def __init__(self, arch: TinyDiTConfig) -> None:
+        self.arch = arch
+        self.tokenizer = WordTokenizer(arch.max_text_len)
+        if arch.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                f"model vocab ({arch.vocab_size}) is smaller than the "
+                f"tokenizer's ({self.tokenizer.vocab_size})"
+            )
+
+    def tokenize(self, texts: Sequence[str]) -> TokenBatch:
+        ids = self.tokenizer.encode(list(texts))
+        return TokenBatch(ids, ids != self.tokenizer.pad_id, hash_rows(ids))
+
+    def null_ids(self) -> Tensor:
+        return self.tokenizer.encode([""])[0]
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return (self.arch.channels, self.arch.image_size, self.arch.image_size)
+
+    def decode(self, latents: Tensor) -> dict[str, Tensor]:
+        return {"image": images_to_uint8(latents.cpu())}
+
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        return pixels  # pixel space
+
+    def serving_layout(self, model: nn.Module) -> SlotMap:
+        return SlotMap()  # already fused (attn.qkv is one Linear)
+
+    def flops(self, batch: int) -> float:
+        a = self.arch
+        n = (a.image_size // a.patch) ** 2 + a.max_text_len
+        d, f = a.hidden, int(a.hidden * a.mlp_ratio)
+        per_block = 2 * n * (4 * d * d + 2 * d * f + 6 * d * d / n) + 4 * n * n * d
+        return float(batch * a.depth * per_block)
+
+
+def resolve_checkpoint(spec: str) -> Path:
+    path = BUILTIN.get(spec, Path(spec))
+    if not path.is_file():
+        hint = " (run `diffrl pretrain` to create it)" if spec in BUILTIN else ""
+        raise ConfigError(f"model checkpoint {spec!r} not found at {path}{hint}")
+    return path
+
+
+def read_metadata(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def build(arch: TinyDiTConfig, convention: str = "") -> FamilyModel:
+    return FamilyModel(TinyDiT(arch), TinyDiTFamily(arch), convention)
+
+
+def load(cfg, device: torch.device) -> FamilyModel:
+    """Build the network from the checkpoint's recorded architecture and load it."""
+    if cfg.path or cfg.preset:
+        raise ConfigError(
+            "model family 'tiny_dit' loads a diffrl .safetensors file (model.checkpoint); "
+            "model.path and model.preset are for the diffusers families"
+        )
+    path = resolve_checkpoint(cfg.checkpoint)
+    meta = read_metadata(path)
+    if "arch" not in meta:
+        raise ConfigError(f"{path} has no 'arch' metadata; was it written by diffrl?")
+    model = build(TinyDiTConfig(**json.loads(meta["arch"])), cfg.convention)
+    missing, unexpected = model.net.load_state_dict(load_file(str(path)), strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    return model
+
+
+def save_model(model: FamilyModel, path: Path, extra: dict[str, str] | None = None) -> None:
+    net = model.net
+    meta = {
+        "arch": json.dumps(net.cfg.to_dict()),
+        "family": "tiny_dit",
+        "convention": model.convention.name,
+        **(extra or {}),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().contiguous().cpu() for k, v in net.state_dict().items()}
+    save_file(state, str(path), metadata=meta)

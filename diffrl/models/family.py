@@ -1,0 +1,150 @@
+"""The ``ModelFamily`` protocol: all the engines know about one family of models.
+
+A family is data plus a few functions (STYLE 12). It says its native time convention and its
+LoRA targets as data, tokenizes prompts once (contract 3), runs its text encoders once per
+prompt (cached across the prompt's G samples), wraps its diffusers class so that the engines
+see diffrl's canonical velocity (contract 1), decodes latents into media for the reward
+(``extra_fields``), and lays out the rollout copy for serving (contract 2).
+
+The engines never hold a family directly: they hold a ``FamilyModel`` (an ``nn.Module``), whose
+``forward(x, sigma, input_ids)`` is the canonical velocity and whose ``family`` attribute is
+shared, not copied, by every copy of the model (the rollout's, the evaluator's, the actor's),
+so frozen text encoders and VAEs exist once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from diffrl.errors import ContractError
+from diffrl.models.convention import broadcast, get_convention, noised
+
+__all__ = ["broadcast", "noised"]  # contract 1's helpers, re-exported beside the family
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """The one tokenization of a list of prompts (contract 3)."""
+
+    input_ids: Tensor  # (B, L) int64; a family with several tokenizers concatenates their rows
+    attention_mask: Tensor  # (B, L) bool, True = a real token
+    hashes: tuple[str, ...]  # (B,) ``hash_row`` of each row of input_ids
+
+
+def hash_row(row: Tensor) -> str:
+    """Stable hash of one (L,) id row: the token-drift check compares these."""
+    data = row.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def hash_rows(ids: Tensor) -> tuple[str, ...]:
+    return tuple(hash_row(r) for r in ids)
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """One model family. ``net`` is its native network: ``net(x, t_native, input_ids)`` returns
+    the native model output, in the convention ``native_convention`` names."""
+
+    name: str
+    native_convention: str  # a key of diffrl.models.convention.CONVENTIONS
+    lora_targets: tuple[str, ...]  # Linear-module name suffixes; explicit, never "all-linear"
+    media: frozenset[str]  # the extra_fields ``decode`` fills ("image", or "video" and "fps")
+
+    def tokenize(self, texts: Sequence[str]) -> TokenBatch: ...
+
+    def null_ids(self) -> Tensor:  # (L,) ids of the empty prompt (the CFG unconditional branch)
+        ...
+
+    def latent_shape(self) -> tuple[int, ...]:  # one sample's x: (C, H, W) or (C, F, H, W)
+        ...
+
+    def decode(self, latents: Tensor) -> dict[str, Tensor]:  # (B, *latent_shape) -> media
+        ...
+
+    def encode_pixels(self, pixels: Tensor) -> Tensor:  # (B, 3, H, W) in [-1, 1] -> latents
+        ...
+
+    def serving_layout(self, model: nn.Module):  # re-lays the rollout copy; returns a SlotMap
+        ...
+
+    def flops(self, batch: int) -> float:  # analytic FLOPs of one forward over `batch` samples
+        ...
+
+
+class Shared:
+    """Holds frozen modules (text encoders, a VAE) that every copy of a model shares.
+
+    ``copy.deepcopy`` of the model (the rollout and evaluator take copies) returns this same
+    object, and ``nn.Module`` does not register it, so peft never targets these modules and
+    their weights exist once per process.
+    """
+
+    def __init__(self, **modules) -> None:
+        self.__dict__.update(modules)
+
+    def __deepcopy__(self, memo) -> Shared:
+        return self
+
+
+class EncodeCache:
+    """Text-encoder outputs per prompt row, keyed by the row's id hash: a prompt sampled G
+    times (and trained on, and evaluated) is encoded once. Bounded, oldest evicted first."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity, self.store = capacity, {}
+        self.hits = self.misses = 0
+
+    def __deepcopy__(self, memo) -> EncodeCache:
+        return self  # the encoders are shared, so their outputs are too
+
+    def get(self, ids: Tensor, encode) -> list[tuple[Tensor, ...]]:
+        """ids (B, L) -> one tuple of per-row tensors each; ``encode(ids_missing)`` returns a
+        tuple of (b, ...) tensors for the rows not cached."""
+        keys = hash_rows(ids)
+        todo = [k for k in dict.fromkeys(keys) if k not in self.store]
+        if todo:
+            out = encode(ids[[keys.index(k) for k in todo]])
+            for j, k in enumerate(todo):
+                self.store[k] = tuple(t[j].detach() for t in out)
+            while len(self.store) > self.capacity:
+                self.store.pop(next(iter(self.store)))
+        self.misses += len(todo)
+        self.hits += len(keys) - len(todo)
+        return [self.store[k] for k in keys]
+
+
+class FamilyModel(nn.Module):
+    """The canonical velocity of a family's network: forward(x, sigma, input_ids) = eps - x0.
+
+    ``convention`` converts sigma to the network's native time and the native output back
+    (contract 1); it defaults to the family's own declaration, and a different one (a wrong
+    declaration, or a deliberate adapter) is what the start-up probe checks.
+    """
+
+    def __init__(self, net: nn.Module, family: ModelFamily, convention: str = "") -> None:
+        super().__init__()
+        self.net = net
+        self._family = Shared(family=family)  # shared across copies, unregistered
+        self.convention = get_convention(convention or family.native_convention)
+
+    @property
+    def family(self) -> ModelFamily:
+        return self._family.family
+
+    def forward(self, x: Tensor, sigma: Tensor, input_ids: Tensor) -> Tensor:
+        if sigma.ndim == 0:
+            sigma = sigma.expand(x.shape[0])
+        if x.shape[1:] != self.family.latent_shape():
+            raise ContractError(
+                f"{self.family.name}: x has per-sample shape {tuple(x.shape[1:])}, the family "
+                f"samples {tuple(self.family.latent_shape())}"
+            )
+        native = self.net(x, self.convention.to_native(sigma), input_ids)
+        return native * self.convention.velocity_sign

@@ -1,0 +1,131 @@
+"""The ``Task`` protocol and the data stage every task shares.
+
+A task owns its prompts (train and held-out splits, each prompt's conditions), its held-out
+evaluator and the ground truth the time-convention probe needs. It never samples or trains: the
+controller hands its evaluator a trajectory that the evaluator engine sampled.
+
+The data stage tokenizes each split once, with the family's tokenizer (contract 3):
+``PromptSet`` holds the ids, ``PromptSource`` serves each step's prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from diffrl.errors import check
+from diffrl.types import PromptBatch, Trajectory
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    task: str = "shapes"  # a registered task: shapes (ShapesBench) | prompts (a dataset dir)
+    # prompts task: a directory holding train.txt|train.jsonl and test.txt|test.jsonl;
+    # "builtin:<name>" is one shipped inside diffrl (diffrl/assets/prompts/<name>)
+    dataset: str = "builtin:everyday"
+    prompts_per_step: int = 16  # distinct prompts per RL step (each sampled G times)
+    eval_samples_per_prompt: int = 2  # held-out eval: samples per eval prompt
+    eval_seed: int = 1234  # fixed eval noise, so every eval sees the same initial noise
+    eval_prompts: int = 0  # held-out prompts evaluated; 0 = the whole split
+
+    def validate(self) -> None:
+        check(bool(self.task), "task", self.task, "a registered task name")
+        check(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, ">= 1")
+        check(
+            self.eval_samples_per_prompt >= 1,
+            "eval_samples_per_prompt",
+            self.eval_samples_per_prompt,
+            "must be >= 1",
+        )
+        check(self.eval_prompts >= 0, "eval_prompts", self.eval_prompts, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt and its conditions (absent conditions are empty)."""
+
+    text: str
+    negative_prompt: str = ""
+    image: str = ""  # a reference image path (edit / image-to-X tasks)
+    frames: tuple[str, ...] = ()  # first/last frame paths (FL2VA-style tasks)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    metrics: dict[str, float]  # "eval/overall" (the headline) plus "eval/<name>"
+    images: np.ndarray  # (N, H, W, 3) uint8: one sample per held-out prompt, for the grid
+    captions: list[str]  # (N,)
+    ok: list[bool | None] = field(default_factory=list)  # (N,) pass/fail border; None = none
+
+
+@dataclass(frozen=True)
+class ProbeData:
+    pixels: Tensor  # (n, 3, H, W) in [-1, 1]: known-good samples for the prompts below
+    texts: list[str]
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+
+    def prompts(self, split: str) -> list[Prompt]: ...  # split: "train" | "test"
+
+    async def evaluate(self, traj: Trajectory, rewards) -> EvalResult: ...
+
+    def probe_data(self, n: int = 16) -> ProbeData | None: ...
+
+
+class PromptSet:
+    """A fixed list of prompts with their token ids computed once (the only tokenization)."""
+
+    def __init__(self, prompts: list[Prompt], tokenize) -> None:
+        if not prompts:
+            raise ValueError("a prompt set needs at least one prompt")
+        self.prompts = prompts
+        self.texts = tuple(p.text for p in prompts)
+        tokens = tokenize(list(self.texts))
+        self.input_ids, self.hashes = tokens.input_ids, tuple(tokens.hashes)  # (N, L), (N,)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def batch(self, index) -> PromptBatch:
+        idx = torch.as_tensor(np.asarray(index), dtype=torch.int64)
+        return PromptBatch(
+            texts=tuple(self.texts[i] for i in idx.tolist()),
+            input_ids=self.input_ids[idx],
+            ids_hash=tuple(self.hashes[i] for i in idx.tolist()),
+            prompt_ids=idx,
+        )
+
+    def all(self) -> PromptBatch:
+        return self.batch(list(range(len(self))))
+
+
+class PromptSource:
+    """Training prompts for step k depend only on (seed, k), so a resumed run sees exactly
+    the prompts the interrupted one would have."""
+
+    def __init__(self, prompt_set: PromptSet, per_step: int, seed: int) -> None:
+        self.set, self.per_step, self.seed = prompt_set, per_step, seed
+
+    def at(self, step: int) -> PromptBatch:
+        rng = np.random.default_rng([self.seed, step])
+        n = len(self.set)
+        idx = rng.choice(n, size=self.per_step, replace=self.per_step > n)
+        return self.set.batch(idx)
+
+
+def first_of_each_prompt(traj: Trajectory) -> np.ndarray:
+    """Row indices of the first sample of every prompt (the eval grid shows one each)."""
+    ids = traj.prompts.prompt_ids.tolist()
+    seen, rows = set(), []
+    for row, pid in enumerate(ids):
+        if pid not in seen:
+            seen.add(pid)
+            rows.append(row)
+    return np.asarray(rows, dtype=np.int64)
