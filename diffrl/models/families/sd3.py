@@ -1,0 +1,401 @@
+"""Stable Diffusion 3 / 3.5 as a model family: diffusers' ``SD3Transformer2DModel`` (MMDiT) on
+CLIP-L + CLIP-G (``CLIPTextModelWithProjection``) + T5 (``T5EncoderModel``), with a 16-channel
+``AutoencoderKL``.
+
+Native convention ``sigma_x1000``: the pipeline passes ``timestep = 1000 * sigma`` (the flow-match
+Euler scheduler's ``timesteps = sigmas * 1000``) and steps ``x <- x + (sigma_next - sigma) * out``,
+so the output is dx/dsigma = eps - x0, diffrl's own velocity.
+
+Prompt encoding follows ``StableDiffusion3Pipeline.encode_prompt``: each CLIP's penultimate hidden
+states, concatenated on channels and zero-padded to T5's width, then T5's states appended along
+the sequence; the pooled condition is the two CLIPs' projected text embeddings concatenated.
+The three tokenizations travel as one (B, 77 + 77 + T) id row (contract 3).
+
+Presets: ``sd35-medium`` (real size, random weights), ``sd35-tiny`` (a few hundred K parameters
+per piece, 64 px) and ``sd3-shapes`` (a small transformer in pixel space, 32 px RGB, no VAE: the
+ShapesBench base model that runs the learning check through a real diffusers class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from diffrl.errors import ConfigError
+from diffrl.models.families._diffusers import (
+    TINY_WORDS,
+    DiffusersNet,
+    check_pipeline_dir,
+    load_component,
+    random_component,
+    save_pipeline_dir,
+    tokenize_padded,
+    word_tokenizer,
+)
+from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.sync import layouts
+from diffrl.sync.weights import SlotMap
+from diffrl.types import images_to_uint8
+
+LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+)
+PIPELINE = "StableDiffusion3Pipeline"
+COMPONENTS = {
+    "transformer": "SD3Transformer2DModel",
+    "text_encoder": "CLIPTextModelWithProjection (CLIP-L)",
+    "text_encoder_2": "CLIPTextModelWithProjection (CLIP-G)",
+    "text_encoder_3": "T5EncoderModel",
+    "tokenizer": "CLIP tokenizer",
+    "tokenizer_2": "CLIP tokenizer",
+    "tokenizer_3": "T5 tokenizer",
+    "vae": "AutoencoderKL (16 latent channels; absent for a pixel-space transformer)",
+}
+T5_DEFAULT_LEN = 256
+
+_CLIP_L = dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    projection_dim=768, max_position_embeddings=77, hidden_act="quick_gelu", vocab_size=49408,
+)  # fmt: skip
+_CLIP_G = dict(
+    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+    projection_dim=1280, max_position_embeddings=77, hidden_act="gelu", vocab_size=49408,
+)  # fmt: skip
+_T5_XXL = dict(
+    d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, vocab_size=32128,
+    feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+    relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
+)  # fmt: skip
+_SD3_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2, norm_num_groups=32, scaling_factor=1.5305, shift_factor=0.0609,
+    use_quant_conv=False, use_post_quant_conv=False, sample_size=1024,
+)  # fmt: skip
+
+
+def _tiny_clip(width: int, layers: int = 2) -> dict:
+    return dict(
+        hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+        num_attention_heads=2, projection_dim=width, max_position_embeddings=16,
+        hidden_act="quick_gelu", vocab_size=0,
+    )  # fmt: skip
+
+
+def _tiny_t5(width: int, layers: int = 2) -> dict:
+    return dict(
+        d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=layers, num_heads=4,
+        vocab_size=0, feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+    )  # fmt: skip
+
+
+PRESETS: dict[str, dict] = {
+    # stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks, 1536 wide, dual attention in
+    # blocks 0-12, RMS qk-norm; 1024 px images, 128x128 latents
+    "sd35-medium": dict(
+        transformer=dict(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        ),  # fmt: skip
+        clip_l=_CLIP_L,
+        clip_g=_CLIP_G,
+        t5=_T5_XXL,
+        vae=_SD3_VAE,
+        clip_len=77,
+        t5_len=T5_DEFAULT_LEN,
+    ),  # fmt: skip
+    # every piece tiny, same wiring (dual attention, qk-norm, CLIP widths that need padding)
+    "sd35-tiny": dict(
+        transformer=dict(
+            sample_size=8,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=48,
+            caption_projection_dim=32,
+            pooled_projection_dim=40,
+            pos_embed_max_size=16,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+        ),  # fmt: skip
+        clip_l=_tiny_clip(16),
+        clip_g=_tiny_clip(24),
+        t5=_tiny_t5(48),
+        vae=dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=16,
+            block_out_channels=(8, 8, 16, 16),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=1,
+            norm_num_groups=8,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            sample_size=64,
+        ),  # fmt: skip
+        clip_len=16,
+        t5_len=16,
+    ),  # fmt: skip
+    # ShapesBench: 32x32 RGB pixels straight into the MMDiT (patch 4: 64 image tokens)
+    "sd3-shapes": dict(
+        transformer=dict(
+            sample_size=32,
+            patch_size=4,
+            in_channels=3,
+            out_channels=3,
+            num_layers=6,
+            attention_head_dim=32,
+            num_attention_heads=4,
+            joint_attention_dim=128,
+            caption_projection_dim=128,
+            pooled_projection_dim=128,
+            pos_embed_max_size=8,
+        ),  # fmt: skip
+        clip_l=_tiny_clip(64),
+        clip_g=_tiny_clip(64),
+        t5=_tiny_t5(128),
+        vae=None,
+        clip_len=16,
+        t5_len=16,
+    ),  # fmt: skip
+}
+
+
+class SD3Net(DiffusersNet):
+    """forward(x, t_native, input_ids) = the SD3 transformer's output (eps - x0)."""
+
+    def __init__(self, transformer, clip_l, clip_g, t5, lens: tuple[int, int, int]) -> None:
+        super().__init__(transformer, clip_l=clip_l, clip_g=clip_g, t5=t5)
+        self.lens = lens  # (CLIP-L, CLIP-G, T5) tokens per row
+
+    def encode_uncached(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        f = self.frozen
+        ids = input_ids.to(f.clip_l.device)
+        ids_l, ids_g, ids_t = ids.split(self.lens, dim=1)
+        hidden, pooled = [], []
+        for enc, part in ((f.clip_l, ids_l), (f.clip_g, ids_g)):
+            out = enc(part, output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])  # (b, 77, width): the penultimate layer
+            pooled.append(out.text_embeds)  # (b, proj)
+        t5 = f.t5(ids_t.to(f.t5.device))[0]  # (b, T, joint_dim)
+        clip = torch.cat(hidden, dim=-1).to(t5)  # (b, 77, w_l + w_g)
+        clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
+
+    def forward(self, x: Tensor, t_native: Tensor, input_ids: Tensor) -> Tensor:
+        prompt, pooled = self.conditions(input_ids, dtype=x.dtype)
+        return self.transformer(
+            hidden_states=x,
+            timestep=t_native,
+            encoder_hidden_states=prompt.to(x.device),
+            pooled_projections=pooled.to(x.device),
+            return_dict=False,
+        )[0]
+
+
+class SD3Family:
+    name = "sd3"
+    native_convention = "sigma_x1000"
+    lora_targets = LORA_TARGETS
+    media = frozenset({"image"})
+
+    def __init__(self, tokenizers: Sequence, lens: tuple[int, int, int], transformer, vae,
+                 resolution: int) -> None:  # fmt: skip
+        self.tokenizers, self.lens, self.vae = tuple(tokenizers), lens, vae
+        cfg = transformer.config
+        self.tcfg = cfg
+        if vae is None:
+            if cfg.in_channels != 3:
+                raise ConfigError(
+                    f"sd3: a transformer with {cfg.in_channels} input channels needs a vae/"
+                )
+            self._latent = (3, resolution, resolution)
+        else:
+            down = 2 ** (len(vae.config.block_out_channels) - 1)
+            if resolution % (down * cfg.patch_size):
+                raise ConfigError(f"sd3: resolution {resolution} is not a multiple of "
+                                  f"{down * cfg.patch_size}")  # fmt: skip
+            side = resolution // down
+            self._latent = (vae.config.latent_channels, side, side)
+
+    def tokenize(self, texts: Sequence[str]) -> TokenBatch:
+        parts = [
+            tokenize_padded(t, list(texts), n)
+            for t, n in zip(self.tokenizers, self.lens, strict=True)
+        ]
+        ids = torch.cat([p[0] for p in parts], dim=1)  # (B, 77 + 77 + T)
+        mask = torch.cat([p[1] for p in parts], dim=1)
+        return TokenBatch(ids, mask, hash_rows(ids))
+
+    def null_ids(self) -> Tensor:
+        return self.tokenize([""]).input_ids[0]  # SD3's negative prompt is "" encoded
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return self._latent
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> dict[str, Tensor]:
+        if self.vae is None:
+            return {"image": images_to_uint8(latents.cpu())}
+        c = self.vae.config
+        z = latents.to(self.vae.device, self.vae.dtype) / c.scaling_factor + (c.shift_factor or 0.0)
+        return {"image": images_to_uint8(self.vae.decode(z).sample.cpu())}
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        if self.vae is None:
+            return pixels
+        c = self.vae.config
+        mean = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mean
+        return (mean - (c.shift_factor or 0.0)) * c.scaling_factor
+
+    def serving_layout(self, model: nn.Module) -> SlotMap:
+        """Q/K/V and the context's added Q/K/V fused per attention (``to_qkv``,
+        ``to_added_qkv``), each block's MLP up-projection in two swapped TP shards."""
+        names = dict(model.named_modules())
+        attns = [n for n in names if n.endswith(".attn") and ".transformer_blocks." in n]
+        added = [n for n in attns if getattr(names[n], "add_q_proj", None) is not None]
+        ups = [n for n in names if n.endswith(".ff.net.0.proj")]
+        return layouts.merge(
+            layouts.fuse_qkv(model, attns),
+            layouts.fuse_qkv(
+                model, added, "add_q_proj", "add_k_proj", "add_v_proj", "to_added_qkv"
+            ),
+            layouts.split_swapped(model, ups),
+        )
+
+    def flops(self, batch: int) -> float:
+        """Transformer FLOPs of one forward (the text encoders run once per prompt, cached):
+        per block, 2 * (QKV, out, 4x MLP: 12 d^2) per token for the image and the text stream,
+        plus 4 N^2 d for joint attention, plus the dual-attention blocks' image self-attention."""
+        c = self.tcfg
+        d = c.num_attention_heads * c.attention_head_dim
+        n_img = (self._latent[1] // c.patch_size) * (self._latent[2] // c.patch_size)
+        n = n_img + self.lens[0] + self.lens[2]
+        per_block = 2 * n * 12 * d * d + 4 * n * n * d
+        dual = len(c.dual_attention_layers or ()) * (2 * n_img * 4 * d * d + 4 * n_img**2 * d)
+        return float(batch * (c.num_layers * per_block + dual))
+
+
+# --- building and loading ---------------------------------------------------------------------
+
+
+def _tokenizers(clip_len: int, t5_len: int) -> dict:
+    clip = word_tokenizer(TINY_WORDS, "clip", clip_len)
+    return dict(tokenizer=clip, tokenizer_2=word_tokenizer(TINY_WORDS, "clip", clip_len),
+                tokenizer_3=word_tokenizer(TINY_WORDS, "t5", t5_len))  # fmt: skip
+
+
+def preset_components(
+    preset: str, dtype=torch.float32, device="cpu", max_text_len: int = 0
+) -> dict:
+    """A preset's pipeline components with random weights (subfolder -> model or tokenizer)."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    if preset not in PRESETS:
+        raise ConfigError(f"sd3: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    out = _tokenizers(p["clip_len"], max_text_len or p["t5_len"])
+    clip_tok, t5_tok = out["tokenizer"], out["tokenizer_3"]
+    ids = dict(bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
+               pad_token_id=clip_tok.pad_token_id)  # fmt: skip
+    for sub, key in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
+        cfg = {**p[key], **ids, "vocab_size": max(p[key]["vocab_size"], len(clip_tok))}
+        out[sub] = random_component(CLIPTextModelWithProjection, cfg, dtype, device)
+    t5 = {**p["t5"], "vocab_size": max(p["t5"]["vocab_size"], len(t5_tok)),
+          "pad_token_id": t5_tok.pad_token_id, "eos_token_id": t5_tok.eos_token_id}  # fmt: skip
+    out["text_encoder_3"] = random_component(T5EncoderModel, t5, dtype, device)
+    out["transformer"] = random_component(SD3Transformer2DModel, p["transformer"], dtype, device)
+    vae = p["vae"] and random_component(AutoencoderKL, p["vae"], dtype, device)
+    out["vae"] = vae or None
+    return out
+
+
+def tiny_components(preset: str = "sd35-tiny") -> dict:
+    """What tests write with ``save_pipeline_dir(path, tiny_components(), PIPELINE)``."""
+    return preset_components(preset)
+
+
+def _load_dir(path: str, dtype: torch.dtype, device: torch.device) -> dict:
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+
+    required = {k: v for k, v in COMPONENTS.items() if k != "vae"}
+    root = check_pipeline_dir(path, "sd3", required)
+    classes = dict(transformer=SD3Transformer2DModel, text_encoder=CLIPTextModelWithProjection,
+                   text_encoder_2=CLIPTextModelWithProjection, text_encoder_3=T5EncoderModel,
+                   tokenizer=AutoTokenizer, tokenizer_2=AutoTokenizer,
+                   tokenizer_3=AutoTokenizer)  # fmt: skip
+    out = {sub: load_component(root, sub, cls, dtype, device) for sub, cls in classes.items()}
+    has_vae = (root / "vae").is_dir()
+    out["vae"] = load_component(root, "vae", AutoencoderKL, dtype, device) if has_vae else None
+    if out["vae"] is None and out["transformer"].config.in_channels != 3:
+        raise ConfigError(f"model.path {path!r} lacks vae/; model family 'sd3' expects:\n"
+                          + "\n".join(f"  {k}/  ({v})" for k, v in COMPONENTS.items()))  # fmt: skip
+    return out
+
+
+def assemble(parts: dict, resolution: int, t5_len: int, convention: str = "") -> FamilyModel:
+    """A FamilyModel from pipeline components (however they were made)."""
+    toks = (parts["tokenizer"], parts["tokenizer_2"], parts["tokenizer_3"])
+    lens = (toks[0].model_max_length, toks[1].model_max_length, t5_len)
+    net = SD3Net(parts["transformer"], parts["text_encoder"], parts["text_encoder_2"],
+                 parts["text_encoder_3"], lens)  # fmt: skip
+    family = SD3Family(toks, lens, parts["transformer"], parts["vae"], resolution)
+    return FamilyModel(net, family, convention)
+
+
+def default_resolution(parts: dict) -> int:
+    c = parts["transformer"].config
+    if parts["vae"] is None:
+        return c.sample_size
+    return c.sample_size * 2 ** (len(parts["vae"].config.block_out_channels) - 1)
+
+
+def load(cfg, device: torch.device) -> FamilyModel:
+    """``cfg.path`` (a local SD3 pipeline directory) or ``cfg.preset`` (random weights)."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path:
+        parts = _load_dir(cfg.path, dtype, device)
+        t5_len = cfg.max_text_len or min(parts["tokenizer_3"].model_max_length, T5_DEFAULT_LEN)
+    elif cfg.preset:
+        parts = preset_components(cfg.preset, dtype, device, cfg.max_text_len)
+        t5_len = parts["tokenizer_3"].model_max_length
+    else:
+        raise ConfigError("model family 'sd3' needs model.path (a diffusers directory) or "
+                          f"model.preset (one of {sorted(PRESETS)})")  # fmt: skip
+    return assemble(parts, cfg.resolution or default_resolution(parts), t5_len, cfg.convention)
+
+
+def save(parts: dict, path) -> None:
+    save_pipeline_dir(path, parts, PIPELINE)
