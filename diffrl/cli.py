@@ -31,11 +31,19 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from diffrl.models.pretrain import evaluate_checkpoint
+    if args.run:  # a trained run: its newest verified checkpoint, with the run's own config
+        from diffrl.controller.tools import evaluate_run
 
-    metrics = evaluate_checkpoint(
-        args.checkpoint, samples_per_prompt=args.samples, num_steps=args.steps, device=args.device
-    )
+        metrics = asyncio.run(evaluate_run(args.run, args.overrides))
+    else:
+        from diffrl.models.pretrain import evaluate_checkpoint
+
+        metrics = evaluate_checkpoint(
+            args.checkpoint,
+            samples_per_prompt=args.samples,
+            num_steps=args.steps,
+            device=args.device,
+        )
     for k, v in metrics.items():
         print(f"{k:28s} {v:.3f}")
     return 0
@@ -57,6 +65,14 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         max_body_mb=args.max_body_mb,
         params=_scorer_params(args.scorer_param),
     )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from diffrl.controller.tools import export_run
+
+    path = export_run(args.run, args.out, args.adapter)
+    print(f"LoRA written to {path} (diffusers: pipe.load_lora_weights({str(path.parent)!r}))")
     return 0
 
 
@@ -91,12 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pretrain", help="flow-matching pre-training of the built-in tiny DiT")
     p.add_argument("args", nargs="*", help="key=value overrides (steps=, out=, hidden=, ...)")
     p.set_defaults(fn=cmd_pretrain)
-    p = sub.add_parser("eval", help="held-out ShapesBench accuracy of a model checkpoint")
-    p.add_argument("--checkpoint", default="builtin:shapes_dit")
+    p = sub.add_parser(
+        "eval", help="held-out metrics of a run's newest checkpoint, or of a base checkpoint"
+    )
+    p.add_argument("run", nargs="?", default="", help="a run directory (runs/<name>)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides for the run")
+    p.add_argument("--checkpoint", default="builtin:shapes_dit", help="a base model, no run")
     p.add_argument("--samples", type=int, default=2, help="samples per eval prompt")
     p.add_argument("--steps", type=int, default=10, help="ODE sampler steps")
     p.add_argument("--device", default="auto")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("export", help="write a run's LoRA in the format diffusers loads")
+    p.add_argument("run", help="a run directory (runs/<name>)")
+    p.add_argument(
+        "--out", required=True, help="directory to write pytorch_lora_weights.safetensors"
+    )
+    p.add_argument("--adapter", default="", help="default | ema (default: what the run evaluates)")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("serve-reward", help="serve a registered scorer over HTTP (for 'http')")
     p.add_argument("--scorer", required=True, help="registered scorer name, e.g. shapes")
     p.add_argument("--host", default="127.0.0.1", help="non-loopback needs $DIFFRL_REWARD_TOKEN")
