@@ -1,13 +1,27 @@
-"""Typed records: grouping, joining micro-batches, the token-drift check."""
+"""Typed records: grouping, row selection and joining, the token-drift check."""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
 
 from diffrl.data.tokenizer import hash_ids
 from diffrl.errors import ContractError
-from diffrl.types import PromptBatch, TrainBatch, Trajectory, check_token_hashes, images_to_uint8
+from diffrl.types import (
+    PromptBatch,
+    ScoredBatch,
+    StepSpec,
+    TrainBatch,
+    Trajectory,
+    check_token_hashes,
+    concat_rows,
+    images_to_uint8,
+    select_rows,
+    train_batch,
+)
 
 
 def prompts(n: int = 2) -> PromptBatch:
@@ -65,14 +79,18 @@ def test_token_hash_check() -> None:
         input_ids=p.input_ids,
         ids_hash=p.ids_hash,
         x0=torch.zeros(3, 1, 1, 1),
-        weights=torch.ones(3),
+        optimality=torch.ones(3),
         seeds=torch.arange(3),
     )
     check_token_hashes(batch, hash_ids)  # unchanged ids pass
     ids = p.input_ids.clone()
     ids[1, 2] = 0
     bad = TrainBatch(
-        input_ids=ids, ids_hash=p.ids_hash, x0=batch.x0, weights=batch.weights, seeds=batch.seeds
+        input_ids=ids,
+        ids_hash=p.ids_hash,
+        x0=batch.x0,
+        optimality=batch.optimality,
+        seeds=batch.seeds,
     )
     with pytest.raises(ContractError, match=r"rows \[1\]"):
         check_token_hashes(bad, hash_ids)
@@ -83,3 +101,127 @@ def test_images_to_uint8_golden() -> None:
     img = images_to_uint8(x)
     assert img.shape == (1, 2, 3, 3) and img.dtype == torch.uint8
     assert img[0, :, :, 0].flatten().tolist() == [0, 0, 128, 191, 255, 255]
+
+
+# --- select_rows / concat_rows -----------------------------------------------------------------
+
+
+def rich_traj(n: int = 3) -> Trajectory:
+    """Every per-row and shared field filled: latents, log-probs, an SDE spec, two media."""
+    b, t = 2 * n, 2
+    return replace(
+        traj(5, n),
+        x0=torch.randn(b, 3, 2, 2),
+        latents=torch.randn(b, t + 1, 3, 2, 2),
+        log_probs=torch.randn(b, t),
+        sde_mask=torch.tensor([True, False]),
+        step_spec=StepSpec("flow_grpo", 0.7, 4.5, (1, 0, 0)),
+        extra_fields={
+            "image": torch.randint(0, 255, (b, 2, 2, 3), dtype=torch.uint8),
+            "fps": torch.arange(b).float(),
+        },
+    )
+
+
+def same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bitwise equal, NaN where NaN (missing scores are NaN)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.is_floating_point() and not torch.equal(x.isnan(), y.isnan()):
+        return False
+    return (
+        torch.equal(x.nan_to_num(), y.nan_to_num()) if x.is_floating_point() else torch.equal(x, y)
+    )
+
+
+def assert_same(a, b) -> None:
+    """Field-by-field equality of two records (tensors bitwise, nested records recursively)."""
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            assert_same(x, y)
+        elif isinstance(x, dict):
+            assert x.keys() == y.keys(), f.name
+            for k in x:
+                assert same(x[k], y[k]), (f.name, k)
+        elif isinstance(x, torch.Tensor):
+            assert same(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_select_rows_picks_rows_and_keeps_shared_fields() -> None:
+    t = rich_traj(3)
+    idx = torch.tensor([4, 0, 5])
+    s = select_rows(t, idx)
+    assert s.prompts.texts == tuple(t.prompts.texts[i] for i in idx.tolist())
+    assert s.prompts.ids_hash == tuple(t.prompts.ids_hash[i] for i in idx.tolist())
+    for name in ("group", "seeds", "x0", "latents", "log_probs"):
+        assert torch.equal(getattr(s, name), getattr(t, name)[idx]), name
+    torch.testing.assert_close(s.prompts.input_ids, t.prompts.input_ids[idx])
+    assert s.extra_fields.keys() == {"image", "fps"}
+    for k, v in t.extra_fields.items():
+        assert torch.equal(s.extra_fields[k], v[idx]), k
+    # shared fields are the trajectory's own, untouched
+    assert s.sigmas is t.sigmas and s.sde_mask is t.sde_mask
+    assert s.step_spec == t.step_spec and s.policy_version == 5
+    assert len(select_rows(t, torch.tensor([], dtype=torch.int64))) == 0
+
+
+def test_concat_rows_inverts_select_rows() -> None:
+    t = rich_traj(3)
+    parts = [select_rows(t, torch.arange(0, 2)), select_rows(t, torch.arange(2, 6))]
+    assert_same(concat_rows(parts), t)
+    assert_same(Trajectory.concat(parts), t)
+    # any order: joining selections is selecting the joined index
+    a, b = torch.tensor([5, 1]), torch.tensor([0, 3, 2])
+    assert_same(
+        concat_rows([select_rows(t, a), select_rows(t, b)]), select_rows(t, torch.cat([a, b]))
+    )
+
+
+def test_scored_batch_round_trip() -> None:
+    t = rich_traj(2)
+    scored = ScoredBatch(
+        traj=t,
+        rewards=torch.arange(4).float(),
+        per_scorer={"a": torch.tensor([0.1, 0.2, float("nan"), 0.4]), "b": torch.ones(4)},
+        valid=torch.tensor([True, True, False, True]),
+    )
+    idx = torch.tensor([3, 1])
+    s = select_rows(scored, idx)
+    assert s.rewards.tolist() == [3.0, 1.0] and s.valid.tolist() == [True, True]
+    assert s.per_scorer["a"].tolist() == pytest.approx([0.4, 0.2])
+    assert_same(s.traj, select_rows(t, idx))  # the nested trajectory is selected alike
+    parts = [select_rows(scored, torch.tensor([0])), select_rows(scored, torch.tensor([1, 2, 3]))]
+    assert_same(concat_rows(parts), scored)
+    assert_same(ScoredBatch.concat(parts), scored)
+
+
+def test_train_batch_round_trip_and_select() -> None:
+    t = rich_traj(2)
+    scored = ScoredBatch(t, torch.arange(4).float(), {}, torch.ones(4, dtype=torch.bool))
+    batch = train_batch(scored, optimality=torch.rand(4), noise_key=torch.tensor([7, 7, 9, 9]))
+    assert batch.advantages is None and batch.rewards is None and batch.pairs is None
+    assert torch.equal(batch.latents, t.latents) and batch.sigmas is t.sigmas
+    assert batch.step_spec == t.step_spec and batch.sde_mask is t.sde_mask
+    idx = torch.tensor([2, 0, 3])
+    s = batch.select(idx)
+    for name in ("input_ids", "x0", "seeds", "group", "optimality", "noise_key", "latents"):
+        assert torch.equal(getattr(s, name), getattr(batch, name)[idx]), name
+    assert s.ids_hash == tuple(batch.ids_hash[i] for i in idx.tolist())
+    assert s.sigmas is batch.sigmas and s.step_spec == batch.step_spec and s.advantages is None
+    parts = [batch.select(torch.arange(0, 1)), batch.select(torch.arange(1, 4))]
+    assert_same(concat_rows(parts), batch)
+    moved = batch.select(idx, device="cpu")
+    assert_same(moved, s)
+
+
+def test_train_batch_select_reindexes_pairs() -> None:
+    scored = ScoredBatch(rich_traj(2), torch.arange(4).float(), {}, torch.ones(4, dtype=torch.bool))
+    pairs = torch.tensor([[3, 0], [2, 1]])
+    batch = replace(train_batch(scored, rewards=scored.rewards), pairs=pairs)
+    s = batch.select(pairs.flatten())  # [w0, l0, w1, l1]
+    assert s.rewards.tolist() == [3.0, 0.0, 2.0, 1.0]
+    assert s.pairs.tolist() == [[0, 1], [2, 3]]

@@ -89,7 +89,7 @@ def mse_algorithm():
     def loss(policy, batch, cfg, gen):
         sigma = torch.full((len(batch),), 0.5)
         v = policy.velocity(batch.x0, sigma, batch.input_ids)
-        per = (v - batch.x0).pow(2).flatten(1).mean(1) * batch.weights
+        per = (v - batch.x0).pow(2).flatten(1).mean(1) * batch.optimality
         return per.mean(), {"mse/n": float(len(batch))}
 
     return types.SimpleNamespace(loss=loss, diagnostics=None)
@@ -152,7 +152,7 @@ def test_token_drift_raises(tiny_model, actor_factory, train_batch_factory) -> N
         input_ids=ids,
         ids_hash=batch.ids_hash,
         x0=batch.x0,
-        weights=batch.weights,
+        optimality=batch.optimality,
         seeds=batch.seeds,
     )
     before = lora_weights(actor, "default")
@@ -170,7 +170,7 @@ def test_empty_batch_is_skipped(tiny_model, actor_factory, train_batch_factory) 
         input_ids=b.input_ids[:0],
         ids_hash=(),
         x0=b.x0[:0],
-        weights=b.weights[:0],
+        optimality=b.optimality[:0],
         seeds=b.seeds[:0],
     )
     assert actor.train_step(empty) == {"actor/skipped_empty": 1.0}
@@ -365,7 +365,7 @@ def test_the_scheduled_lr_is_applied_and_resumes_exactly(
 
 def test_lr_schedule_config_errors() -> None:
     from diffrl.config import load_config
-    from diffrl.controller.build import actor_with_horizon
+    from diffrl.controller.engines import actor_with_horizon
     from diffrl.errors import ConfigError
 
     recipe = "recipes/shapes_grpo_fast.yaml"

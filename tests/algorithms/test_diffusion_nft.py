@@ -3,6 +3,8 @@ direction, optimality, prepare and the old-policy schedule."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import Tensor
@@ -45,15 +47,15 @@ def ref_fn(x: Tensor, sigma: Tensor) -> Tensor:
     return 0.1 * x
 
 
-def make_batch(weights, seed: int = 0) -> TrainBatch:
+def make_batch(r, seed: int = 0) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
-    x0 = torch.rand((len(weights), *SHAPE), generator=g) * 2 - 1
+    x0 = torch.rand((len(r), *SHAPE), generator=g) * 2 - 1
     return TrainBatch(
-        input_ids=torch.ones(len(weights), 5, dtype=torch.long),
-        ids_hash=("h",) * len(weights),
+        input_ids=torch.ones(len(r), 5, dtype=torch.long),
+        ids_hash=("h",) * len(r),
         x0=x0,
-        weights=torch.as_tensor(weights, dtype=torch.float32),
-        seeds=torch.arange(len(weights)),
+        optimality=torch.as_tensor(r, dtype=torch.float32),
+        seeds=torch.arange(len(r)),
     )
 
 
@@ -279,7 +281,7 @@ def test_prepare_drops_invalid_and_maps_to_optimality() -> None:
     assert batch.x0[:, 0, 0, 0].tolist() == [float(i) for i in keep]
     torch.testing.assert_close(batch.input_ids, scored.traj.prompts.input_ids[keep])
     a = 1 / ((2 / 3) ** 0.5 + 1e-4)  # advantage of rewards 1 and 3 in the first group
-    assert batch.weights.tolist() == pytest.approx(
+    assert batch.optimality.tolist() == pytest.approx(
         [0.5 - a / 4, 0.5, 0.5 + a / 4] + [0.5] * 4, abs=1e-6
     )
 
@@ -287,11 +289,11 @@ def test_prepare_drops_invalid_and_maps_to_optimality() -> None:
 def test_prepare_global_std_and_clip() -> None:
     scored = make_scored([0.0, 2.0, 0.0, 8.0], [True] * 4, g=2)  # centred: -1, 1 | -4, 4
     per_group = nft.prepare(scored, nft.NFTConfig(adv_clip=1.0))
-    assert per_group.weights.tolist() == pytest.approx([0.0, 1.0, 0.0, 1.0], abs=1e-3)
+    assert per_group.optimality.tolist() == pytest.approx([0.0, 1.0, 0.0, 1.0], abs=1e-3)
     batch = nft.prepare(scored, nft.NFTConfig(adv_clip=1.0, global_std=True))
     a = 1 / 8.5**0.5  # batch std of the centred rewards is sqrt(8.5)
     assert 4 * a > 1  # the second group's advantages are clipped
-    assert batch.weights.tolist() == pytest.approx([0.5 - a / 2, 0.5 + a / 2, 0.0, 1.0], abs=1e-4)
+    assert batch.optimality.tolist() == pytest.approx([0.5 - a / 2, 0.5 + a / 2, 0.0, 1.0], abs=1e-4)
 
 
 def test_prepare_can_skip_uniform_groups() -> None:
@@ -304,7 +306,7 @@ def test_prepare_can_skip_uniform_groups() -> None:
     assert kept.group.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
     skipped = nft.prepare(scored, nft.NFTConfig(skip_uniform_groups=True))
     assert skipped.group.tolist() == [0, 0, 0, 0]
-    torch.testing.assert_close(skipped.weights, kept.weights[:4])  # advantages unchanged
+    torch.testing.assert_close(skipped.optimality, kept.optimality[:4])  # advantages unchanged
 
 
 def test_prepare_all_invalid_is_empty() -> None:
@@ -315,38 +317,101 @@ def test_prepare_all_invalid_is_empty() -> None:
 # --- schedule / registry -------------------------------------------------------------------------
 
 
-class RecordingActor:
-    def __init__(self) -> None:
-        self.decays: list[tuple[int, float]] = []
-        self.step = 0
-
-    def update_old(self, decay: float) -> None:
-        self.decays.append((self.step, decay))
-
-
-def test_after_step_copy_every_n() -> None:
-    actor, cfg = RecordingActor(), nft.NFTConfig(old_update="copy", old_every=3)
-    changed = []
-    for step in range(1, 8):
-        actor.step = step
-        changed.append(nft.after_step(actor, step, cfg))
-    assert changed == [False, False, True, False, False, True, False]
-    assert actor.decays == [(3, 0.0), (6, 0.0)]
+def test_weight_plan_copy_every_n() -> None:
+    cfg = nft.NFTConfig(old_update="copy", old_every=3)
+    plans = [nft.weight_plan(step, cfg) for step in range(1, 8)]
+    assert [p.sync for p in plans] == [False, False, True, False, False, True, False]
+    refreshes = [(step, p.refresh_old) for step, p in enumerate(plans, 1)]
+    assert [(s, d) for s, d in refreshes if d is not None] == [(3, 0.0), (6, 0.0)]
+    assert {p.rollout_adapter for p in plans} == {"old"}
 
 
-def test_after_step_ema_every_step() -> None:
-    actor, cfg = RecordingActor(), nft.NFTConfig(old_update="ema", old_every=3, old_ema=0.9)
+def test_weight_plan_ema_every_step() -> None:
+    cfg = nft.NFTConfig(old_update="ema", old_every=3, old_ema=0.9)
     for step in range(1, 4):
-        actor.step = step
-        assert nft.after_step(actor, step, cfg) is True
-    assert actor.decays == [(1, 0.9), (2, 0.9), (3, 0.9)]
+        plan = nft.weight_plan(step, cfg)
+        assert plan.sync is True
+        assert plan.refresh_old == 0.9
 
 
 def test_registered_and_rollout_samples_with_old() -> None:
     assert "diffusion_nft" in registered_algorithms()
     algo = get_algorithm("diffusion_nft")
     assert algo.config_cls is nft.NFTConfig and algo.loss is nft.loss
-    assert algo.rollout_adapter(nft.NFTConfig()) == "old"
+    assert algo.weight_plan(1, nft.NFTConfig()).rollout_adapter == "old"
+    assert algo.weight_plan is nft.weight_plan
     assert algo.needs_logprobs is False
     with pytest.raises(KeyError, match="nope"):
         get_algorithm("nope")
+
+
+# --- shared noise (common random numbers within a group) ---------------------------------------
+
+
+def test_group_key_is_each_groups_first_seed() -> None:
+    traj = make_scored([0.0] * 8, [True] * 8).traj  # groups of 4, seeds 100..107
+    assert nft.group_key(traj).tolist() == [100] * 4 + [104] * 4
+    # groups need not be contiguous or in order: the key is the seed of the group's first row
+    shuffled = Trajectory(
+        prompts=traj.prompts.select(torch.arange(5)),
+        group=torch.tensor([1, 1, 0, 2, 0]),
+        seeds=torch.tensor([5, 6, 7, 8, 9]),
+        x0=traj.x0[:5],
+    )
+    key = nft.group_key(shuffled)
+    assert key.dtype == torch.int64 and key.tolist() == [5, 5, 7, 8, 7]
+
+
+def test_prepare_keys_noise_on_the_group_even_when_its_first_row_is_dropped() -> None:
+    scored = make_scored([float("nan"), 1.0, 2.0, 3.0, 4.0, 5.0], [False] + [True] * 5, g=3)
+    batch = nft.prepare(scored, nft.NFTConfig())
+    assert batch.group.tolist() == [0, 0, 1, 1, 1]
+    assert batch.noise_key.tolist() == [100, 100, 103, 103, 103]
+
+
+@pytest.mark.parametrize("j", [0, 1])
+def test_shared_noise_draws_alike_within_a_group_and_apart_across(j: int) -> None:
+    scored = make_scored([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [True] * 8, g=4)
+    batch = nft.prepare(scored, nft.NFTConfig())
+    assert len(set(batch.seeds.tolist())) == 8  # every sample has its own seed
+    cfg = nft.NFTConfig(shared_noise=True)
+    sigma, eps = nft.training_noise(batch, cfg, torch.Generator().manual_seed(0), j)
+    assert sigma.shape == (8,) and eps.shape == (8, 3, 2, 2)
+    for rows in ([0, 1, 2, 3], [4, 5, 6, 7]):  # a group: identical (sigma, eps)
+        for r in rows[1:]:
+            assert torch.equal(sigma[r], sigma[rows[0]]) and torch.equal(eps[r], eps[rows[0]])
+    assert sigma[0] != sigma[4] and not torch.allclose(eps[0], eps[4])  # across groups: not
+    assert ((sigma >= cfg.sigma_min) & (sigma <= cfg.sigma_max)).all()
+    # the draws depend on the group's key, not on the generator or the batch's row order
+    again, eps2 = nft.training_noise(
+        batch.select(torch.tensor([7, 0])), cfg, torch.Generator().manual_seed(9), j
+    )
+    assert torch.equal(again, sigma[[7, 0]]) and torch.equal(eps2, eps[[7, 0]])
+    # and every training timestep draws afresh
+    other, _ = nft.training_noise(batch, cfg, torch.Generator().manual_seed(0), j + 1)
+    assert not torch.equal(other, sigma)
+
+
+def test_shared_noise_off_draws_per_sample() -> None:
+    batch = nft.prepare(make_scored([0.0, 1.0, 2.0, 3.0], [True] * 4), nft.NFTConfig())
+    sigma, eps = nft.training_noise(batch, nft.NFTConfig(), torch.Generator().manual_seed(0), 0)
+    assert len(set(sigma.tolist())) == 4 and not torch.allclose(eps[0], eps[1])
+
+
+def test_shared_noise_reaches_the_loss() -> None:
+    """The loss noises every member of a group with the same (sigma, eps)."""
+    scored = make_scored([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [True] * 6, g=3)
+    batch = nft.prepare(scored, nft.NFTConfig())
+    batch = replace(batch, input_ids=torch.ones(6, 5, dtype=torch.long))  # FakePolicy: L = 5
+    policy = FakePolicy(
+        lambda x, s: 0.7 * x - 0.3 * s.view(-1, 1, 1, 1), lambda x, s: -0.2 * x + 0.5
+    )
+    run_loss(policy, batch, shared_noise=True, timesteps_per_sample=2, weighting="uniform")
+    for x, sigma in policy.draws():
+        s = sigma.view(-1, 1, 1, 1)
+        eps = (x - (1 - s) * batch.x0) / s
+        assert torch.equal(sigma[:3], sigma[0].expand(3)) and sigma[0] != sigma[3]
+        torch.testing.assert_close(eps[1], eps[0])
+        torch.testing.assert_close(eps[2], eps[0])
+        torch.testing.assert_close(eps[4], eps[3])
+        assert not torch.allclose(eps[0], eps[3])
