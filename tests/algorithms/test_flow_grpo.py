@@ -6,7 +6,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from diffrl.actor.engine import _select
 from diffrl.algorithms.flow_grpo import (
     GRPOConfig,
     clipped_objective,
@@ -17,10 +16,10 @@ from diffrl.algorithms.flow_grpo import (
     train_steps,
 )
 from diffrl.algorithms.registry import get_algorithm
-from diffrl.data.prompts import PromptSet
 from diffrl.data.shapes import split_prompts
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.rollout.samplers import sde_step_with_logprob, sigma_schedule
+from diffrl.tasks import Prompt, PromptSet
 from diffrl.types import ScoredBatch, StepSpec, TrainBatch
 
 
@@ -78,7 +77,7 @@ def _rollout(policy: LinearPolicy, n: int = 4, steps: int = 5, a: float = 0.7):
     return sig, torch.stack(lat, 1), torch.stack(lps, 1)
 
 
-def _rollout_batch(policy: LinearPolicy, weights: torch.Tensor) -> TrainBatch:
+def _rollout_batch(policy: LinearPolicy, advantages: torch.Tensor) -> TrainBatch:
     """A FlowGRPO batch of 4 trajectories sampled by ``policy``, every step stochastic."""
     sig, lat, lps = _rollout(policy)
     n = lat.shape[0]
@@ -86,13 +85,13 @@ def _rollout_batch(policy: LinearPolicy, weights: torch.Tensor) -> TrainBatch:
         input_ids=torch.zeros(n, 2, dtype=torch.long),
         ids_hash=("",) * n,
         x0=lat[:, -1],
-        weights=weights,
+        advantages=advantages,
         seeds=torch.zeros(n, dtype=torch.long),
         latents=lat,
         log_probs=lps,
         sigmas=sig,
         sde_mask=torch.ones(lps.shape[1], dtype=torch.bool),
-        step_spec=StepSpec("flow_grpo", 0.7, 1.0, 1),
+        step_spec=StepSpec("flow_grpo", 0.7, 1.0, (1, 0)),
     )
 
 
@@ -103,7 +102,7 @@ def test_same_weights_give_ratio_one_and_zero_loss_gradient_sign():
     value, metrics = loss(policy, batch, cfg, torch.Generator().manual_seed(0))
     assert metrics["grpo/ratio_dev"] < 1e-5  # rollout and training log-probs agree
     # at ratio 1 the surrogate is -mean(A) = -0.0 here
-    assert abs(float(value.detach()) - float(-batch.weights.mean())) < 1e-5
+    assert abs(float(value.detach()) - float(-batch.advantages.mean())) < 1e-5
 
 
 def test_kl_term_is_zero_against_itself_and_positive_otherwise():
@@ -116,10 +115,11 @@ def test_kl_term_is_zero_against_itself_and_positive_otherwise():
     assert m["grpo/kl"] > 1e-4
 
 
-def _engine_batch(model, tok, rollout: RolloutConfig, rewards=None):
+def _engine_batch(model, rollout: RolloutConfig, rewards=None):
     """A real SDE rollout of 3 prompts x 4, prepared for FlowGRPO."""
-    engine = RolloutEngine(model, rollout, [], tok.null_id, torch.device("cpu"))
-    prompts = PromptSet(split_prompts("train")[:3], tok).all()
+    engine = RolloutEngine(model, rollout, [], torch.device("cpu"))
+    texts = [Prompt(p.text) for p in split_prompts("train")[:3]]
+    prompts = PromptSet(texts, model.family.tokenize).all()
     traj = asyncio.run(engine.generate(prompts, seed=5, iteration=0))
     n = len(traj)
     rewards = torch.linspace(0, 1, n) if rewards is None else rewards
@@ -138,15 +138,15 @@ def _engine_batch(model, tok, rollout: RolloutConfig, rewards=None):
     ],
     ids=["flow_grpo", "cps", "cfg+window", "branch+coarse_tail", "window+bf16_ode"],
 )
-def test_rollout_and_training_log_probs_agree(tiny_model, tok, actor_factory, kw) -> None:
+def test_rollout_and_training_log_probs_agree(tiny_model, actor_factory, kw) -> None:
     """The consistency metric: training recomputes the rollout's log-probs exactly (fp32)."""
     rollout = RolloutConfig(group_size=4, num_steps=6, sampler="sde", keep_latents=True, **kw)
     actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=GRPOConfig())
-    traj, batch = _engine_batch(tiny_model, tok, rollout)
+    traj, batch = _engine_batch(tiny_model, rollout)
     if rollout.ode_tail_steps:  # steps 0-1 as sampled, then 2 tail steps instead of 4
         assert len(traj.sigmas) == 5 and traj.latents.shape[1] == 5
     if rollout.ode_dtype == "bfloat16":  # the ODE steps ran in bf16: close to fp32, not equal
-        fp32 = _engine_batch(tiny_model, tok, replace(rollout, ode_dtype="float32"))[0]
+        fp32 = _engine_batch(tiny_model, replace(rollout, ode_dtype="float32"))[0]
         assert not torch.equal(traj.x0, fp32.x0)
         torch.testing.assert_close(traj.x0, fp32.x0, rtol=0, atol=0.1)
     m = consistency(actor, batch, GRPOConfig())
@@ -163,7 +163,7 @@ def test_rollout_and_training_log_probs_agree(tiny_model, tok, actor_factory, kw
     assert consistency(actor, batch, GRPOConfig())["grpo/logp_diff_max"] > 1e-5
 
 
-def test_window_trajectory_trains_only_inside_the_window(tiny_model, tok, actor_factory) -> None:
+def test_window_trajectory_trains_only_inside_the_window(tiny_model, actor_factory) -> None:
     rollout = RolloutConfig(
         group_size=4,
         num_steps=6,
@@ -172,7 +172,7 @@ def test_window_trajectory_trains_only_inside_the_window(tiny_model, tok, actor_
         sde_window=2,
         sde_window_start=1,
     )
-    traj, batch = _engine_batch(tiny_model, tok, rollout)
+    traj, batch = _engine_batch(tiny_model, rollout)
     assert traj.sde_mask.tolist() == [False, True, True, False, False, False]
     assert (traj.log_probs[:, ~traj.sde_mask] == 0).all()
     assert (traj.log_probs[:, traj.sde_mask] != 0).all()
@@ -190,14 +190,14 @@ def test_window_trajectory_trains_only_inside_the_window(tiny_model, tok, actor_
     assert m["grpo/ratio_dev"] < 1e-4
 
 
-def test_prepare_refuses_ode_trajectories(tiny_model, tok) -> None:
+def test_prepare_refuses_ode_trajectories(tiny_model) -> None:
     with pytest.raises(ValueError, match="rollout.sampler=sde"):
-        _engine_batch(tiny_model, tok, RolloutConfig(group_size=2, num_steps=4, keep_latents=True))
+        _engine_batch(tiny_model, RolloutConfig(group_size=2, num_steps=4, keep_latents=True))
 
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
-    tiny_model, tok, actor_factory, monkeypatch, tree
+    tiny_model, actor_factory, monkeypatch, tree
 ) -> None:
     """Flow-GRPO-Fast's branching step: a group shares x up to and at its SDE step, so training
     runs one forward per group there; the loss and gradient are those of one per member. With
@@ -212,8 +212,8 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
         sde_window_start=1,
         tree_noise=tree,
     )
-    _, batch = _engine_batch(tiny_model, tok, rollout)
-    batch = _select(batch, torch.randperm(len(batch), generator=torch.Generator().manual_seed(1)))
+    _, batch = _engine_batch(tiny_model, rollout)
+    batch = batch.select(torch.randperm(len(batch), generator=torch.Generator().manual_seed(1)))
     cfg = GRPOConfig(timestep_fraction=1.0, timestep_order="ordered", kl_coef=0.1)
     actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=cfg)
     with torch.no_grad():  # weights unlike the rollout's, so the ratio and the KL move
