@@ -57,19 +57,14 @@ class RunDir:
             self.tb = SummaryWriter(str(root / "tb"))
 
     def write_config(self, text: str) -> None:
-        (self.root / "config.yaml").write_text(text)
+        _replace_atomically(self.root / "config.yaml", text)  # `diffrl eval RUN_DIR` reads it
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop metrics logged after the checkpoint we resume from."""
         if not self.metrics_path.exists():
             return
         keep = [ln for ln, row in _rows(self.metrics_path) if row.get("step", 0) <= step]
-        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")  # a kill keeps the old file
-        with tmp.open("w") as f:
-            f.write("".join(ln + "\n" for ln in keep))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.metrics_path)
+        _replace_atomically(self.metrics_path, "".join(ln + "\n" for ln in keep))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time(), **{k: _num(v) for k, v in metrics.items()}}
@@ -144,6 +139,16 @@ class RunDir:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """Write ``path`` so that a kill leaves either the old file or the new one, whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _num(v):

@@ -30,13 +30,17 @@ class StopSignals:
         return self.received is not None
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in self.signals:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
+        return self.install()
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+    def install(self) -> StopSignals:
+        """Take over the signals (prefer ``with``: it restores them however the loop ends)."""
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous.setdefault(s, signal.signal(s, self._handle))
+        return self
 
     def restore(self) -> None:
         for s, handler in self._previous.items():

@@ -247,6 +247,17 @@ def test_stop_signals_turn_a_signal_into_a_flag_and_restore_the_handlers():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+def test_install_and_restore_without_a_with_block():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignals().install()
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_second_sigint_interrupts_at_once():
     with StopSignals() as stop:
         signal.raise_signal(signal.SIGINT)
