@@ -8,23 +8,24 @@ import pytest
 import torch
 
 from diffrl.channel import Channel
-from diffrl.data.prompts import PromptSet
 from diffrl.data.shapes import split_prompts
 from diffrl.errors import FieldError
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, noise_from_seeds, sample_seeds
 from diffrl.rollout.samplers import sigma_schedule
 from diffrl.sync.weights import SyncError, WeightUpdate
+from diffrl.tasks import Prompt, PromptSet
 from diffrl.types import images_to_uint8
 
 
-@pytest.fixture(scope="module")
-def prompt_set(tok) -> PromptSet:
-    return PromptSet(split_prompts("train")[:8], tok)
+@pytest.fixture
+def prompt_set(tiny_model) -> PromptSet:
+    prompts = [Prompt(p.text) for p in split_prompts("train")[:8]]
+    return PromptSet(prompts, tiny_model.family.tokenize)
 
 
-def engine(model, tok, **kw) -> RolloutEngine:
+def engine(model, **kw) -> RolloutEngine:
     cfg = RolloutConfig(**{"group_size": 3, "num_steps": 3, **kw})
-    return RolloutEngine(model, cfg, [], tok.null_id, torch.device("cpu"))
+    return RolloutEngine(model, cfg, [], torch.device("cpu"))
 
 
 def gen(eng, prompts, seed=0, **kw):
@@ -40,9 +41,15 @@ def test_sample_seeds_and_noise() -> None:
     torch.testing.assert_close(noise_from_seeds(a[3:4], (2, 3), "cpu")[0], n[3])  # row-wise
 
 
-def test_group_layout(tiny_model, tok, prompt_set) -> None:
+def test_group_layout(tiny_model, prompt_set) -> None:
     prompts = prompt_set.batch([5, 2])
-    traj = gen(engine(tiny_model, tok), prompts, seed=1)
+    traj = gen(
+        engine(
+            tiny_model,
+        ),
+        prompts,
+        seed=1,
+    )
     assert len(traj) == 6
     assert traj.group.tolist() == [0, 0, 0, 1, 1, 1]
     assert traj.prompts.texts == (prompt_set.texts[5],) * 3 + (prompt_set.texts[2],) * 3
@@ -56,9 +63,9 @@ def test_group_layout(tiny_model, tok, prompt_set) -> None:
     assert traj.policy_version == 0
 
 
-def test_ode_matches_manual_euler_integration(tiny_model, tok, prompt_set) -> None:
+def test_ode_matches_manual_euler_integration(tiny_model, prompt_set) -> None:
     prompts = prompt_set.batch([0, 1])
-    traj = gen(engine(tiny_model, tok, keep_latents=True), prompts, seed=3)
+    traj = gen(engine(tiny_model, keep_latents=True), prompts, seed=3)
     noise = noise_from_seeds(traj.seeds, (4, 3, 32, 32), "cpu")
     x, ids = noise[:, 0], prompts.repeat(3).input_ids
     sig = torch.tensor([1.0, 2 / 3, 1 / 3, 0.0])
@@ -73,8 +80,10 @@ def test_ode_matches_manual_euler_integration(tiny_model, tok, prompt_set) -> No
     assert not torch.allclose(traj.x0, noise[:, 0], atol=1e-3)
 
 
-def test_generate_is_deterministic_per_seed(tiny_model, tok, prompt_set) -> None:
-    eng = engine(tiny_model, tok)
+def test_generate_is_deterministic_per_seed(tiny_model, prompt_set) -> None:
+    eng = engine(
+        tiny_model,
+    )
     prompts = prompt_set.batch([0, 3])
     a, b, c = gen(eng, prompts, 11), gen(eng, prompts, 11), gen(eng, prompts, 12)
     assert torch.equal(a.x0, b.x0)
@@ -82,10 +91,10 @@ def test_generate_is_deterministic_per_seed(tiny_model, tok, prompt_set) -> None
 
 
 @pytest.mark.parametrize("sampler", ["ode", "sde"])
-def test_batching_invariance(tiny_model, tok, prompt_set, sampler) -> None:
+def test_batching_invariance(tiny_model, prompt_set, sampler) -> None:
     prompts = prompt_set.batch([0, 1, 2, 3, 4])
-    big = gen(engine(tiny_model, tok, max_batch=64, group_size=2, sampler=sampler), prompts, 5)
-    small = gen(engine(tiny_model, tok, max_batch=4, group_size=2, sampler=sampler), prompts, 5)
+    big = gen(engine(tiny_model, max_batch=64, group_size=2, sampler=sampler), prompts, 5)
+    small = gen(engine(tiny_model, max_batch=4, group_size=2, sampler=sampler), prompts, 5)
     assert torch.equal(big.seeds, small.seeds)
     assert torch.equal(big.group, small.group)
     assert big.prompts.texts == small.prompts.texts
@@ -93,8 +102,8 @@ def test_batching_invariance(tiny_model, tok, prompt_set, sampler) -> None:
     torch.testing.assert_close(small.log_probs, big.log_probs, rtol=0, atol=1e-5)
 
 
-def test_stream_yields_micro_batches_of_whole_groups(tiny_model, tok, prompt_set) -> None:
-    eng = engine(tiny_model, tok, max_batch=4, group_size=2)  # 2 prompts per micro-batch
+def test_stream_yields_micro_batches_of_whole_groups(tiny_model, prompt_set) -> None:
+    eng = engine(tiny_model, max_batch=4, group_size=2)  # 2 prompts per micro-batch
     prompts = prompt_set.batch([0, 1, 2, 3, 4])
 
     async def collect():
@@ -111,34 +120,36 @@ def test_stream_yields_micro_batches_of_whole_groups(tiny_model, tok, prompt_set
     torch.testing.assert_close(torch.cat([p.x0 for p in parts]), whole.x0)
 
 
-def test_ode_log_probs_are_zero(tiny_model, tok, prompt_set) -> None:
-    traj = gen(engine(tiny_model, tok, num_steps=4), prompt_set.batch([0]), 0)
+def test_ode_log_probs_are_zero(tiny_model, prompt_set) -> None:
+    traj = gen(engine(tiny_model, num_steps=4), prompt_set.batch([0]), 0)
     assert traj.log_probs.shape == (3, 4)
     assert torch.equal(traj.log_probs, torch.zeros(3, 4))
 
 
-def test_sde_log_probs_finite_nonzero(tiny_model, tok, prompt_set) -> None:
-    eng = engine(tiny_model, tok, num_steps=4, sampler="sde")
+def test_sde_log_probs_finite_nonzero(tiny_model, prompt_set) -> None:
+    eng = engine(tiny_model, num_steps=4, sampler="sde")
     traj = gen(eng, prompt_set.batch([0, 1]), 0)
     assert traj.log_probs.shape == (6, 4)
     assert torch.isfinite(traj.log_probs).all()
     assert (traj.log_probs[:, :-1] != 0).all()
     assert (traj.log_probs[:, -1] == 0).all()  # the last step to sigma=0 is deterministic
-    ode = gen(engine(tiny_model, tok, num_steps=4), prompt_set.batch([0, 1]), 0)
+    ode = gen(engine(tiny_model, num_steps=4), prompt_set.batch([0, 1]), 0)
     assert (traj.x0 - ode.x0).abs().max() > 1e-2
     again = gen(eng, prompt_set.batch([0, 1]), 0)
     assert torch.equal(traj.x0, again.x0) and torch.equal(traj.log_probs, again.log_probs)
 
 
-def test_per_call_overrides(tiny_model, tok, prompt_set) -> None:
-    eng = engine(tiny_model, tok, sampler="sde")
+def test_per_call_overrides(tiny_model, prompt_set) -> None:
+    eng = engine(tiny_model, sampler="sde")
     traj = gen(eng, prompt_set.batch([0, 1]), 0, group_size=2, sampler="ode", num_steps=2)
     assert len(traj) == 4 and traj.sigmas.shape == (3,)
     assert torch.equal(traj.log_probs, torch.zeros(4, 2))
 
 
-def test_image_field_is_uint8_hwc(tiny_model, tok, prompt_set) -> None:
-    eng = engine(tiny_model, tok)
+def test_image_field_is_uint8_hwc(tiny_model, prompt_set) -> None:
+    eng = engine(
+        tiny_model,
+    )
     traj = gen(eng, prompt_set.batch([0, 1]), 0)
     assert set(traj.extra_fields) == eng.produces  # what the scorers' start-up check relies on
     img = traj.extra_fields["image"]
@@ -150,7 +161,7 @@ def test_image_field_is_uint8_hwc(tiny_model, tok, prompt_set) -> None:
 
 
 def test_classifier_free_guidance(tiny_model, tok, prompt_set) -> None:
-    eng = engine(tiny_model, tok, cfg_scale=3.0)
+    eng = engine(tiny_model, cfg_scale=3.0)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     sigma, ids = torch.full((2,), 0.5), prompt_set.input_ids[:2]
     null = torch.zeros_like(ids)
@@ -162,8 +173,10 @@ def test_classifier_free_guidance(tiny_model, tok, prompt_set) -> None:
     assert (out - v_c).abs().max() > 1e-4
 
 
-def test_engine_owns_a_frozen_copy(tiny_model, tok) -> None:
-    eng = engine(tiny_model, tok)
+def test_engine_owns_a_frozen_copy(tiny_model) -> None:
+    eng = engine(
+        tiny_model,
+    )
     assert eng.model is not tiny_model
     assert not any(p.requires_grad for p in eng.model.parameters())
     with torch.no_grad():
@@ -171,8 +184,10 @@ def test_engine_owns_a_frozen_copy(tiny_model, tok) -> None:
     assert not torch.equal(next(tiny_model.parameters()), next(eng.model.parameters()))
 
 
-def test_stale_weight_version_raises(tiny_model, tok) -> None:
-    eng = engine(tiny_model, tok)
+def test_stale_weight_version_raises(tiny_model) -> None:
+    eng = engine(
+        tiny_model,
+    )
     eng.load_weights(WeightUpdate.build(3, "old", {}))
     assert eng.version == 3
     with pytest.raises(SyncError, match="stale"):
@@ -180,21 +195,20 @@ def test_stale_weight_version_raises(tiny_model, tok) -> None:
     assert eng.version == 3
 
 
-def test_shared_initial_noise_within_groups(tiny_model, tok, prompt_set) -> None:
+def test_shared_initial_noise_within_groups(tiny_model, prompt_set) -> None:
     kw = dict(sampler="sde", keep_latents=True, group_size=3)
-    shared = gen(engine(tiny_model, tok, shared_init_noise=True, **kw), prompt_set.batch([0, 1]))
+    shared = gen(engine(tiny_model, shared_init_noise=True, **kw), prompt_set.batch([0, 1]))
     start = shared.latents[:, 0]
     assert torch.equal(start[0], start[1]) and torch.equal(start[0], start[2])
     assert not torch.equal(start[0], start[3])
     assert not torch.equal(shared.x0[0], shared.x0[1])  # SDE noise still differs per sample
-    own = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0, 1]))
+    own = gen(engine(tiny_model, **kw), prompt_set.batch([0, 1]))
     assert torch.equal(own.latents[0, 0], start[0]) and not torch.equal(own.latents[1, 0], start[1])
 
 
 def test_trajectory_records_how_it_was_sampled(tiny_model, tok, prompt_set) -> None:
     eng = engine(
         tiny_model,
-        tok,
         sampler="sde",
         num_steps=5,
         sde_window=2,
@@ -209,30 +223,36 @@ def test_trajectory_records_how_it_was_sampled(tiny_model, tok, prompt_set) -> N
     assert t1.sde_mask.tolist() == [False, True, True, False, False]  # slid by one step
     assert (t1.log_probs[:, 0] == 0).all() and (t1.log_probs[:, 1:3] != 0).all()
     assert t0.step_spec.kind == "cps" and t0.step_spec.noise_level == 0.4
-    assert t0.step_spec.cfg_scale == 1.5 and t0.step_spec.null_id == tok.null_id
-    ode = gen(engine(tiny_model, tok), prompt_set.batch([0]))
+    assert t0.step_spec.cfg_scale == 1.5
+    assert t0.step_spec.null_ids == (tok.null_id,) + (tok.pad_id,) * (tok.max_len - 1)
+    ode = gen(
+        engine(
+            tiny_model,
+        ),
+        prompt_set.batch([0]),
+    )
     assert not ode.sde_mask.any()
 
 
-def test_shared_prefix_runs_once_per_group(tiny_model, tok, prompt_set) -> None:
+def test_shared_prefix_runs_once_per_group(tiny_model, prompt_set) -> None:
     kw = dict(sampler="sde", keep_latents=True, group_size=3, num_steps=5, sde_window=1)
     kw.update(sde_window_mode="fixed", sde_window_start=2)
-    eng = engine(tiny_model, tok, shared_init_noise=True, **kw)
+    eng = engine(tiny_model, shared_init_noise=True, **kw)
     sizes, velocity = [], eng.velocity
     eng.velocity = lambda x, s, ids: sizes.append(len(x)) or velocity(x, s, ids)
     traj = gen(eng, prompt_set.batch([0, 1]))
     assert sizes == [2, 2, 2, 6, 6]  # steps 0-2 (x still shared) once per group, then per sample
     lat = traj.latents
     assert torch.equal(lat[0, :3], lat[2, :3]) and not torch.equal(lat[0, 3], lat[1, 3])
-    own = engine(tiny_model, tok, **kw)  # the same Euler prefix, one forward per sample
+    own = engine(tiny_model, **kw)  # the same Euler prefix, one forward per sample
     own_traj = gen(own, prompt_set.batch([0, 1]))
     torch.testing.assert_close(lat[0, :3], own_traj.latents[0, :3])  # member 0 = own noise
 
 
-def test_tree_noise_branches_each_group_in_two_per_window_step(tiny_model, tok, prompt_set) -> None:
+def test_tree_noise_branches_each_group_in_two_per_window_step(tiny_model, prompt_set) -> None:
     kw = dict(sampler="sde", keep_latents=True, group_size=8, num_steps=6, sde_window=3)
     kw.update(sde_window_start=1, shared_init_noise=True)
-    eng = engine(tiny_model, tok, tree_noise=True, **kw)
+    eng = engine(tiny_model, tree_noise=True, **kw)
     sizes, velocity = [], eng.velocity
     eng.velocity = lambda x, s, ids: sizes.append(len(x)) or velocity(x, s, ids)
     traj = gen(eng, prompt_set.batch([0, 1]))
@@ -245,7 +265,7 @@ def test_tree_noise_branches_each_group_in_two_per_window_step(tiny_model, tok, 
         for m in range(0, 8, runs):
             assert all(torch.equal(lat[m, step], lat[m + r, step]) for r in range(runs))
     # every member is still an honest draw of the SDE: its recorded log-probs are its own
-    plain = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0, 1]))
+    plain = gen(engine(tiny_model, **kw), prompt_set.batch([0, 1]))
     torch.testing.assert_close(lat[0], plain.latents[0])  # member 0 keeps its own noise
     assert not torch.equal(lat[1, 2], plain.latents[1, 2])  # member 1 takes member 0's
     with pytest.raises(FieldError, match="group_size"):
@@ -256,18 +276,18 @@ def test_tree_noise_branches_each_group_in_two_per_window_step(tiny_model, tok, 
         RolloutConfig(tree_noise=True, antithetic_noise=True, **kw).validate()
 
 
-def test_antithetic_noise_mirrors_pairs(tiny_model, tok, prompt_set) -> None:
+def test_antithetic_noise_mirrors_pairs(tiny_model, prompt_set) -> None:
     kw = dict(sampler="sde", keep_latents=True, group_size=4, num_steps=3, shared_init_noise=True)
-    traj = gen(engine(tiny_model, tok, antithetic_noise=True, **kw), prompt_set.batch([0]))
+    traj = gen(engine(tiny_model, antithetic_noise=True, **kw), prompt_set.batch([0]))
     x1 = traj.latents[:, 1]  # after the first SDE step from the shared start: mu +- std * eps
     assert not torch.equal(x1[0], x1[1])
     torch.testing.assert_close(x1[0] + x1[1], x1[2] + x1[3])  # both pairs straddle the same mu
-    plain = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0]))
+    plain = gen(engine(tiny_model, **kw), prompt_set.batch([0]))
     torch.testing.assert_close(plain.latents[0], traj.latents[0])  # even members unchanged
     # a call with odd groups of 3: members (0, 1) and (3, 4) are pairs; 2 and 5 keep their noise
     mirrored, own = (
         gen(
-            engine(tiny_model, tok, antithetic_noise=a, **kw),
+            engine(tiny_model, antithetic_noise=a, **kw),
             prompt_set.batch([0, 1]),
             group_size=3,
         )
@@ -280,11 +300,11 @@ def test_antithetic_noise_mirrors_pairs(tiny_model, tok, prompt_set) -> None:
         RolloutConfig(group_size=3, antithetic_noise=True).validate()
 
 
-def test_coarse_ode_tail(tiny_model, tok, prompt_set) -> None:
+def test_coarse_ode_tail(tiny_model, prompt_set) -> None:
     kw = dict(sampler="sde", keep_latents=True, group_size=2, num_steps=6, sde_window=1)
     kw.update(sde_window_start=1)
-    coarse = gen(engine(tiny_model, tok, ode_tail_steps=2, **kw), prompt_set.batch([0, 1]))
-    full = gen(engine(tiny_model, tok, **kw), prompt_set.batch([0, 1]))
+    coarse = gen(engine(tiny_model, ode_tail_steps=2, **kw), prompt_set.batch([0, 1]))
+    full = gen(engine(tiny_model, **kw), prompt_set.batch([0, 1]))
     assert coarse.sde_mask.tolist() == [False, True, False, False]
     assert coarse.latents.shape[1] == len(coarse.sigmas) == 5 and coarse.log_probs.shape[1] == 4
     # the same path up to where the window lands (same seeds), then 2 Euler steps instead of 4
@@ -297,7 +317,7 @@ def test_coarse_ode_tail(tiny_model, tok, prompt_set) -> None:
         x = x + v * (sig[i + 1] - sig[i])
     torch.testing.assert_close(coarse.x0, x, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(coarse.x0, full.x0)
-    ode = gen(engine(tiny_model, tok, ode_tail_steps=2, **kw), prompt_set.batch([0]), sampler="ode")
+    ode = gen(engine(tiny_model, ode_tail_steps=2, **kw), prompt_set.batch([0]), sampler="ode")
     assert len(ode.sigmas) == 7  # no SDE step (the held-out eval): the full grid
     with pytest.raises(FieldError, match="ode_tail_steps"):
         RolloutConfig(sampler="sde", ode_tail_steps=3).validate()  # no window to follow
