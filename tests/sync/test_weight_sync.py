@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffrl.controller.build import _expanded_targets
+from diffrl.controller.engines import expanded_targets
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.sync.weights import (
@@ -23,11 +23,11 @@ from diffrl.sync.weights import (
 
 
 @pytest.fixture
-def pair(tiny_model, tok, actor_factory, train_batch_factory, lora_names):
+def pair(tiny_model, actor_factory, train_batch_factory, lora_names):
     """(base copy, rollout engine, actor trained one step, probe inputs)."""
     base = copy.deepcopy(tiny_model)
     rollout = RolloutEngine(
-        tiny_model, RolloutConfig(), lora_names(tiny_model), tok.null_id, torch.device("cpu")
+        tiny_model, RolloutConfig(), lora_names(tiny_model), torch.device("cpu")
     )
     actor = actor_factory(tiny_model, lr=2e-2)
     batch = train_batch_factory(4, seed=1)
@@ -57,7 +57,7 @@ def test_lora_delta_golden() -> None:
 
 
 def test_expanded_targets_match_the_tiny_dit(tiny_model, lora_names) -> None:
-    expanded = _expanded_targets(tiny_model, list(TINY_DIT_LORA_TARGETS))
+    expanded = expanded_targets(tiny_model, list(TINY_DIT_LORA_TARGETS))
     assert sorted(expanded) == lora_names(tiny_model)
     assert len(lora_names(tiny_model)) == 8
 
