@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from diffrl.controller.build import probe_data
 from diffrl.errors import ContractError
 from diffrl.models.convention import VelocityModel, get_convention, probe_convention
 from diffrl.models.registry import ModelConfig, load_model
+from diffrl.tasks import TaskConfig, build_task
 
 
 class SigmaOracle(nn.Module):
@@ -69,7 +69,7 @@ def test_probe_accepts_the_right_declaration() -> None:
     x0, ids = batch()
     report = probe_convention(VelocityModel(SigmaOracle(x0), "sigma"), x0, ids)
     assert report.cosine == pytest.approx(1.0, abs=1e-5)
-    assert report.conclusive and not report.flipped_time_better
+    assert report.conclusive and not report.flipped_time_better and report.reason == ""
     report = probe_convention(VelocityModel(DataProgressOracle(x0), "data_progress"), x0, ids)
     assert report.cosine == pytest.approx(1.0, abs=1e-5)
 
@@ -96,11 +96,14 @@ def test_probe_is_inconclusive_for_an_untrained_model() -> None:
     x0, ids = batch()
     report = probe_convention(VelocityModel(Zero(), "data_progress"), x0, ids)
     assert not report.conclusive  # no raise, whatever was declared
+    assert "untrained" in report.reason  # and it says why it could not decide
 
 
-def test_shipped_base_model_passes_its_probe(tok) -> None:
-    x0, ids = probe_data(tok, n=8)
+def test_shipped_base_model_passes_its_probe() -> None:
+    data = build_task(TaskConfig(task="shapes")).probe_data(n=8)
     model = load_model(ModelConfig(checkpoint="builtin:shapes_dit"))
+    x0 = model.family.encode_pixels(data.pixels)  # pixel space: the rendered images themselves
+    ids = model.family.tokenize(data.texts).input_ids
     report = probe_convention(model, x0, ids)
     assert report.conclusive and report.cosine > 0.5
     wrong = load_model(ModelConfig(checkpoint="builtin:shapes_dit", convention="data_progress"))

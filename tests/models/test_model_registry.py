@@ -7,14 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from diffrl.errors import ConfigError
-from diffrl.models.registry import (
-    ModelConfig,
-    load_model,
-    lora_targets,
-    read_metadata,
-    resolve_checkpoint,
-    save_model,
-)
+from diffrl.models.families.tiny_dit import read_metadata, resolve_checkpoint, save_model
+from diffrl.models.registry import ModelConfig, load_model, lora_targets
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS
 
 
@@ -73,7 +67,7 @@ def test_wrong_keys_are_reported(tiny_model, tmp_path) -> None:
 
 def test_builtin_resolves_and_lora_targets() -> None:
     assert resolve_checkpoint("builtin:shapes_dit").is_file()
-    assert lora_targets("tiny_dit") == TINY_DIT_LORA_TARGETS
+    assert lora_targets(ModelConfig(family="tiny_dit")) == TINY_DIT_LORA_TARGETS
     assert "all-linear" not in TINY_DIT_LORA_TARGETS
 
 
