@@ -1,59 +1,170 @@
-"""A real `diffrl serve-reward` process for tests (shared by reward and controller tests)."""
+"""A real reward server process for tests (shared by reward and controller tests).
+
+``serve_reward_process`` runs the `diffrl serve-reward` command itself. ``serve_reward_with``
+runs ``serve()``, the function that command calls, through this file's ``__main__`` so that a
+test can set the connection limits (which the command does not expose) and use the test
+scorers below. Each server's output goes to a file, never to a pipe nobody reads: a server
+that logs a lot would otherwise block on a full pipe.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 
-# --- a real `diffrl serve-reward` process ---------------------------------------------------
+
+@dataclass(frozen=True)
+class RunningServer:
+    url: str
+    pid: int
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def peak_rss_mib(self) -> float:
+        """The process's peak resident memory so far (Linux VmHWM)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmHWM in /proc/<pid>/status")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _running(cmd: list[str], token: str, port: int) -> Iterator[RunningServer]:
+    """Start ``cmd``; yield once /health answers; stop it afterwards."""
+    env = {**os.environ, "DIFFRL_REWARD_TOKEN": token}
+    with tempfile.TemporaryDirectory(prefix="reward-server-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("wb") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        server = RunningServer(f"http://127.0.0.1:{port}", proc.pid, log_path)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, server.log()
+                try:
+                    httpx.get(f"{server.url}/health", headers=headers, timeout=1)
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, "the reward server did not start in 60 s"
+                    time.sleep(0.1)
+            yield server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @contextlib.contextmanager
 def serve_reward_process(token: str, *args: str) -> Iterator[str]:
     """Run `diffrl serve-reward --scorer shapes ARGS` on a free loopback port; yield its URL
     once /health answers; stop it afterwards."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "DIFFRL_REWARD_TOKEN": token}
-    cmd = [
-        sys.executable,
-        "-m",
-        "diffrl.cli",
-        "serve-reward",
-        "--scorer",
-        "shapes",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *args,
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    port = _free_port()
+    cmd = [sys.executable, "-m", "diffrl.cli", "serve-reward", "--scorer", "shapes"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), *args]
+    with _running(cmd, token, port) as server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def serve_reward_with(
+    token: str,
+    scorer: str = "shapes",
+    params: dict[str, Any] | None = None,
+    limits: dict[str, Any] | None = None,
+) -> Iterator[RunningServer]:
+    """Run ``serve(scorer, params=params, limits=ConnectionLimits(**limits))`` in a process on
+    a free loopback port (an empty token: no auth); yield it once /health answers."""
+    port = _free_port()
+    spec = {"scorer": scorer, "port": port, "params": params or {}, "limits": limits or {}}
+    with _running([sys.executable, __file__, json.dumps(spec)], token, port) as server:
+        yield server
+
+
+# --- test scorers, registered only in the server process --------------------------------------
+
+
+class SleepyScorer:
+    """Scores 1.0 after ``delay_s`` (awaiting, or in a thread with ``thread=True``, like a
+    model scorer), writing "start <time>" / "done <time>" lines to ``journal``."""
+
+    name = "sleepy"
+    needs = frozenset({"image"})
+
+    def __init__(self, delay_s: float = 1.0, journal: str = "", thread: bool = False) -> None:
+        self.delay_s, self.journal, self.thread = delay_s, journal, thread
+
+    def _note(self, event: str) -> None:
+        if self.journal:
+            with open(self.journal, "a") as f:
+                f.write(f"{event} {time.time()}\n")
+
+    async def score(self, traj):
+        import torch
+
+        from diffrl.reward.scorer import ScoreResult
+
+        self._note("start")
+        if self.thread:
+            await asyncio.to_thread(time.sleep, self.delay_s)
+        else:
+            await asyncio.sleep(self.delay_s)
+        self._note("done")
+        n = len(traj)
+        return ScoreResult(torch.ones(n), torch.ones(n, dtype=torch.bool))
+
+
+def journal_events(path: Path) -> list[tuple[str, float]]:
+    if not path.exists():
+        return []
+    return [(e, float(t)) for e, t in (line.split() for line in path.read_text().splitlines())]
+
+
+def _main(spec: dict[str, Any]) -> int:
+    import logging
+
+    from diffrl.errors import DiffrlError
+    from diffrl.reward.http.server import ConnectionLimits, serve
+    from diffrl.reward.scorer import register_scorer
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    register_scorer("sleepy")(SleepyScorer)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {token}"}, timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "serve-reward did not start in 60 s"
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.stdout.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        serve(
+            spec["scorer"],
+            port=spec["port"],
+            params=spec["params"],
+            limits=ConnectionLimits(**spec["limits"]),
+        )
+    except DiffrlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(json.loads(sys.argv[1])))

@@ -8,7 +8,11 @@ Failure policy, and why:
   no retry can fix: it raises at once with the status and the server's message;
 - a malformed 2xx reply (not JSON, no 'scores', wrong count, non-numbers) means client and
   server disagree about the API; it is not retried either, and the error names the problem;
-- a null or NaN score marks that sample missing (``valid=False``, score NaN), never 0.
+- a null or NaN score, or one that overflows float32 (1e300 -> inf), marks that sample
+  missing (``valid=False``, score NaN), never 0 and never a valid inf;
+- a reply is read as a stream and dropped past ``max_reply_bytes`` (a /score reply is ~30
+  bytes a sample), so a broken or hostile server cannot make the trainer buffer gigabytes;
+- credentials in the URL (``http://user:pass@host``) never appear in a message or a log line.
 The pool turns a raise into RewardFailure (required scorer) or missing samples (optional).
 
 httpx is imported lazily so registering this scorer (which happens whenever any scorer is
@@ -19,15 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import ipaddress
 import json
 import logging
 import math
 import os
 import random
+import socket
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
 
@@ -43,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 JITTER = 0.1  # each wait is stretched by up to 10%
+DEFAULT_MAX_REPLY_BYTES = 16 << 20  # a /score reply of 256 samples is ~10 kB
+ERROR_BODY_BYTES = 64 << 10  # an error reply is read this far, for its message
 
 
 class RewardHttpError(DiffrlError):
@@ -93,21 +102,81 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _server_message(resp: httpx.Response) -> str:
+@dataclass(frozen=True)
+class Reply:
+    """One HTTP reply, its body read up to a cap."""
+
+    status: int
+    reason: str
+    headers: httpx.Headers
+    body: bytes
+    cut: bool  # the body went on past the cap (and was not read further)
+
+
+async def read_capped(resp: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """(at most ``limit`` bytes of a streamed body, whether it went on past that). Stops at
+    a declared Content-Length over the limit without reading, else as soon as the limit is
+    passed, so a huge or endless reply costs ``limit`` bytes at most."""
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return b"", True
+    chunks, size = [], 0
+    async for chunk in resp.aiter_bytes():  # decoded: a gzip bomb counts in full
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(chunks)[:limit], True
+    return b"".join(chunks), False
+
+
+def _server_message(body: bytes) -> str:
     """The server's error text: FastAPI's {"detail": ...} when present, else the raw body."""
     try:
-        data = resp.json()
+        data = json.loads(body)
         if isinstance(data, dict) and "detail" in data:
             return str(data["detail"])
     except ValueError:
         pass
-    text = resp.text.strip()
+    text = body.decode(errors="replace").strip()
     return text[:300] + ("..." if len(text) > 300 else "") if text else "(empty body)"
 
 
-def _is_loopback_url(url: str) -> bool:
-    host = (urlsplit(url).hostname or "").lower()
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+def redact_url(url: str) -> str:
+    """``url`` with any user:password replaced by ``***``, fit for messages and logs."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` with ``url``'s credentials removed, raw or percent-decoded, wherever they
+    appear (an exception from the HTTP stack may quote the URL)."""
+    userinfo = urlsplit(url).netloc.rpartition("@")[0]
+    if not userinfo:
+        return text
+    password = userinfo.partition(":")[2]
+    secrets = {userinfo, unquote(userinfo), password, unquote(password)} - {""}
+    for secret in sorted(secrets, key=len, reverse=True):  # the whole before its parts
+        text = text.replace(secret, "***")
+    return text
+
+
+def resolves_to_loopback(host: str) -> bool:
+    """True when every address ``host`` resolves to is a loopback one. Decided from the
+    addresses, not the name: "127.0.0.1.example.com" is a public DNS name, and "localhost"
+    is loopback only because it resolves so. A name that does not resolve is not loopback."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {info[4][0].partition("%")[0] for info in infos}  # drop an IPv6 zone id
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
 @register_scorer("http")
@@ -117,6 +186,8 @@ class HttpScorer:
     ``retries`` counts extra attempts after the first, so a request is tried at most
     ``retries + 1`` times. ``batch_size`` > 0 splits a trajectory into several requests (sent
     one after another) to stay under the server's max batch or body size; 0 sends one.
+    ``url`` is kept with its credentials redacted (what messages show); requests use the
+    URL as given.
     """
 
     def __init__(
@@ -130,9 +201,11 @@ class HttpScorer:
         token_env: str = TOKEN_ENV,
         batch_size: int = 0,
         audio_sample_rate: int = 16000,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ) -> None:
         if not isinstance(url, str) or urlsplit(url).scheme not in ("http", "https"):
-            raise ValueError(f"url={url!r}: must be an http:// or https:// URL")
+            shown = redact_url(url) if isinstance(url, str) else url
+            raise ValueError(f"url={shown!r}: must be an http:// or https:// URL")
         needs = frozenset([needs] if isinstance(needs, str) else needs)
         unknown = sorted(needs - set(MEDIA_FIELDS))
         if unknown:
@@ -143,9 +216,12 @@ class HttpScorer:
             raise ValueError("timeout_s must be > 0 and retries, backoff_s, max_backoff_s >= 0")
         if batch_size < 0:
             raise ValueError(f"batch_size={batch_size}: must be >= 0 (0 = one request)")
+        if max_reply_bytes < 1024:
+            raise ValueError(f"max_reply_bytes={max_reply_bytes}: must be >= 1024")
         self.name = "http"
         self.needs = needs
-        self.url = url.rstrip("/")
+        self._url = url.rstrip("/")  # with credentials, if any: only requests see it
+        self.url = redact_url(self._url)
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
@@ -154,10 +230,12 @@ class HttpScorer:
         self.token = os.environ.get(token_env) or None
         self.batch_size = int(batch_size)
         self.audio_sample_rate = int(audio_sample_rate)
+        self.max_reply_bytes = int(max_reply_bytes)
         self.attempts = 0  # HTTP attempts made over this scorer's life (retries included)
         self._http: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        if self.token and urlsplit(url).scheme == "http" and not _is_loopback_url(url):
+        parts = urlsplit(url)
+        if self.token and parts.scheme == "http" and not resolves_to_loopback(parts.hostname or ""):
             log.warning("the reward token is sent in clear text to %s; prefer https", self.url)
 
     # -- connection ---------------------------------------------------------------------------
@@ -249,6 +327,14 @@ class HttpScorer:
             headers["authorization"] = f"Bearer {self.token}"
         return headers
 
+    async def _exchange(self, client: httpx.AsyncClient, body: bytes) -> Reply:
+        """One POST /score, its reply body read up to the cap (less for an error)."""
+        post = client.stream("POST", f"{self._url}/score", content=body, headers=self._headers())
+        async with post as resp:
+            ok = 200 <= resp.status_code < 300
+            data, cut = await read_capped(resp, self.max_reply_bytes if ok else ERROR_BODY_BYTES)
+            return Reply(resp.status_code, resp.reason_phrase, resp.headers, data, cut)
+
     async def _post(self, body: bytes) -> tuple[Any, int]:
         """POST /score with retries; returns (decoded JSON reply, attempts used)."""
         client = self._client()  # first: it raises a clear error if httpx is missing
@@ -261,23 +347,22 @@ class HttpScorer:
             self.attempts += 1
             retry_after = None
             try:
-                # wait_for bounds the whole exchange; httpx's timeout bounds each read/write
-                resp = await asyncio.wait_for(
-                    client.post(target, content=body, headers=self._headers()), self.timeout_s
-                )
+                # wait_for bounds the whole exchange (a trickling reply included); httpx's
+                # timeout bounds each read and write
+                reply = await asyncio.wait_for(self._exchange(client, body), self.timeout_s)
             except (asyncio.TimeoutError, httpx.TimeoutException):
                 last = f"timed out after {self.timeout_s:g}s"
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {str(e) or 'connection failed'}"
+                last = scrub(f"{type(e).__name__}: {str(e) or 'connection failed'}", self._url)
             else:
-                code = resp.status_code
+                code = reply.status
                 if 200 <= code < 300:
-                    return self._json(resp), attempt
+                    return self._json(reply), attempt
                 if code == 429 or code >= 500:
-                    last = f"HTTP {code}: {_server_message(resp)}"
-                    retry_after = parse_retry_after(resp.headers.get("retry-after"))
+                    last = f"HTTP {code}: {_server_message(reply.body)}"
+                    retry_after = parse_retry_after(reply.headers.get("retry-after"))
                 else:
-                    raise RewardRequestRejected(self._rejection(resp), code)
+                    raise RewardRequestRejected(self._rejection(reply), code)
             if attempt < tries:
                 delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s, retry_after)
                 log.warning(
@@ -293,11 +378,11 @@ class HttpScorer:
             f"reward server {target} failed after {tries} attempt(s); last error: {last}"
         )
 
-    def _rejection(self, resp: httpx.Response) -> str:
-        code = resp.status_code
+    def _rejection(self, reply: Reply) -> str:
+        code = reply.status
         msg = (
             f"reward server {self.url} rejected the request with HTTP {code} "
-            f"{resp.reason_phrase}: {_server_message(resp)}"
+            f"{reply.reason}: {scrub(_server_message(reply.body), self._url)}"
         )
         if code == 401:
             if self.token:
@@ -310,14 +395,19 @@ class HttpScorer:
             msg += " (is the url that of a diffrl reward server?)"
         return msg
 
-    def _json(self, resp: httpx.Response) -> Any:
-        try:
-            return json.loads(resp.content)
-        except ValueError as e:
-            start = resp.text[:80]
+    def _json(self, reply: Reply) -> Any:
+        if reply.cut:
             raise RewardReplyMalformed(
-                f"reward server {self.url} replied HTTP {resp.status_code} with a body that is "
-                f"not JSON ({e}); it starts {start!r}"
+                f"reward server {self.url} sent a reply over the client's limit of "
+                f"{self.max_reply_bytes} bytes (max_reply_bytes); it was not read further"
+            )
+        try:
+            return json.loads(reply.body)
+        except (ValueError, RecursionError) as e:
+            start = reply.body[:80].decode(errors="replace")
+            raise RewardReplyMalformed(
+                f"reward server {self.url} replied HTTP {reply.status} with a body that is "
+                f"not JSON ({type(e).__name__}); it starts {start!r}"
             ) from None
 
     def _parse(self, data: Any, n: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -333,22 +423,28 @@ class HttpScorer:
             raise bad(f"'scores' is a {type(raw).__name__}, not a list")
         if len(raw) != n:
             raise bad(f"it returned {len(raw)} scores for {n} samples")
-        scores, valid = [], []
+        scores: list[float] = []
         for i, s in enumerate(raw):
             if s is None:
                 scores.append(math.nan)
             elif isinstance(s, (int, float)) and not isinstance(s, bool):
-                scores.append(float(s))
+                try:
+                    scores.append(float(s))
+                except OverflowError:  # an integer past float64: 1e400 written out
+                    scores.append(math.nan)
             else:
                 raise bad(f"scores[{i}] is {s!r}, not a number or null")
-            valid.append(math.isfinite(scores[-1]))
         flags = data.get("valid")
         if flags is not None:
             if not isinstance(flags, list) or len(flags) != n:
                 raise bad(f"'valid' must be a list of {n} booleans")
             if not all(isinstance(f, bool) for f in flags):
                 raise bad("'valid' holds something other than booleans")
-            valid = [a and b for a, b in zip(valid, flags, strict=True)]
+        # float32 is what rewards are kept in: 1e300 or 3.5e38 would become a "valid" inf
+        out = torch.tensor(scores, dtype=torch.float64).to(torch.float32)
+        valid = torch.isfinite(out)
+        if flags is not None:
+            valid &= torch.tensor(flags, dtype=torch.bool)
         metrics_raw = data.get("metrics") or {}
         if not isinstance(metrics_raw, dict):
             raise bad("'metrics' is not an object")
@@ -357,4 +453,4 @@ class HttpScorer:
             for k, v in metrics_raw.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         }
-        return torch.tensor(scores, dtype=torch.float32), torch.tensor(valid), metrics
+        return torch.where(valid, out, torch.full_like(out, math.nan)), valid, metrics

@@ -22,7 +22,10 @@ MEDIA_FIELDS = {"image": "images", "video": "videos", "audio": "audio"}
 
 # Per-image cap checked from the PNG header before decoding: a tiny, highly compressed PNG can
 # claim billions of pixels, and the body-size limit alone does not stop that (a "PNG bomb").
-MAX_IMAGE_PIXELS = 1 << 26  # 64 Mpx, ~8192 x 8192; below Pillow's own bomb threshold
+# Decoding one image briefly takes ~10 bytes a pixel (Pillow's buffer, the RGB copy, the
+# batch), so this also bounds the transient memory of one decode to ~170 MB; the server's
+# per-request budget bounds the batch.
+MAX_IMAGE_PIXELS = 1 << 24  # 16.8 Mpx, 4096 x 4096
 PCM_MAX = 32767.0
 
 

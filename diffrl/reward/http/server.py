@@ -4,16 +4,23 @@ Why a server at all: a reward model may need its own GPU, its own Python environ
 own release cycle, and it can be shared by several training runs. The server wraps the same
 ``Scorer`` protocol the in-process pool uses, so a scorer is written once and can run either
 way; ``HttpScorer`` (client.py) is its counterpart on the training side. The JSON API is
-described in docs/reward_http.md.
+described in docs/reward_http.md, what each defence is for in docs/reliability.md.
 
-Requests are checked in the order that is cheapest for the server and clearest for the client:
-auth (401), body size (413), JSON shape and batch size (400/413/422), media decoding (413/422),
-then scoring (500 if the scorer raises).
+A request is checked in the order that is cheapest for the server and clearest for the client:
+1. the connection (``GuardedH11Protocol``): a request head within ``header_timeout_s``, a body
+   within ``body_timeout_s``, at most ``max_connections`` sockets (408 / closed / 503);
+2. the caller: the bearer token (401), or without one, a loopback Host, a loopback or absent
+   Origin and a JSON content type (400 / 403 / 415), so a web page cannot drive the server;
+3. body size (413), JSON shape, batch size and metadata ranges (400 / 413 / 422);
+4. inside the batch gate (one batch at a time): media headers against the pixel budget, then
+   decoding (413 / 422), then scoring (422 if the scorer refuses its input with ValueError,
+   500 if it fails otherwise). Work whose client has gone is skipped or cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -23,14 +30,21 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
+import h11
 import numpy as np
 import torch
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from diffrl.errors import DiffrlError
 from diffrl.reward.http import codec
@@ -39,22 +53,340 @@ from diffrl.reward.scorer import Scorer, ScoreResult, build_scorer
 from diffrl.types import PromptBatch, Trajectory
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MAX_BATCH = 256
 DEFAULT_MAX_BODY_MB = 64.0
-# Decoded media can be far larger than the (compressed) body: black-background PNGs shrink
-# ~30x. This caps the tensors one request may materialise on the server.
-DEFAULT_MAX_DECODED_BYTES = 4 << 30
+# Decoded media can be far larger than the (compressed) body: a black 8192^2 PNG is ~200 kB
+# but 192 MiB of RGB. This caps what one request may decode (256 MiB = 89 Mpx of RGB, e.g. 85
+# images of 1024^2); it is checked from the PNG headers before any pixel is decoded.
+DEFAULT_MAX_DECODED_BYTES = 256 << 20
 METADATA_INT_LISTS = ("prompt_ids", "group", "seeds")
+INT64 = (-(1 << 63), (1 << 63) - 1)
+CLIENT_GONE = 499  # nginx's "client closed request": never delivered, only logged
+
+
+# --- connections: deadlines and a cap ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class ScoreRequest:
-    """A /score body after its JSON shape was checked (media still encoded)."""
+class ConnectionLimits:
+    """What an unauthenticated socket may cost the server: auth is checked only once a request
+    head has arrived, so these bound everything before it."""
 
-    prompts: list[str]
-    media: dict[str, list[Any]]  # extra-field name -> encoded entries, one per prompt
-    metadata: dict[str, Any]
+    header_timeout_s: float = 10.0  # a complete request head within this of the socket going idle
+    body_timeout_s: float = 60.0  # the whole body within this of its head (64 MB at >1 MB/s)
+    keep_alive_s: float = 5.0  # an idle keep-alive socket is closed after this (uvicorn's)
+    max_connections: int = 64  # open sockets; a new one past this closes the oldest idle one
+    max_head_bytes: int = 16 << 10  # request line + headers (h11; 400 beyond)
+
+    def __post_init__(self) -> None:
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
+            raise ValueError(f"{self}: timeouts must be > 0")
+        if self.max_connections < 1 or self.max_head_bytes < 1024:
+            raise ValueError(f"{self}: max_connections >= 1 and max_head_bytes >= 1024")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with read deadlines and a connection cap.
+
+    uvicorn itself times out only idle keep-alive sockets: a socket that sends nothing, half a
+    request head, or one body byte a minute stays open forever, all before auth. Each socket is
+    in one phase, decided from h11's view of the client after every event:
+      head -- waiting for a complete request head: closed ``header_timeout_s`` after entering
+              (a 408 if part of a head arrived, else silently);
+      body -- head received, body incomplete: closed ``body_timeout_s`` after the head (408
+              unless a response was already sent, e.g. a 401 before the body);
+      app  -- the request is complete and with the app: no deadline here (scoring takes as long
+              as it takes; a client that leaves cancels it, see ``BatchGate``).
+    A socket opened past ``max_connections`` closes the oldest one in the head phase, so idle
+    sockets cannot lock out a client; if every socket has a request in progress it gets 503.
+    uvicorn's own ``limit_concurrency`` is not used: it counts idle sockets too, so they would
+    turn every real request into a 503, which is the lock-out this class exists to prevent.
+    """
+
+    limits = ConnectionLimits()  # replaced per server by ``guarded_protocol``
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase: str | None = None  # "head", "body", or None (with the app / closing)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase_since = 0.0  # loop time the phase began; the oldest idle socket goes first
+        self._head_started = False  # some bytes of the current head arrived
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[arg-type]
+        if self._admit():
+            self._track()
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase == "head":
+            self._head_started = True
+        super().data_received(data)
+        self._track()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._track()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_phase(None)
+        super().connection_lost(exc)
+
+    def _track(self) -> None:
+        if self.transport.is_closing():
+            self._set_phase(None)
+        elif self.conn.their_state is h11.IDLE:
+            self._set_phase("head")
+        elif self.conn.their_state is h11.SEND_BODY:
+            self._set_phase("body")
+        else:
+            self._set_phase(None)
+
+    def _set_phase(self, phase: str | None) -> None:
+        if phase == self._phase:
+            return  # a phase keeps the deadline it started with
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase, self._phase_since = phase, self.loop.time()
+        if phase == "head":
+            self._head_started = False
+            self._deadline = self.loop.call_later(self.limits.header_timeout_s, self._expire)
+        elif phase == "body":
+            self._deadline = self.loop.call_later(self.limits.body_timeout_s, self._expire)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        phase = self._phase
+        if phase == "head":
+            what, partial = "no complete request head", self._head_started
+        else:
+            what = "no complete request body"
+            partial = self.cycle is not None and not self.cycle.response_started
+        log.info("closing %s: %s within the deadline", _peer(self.client), what)
+        # Raw bytes, not h11: h11 cannot answer a request it has not seen, and the app's task
+        # (body phase) sees the closed connection as a disconnect and sends nothing more.
+        self._close(b"408 Request Timeout", f"{what} within the deadline\n" if partial else None)
+
+    def _admit(self) -> bool:
+        """Make room for this socket under ``max_connections``; False if it was refused."""
+        live = [c for c in self.connections if not _closing(c)]
+        if len(live) <= self.limits.max_connections:
+            return True
+        idle = [c for c in live if isinstance(c, GuardedH11Protocol) and c._phase == "head"]
+        if idle:
+            oldest = min(idle, key=lambda c: c._phase_since)
+            log.warning("%d connections open: closing the oldest idle one", len(live))
+            oldest._close(b"408 Request Timeout", None)
+            return True
+        log.warning("%d connections open, each with a request: refusing one", len(live))
+        self._close(b"503 Service Unavailable", "too many connections; retry shortly\n")
+        return False
+
+    def _close(self, status: bytes, body: str | None) -> None:
+        if body is not None and not self.transport.is_closing():
+            data = body.encode()
+            self.transport.write(
+                b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data)
+            )
+        self._set_phase(None)
+        self.transport.close()
+
+
+def _closing(protocol: object) -> bool:
+    transport = getattr(protocol, "transport", None)
+    return transport is None or transport.is_closing()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
+    """The protocol class uvicorn instantiates per socket, carrying this server's limits."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+
+
+def uvicorn_config(app: Any, limits: ConnectionLimits, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn settings for the reward server. The protocol is always h11 (uvicorn's "auto"
+    would pick httptools when installed, which the deadlines above do not cover)."""
+    return uvicorn.Config(
+        app,
+        http=guarded_protocol(limits),
+        ws="none",
+        timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  (a float works)
+        h11_max_incomplete_event_size=limits.max_head_bytes,
+        server_header=False,
+        **kwargs,
+    )
+
+
+# --- logging: repeated lines are counted, not written -----------------------------------------
+
+
+class QuietRepeats(logging.Filter):
+    """Lets through at most ``burst`` records of one kind per ``period_s``; the first record after
+    a quiet spell says how many were dropped. A kind is (logger, message template), so a flood
+    of one warning cannot fill the disk (an idle-socket flood once wrote 56 MB in 10 s) while
+    other messages still get through. Access lines are also keyed by status, so a flood of
+    401s does not hide the 200s."""
+
+    def __init__(self, burst: int = 10, period_s: float = 10.0) -> None:
+        super().__init__()
+        self.burst, self.period_s = burst, period_s
+        # kind -> [window start, records in it, records dropped]
+        self._seen: dict[tuple[Any, ...], list[float]] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind: tuple[Any, ...] = (record.name, str(record.msg))
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and record.args:
+            kind += (record.args[-1],)
+        now = time.monotonic()
+        with self._lock:
+            window = self._seen.get(kind)
+            if window is None or now - window[0] > self.period_s:
+                dropped = int(window[2]) if window else 0
+                self._seen[kind] = [now, 1, 0]
+                if len(self._seen) > 1000:  # bound the table itself
+                    self._seen = {kind: self._seen[kind]}
+                if dropped:
+                    record.msg = f"{record.msg} ({dropped} more like this were not logged)"
+                return True
+            window[1] += 1
+            if window[1] <= self.burst:
+                return True
+            window[2] += 1
+            return False
+
+
+QUIET_LOGGERS = ("uvicorn.error", "uvicorn.access", "asyncio", __name__)
+
+
+def quiet_repetitive_logs(burst: int = 10, period_s: float = 10.0) -> None:
+    """Install one ``QuietRepeats`` on each logger a hostile client can make talk."""
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, QuietRepeats) for f in logger.filters):
+            logger.addFilter(QuietRepeats(burst, period_s))
+
+
+# --- the batch gate ---------------------------------------------------------------------------
+
+
+class _BatchThreads:
+    """Executor jobs one batch started (asyncio.to_thread), counted on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.running = loop, 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def started(self, future: Future) -> None:
+        self.running += 1
+        self.idle.clear()
+        future.add_done_callback(self._finished)  # runs in the worker, or here if already done
+
+    def _finished(self, _: Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+            self.loop.call_soon_threadsafe(self._one_done)
+
+    def _one_done(self) -> None:
+        self.running -= 1
+        if self.running == 0:
+            self.idle.set()
+
+
+_batch_threads: ContextVar[_BatchThreads | None] = ContextVar("batch_threads", default=None)
+
+
+class TrackingExecutor(ThreadPoolExecutor):
+    """The event loop's default executor, telling each batch which threads are its own."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future = super().submit(fn, *args, **kwargs)
+        threads = _batch_threads.get()
+        if threads is not None and _running_loop() is threads.loop:
+            threads.started(future)
+        return future
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class BatchGate:
+    """At most ``size`` batches are decoded and scored at a time (1 by default: a GPU reward
+    model should see one batch rather than run out of memory on several, and decoding inside
+    the gate keeps queued requests from all holding their decoded pixels at once).
+
+    Consumes: one job (decode + score) per /score request. Waits for: a free slot, racing the
+    client's disconnect. Unblocks: a slot frees when its job and every executor thread the job
+    started have returned.
+    Invariants: a job whose client left while it queued never starts; a job whose client leaves
+    while it runs is cancelled, which stops an async scorer at its next await; a thread cannot
+    be interrupted, so a cancelled job's thread keeps the slot until it returns, and cancelling
+    never puts two batches on the GPU.
+    """
+
+    def __init__(self, size: int = 1) -> None:
+        self._slots = asyncio.Semaphore(size)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self, job: Callable[[], Awaitable[T]], gone: asyncio.Future) -> T | None:
+        """``job()``'s result, or None when the client left (``gone`` done) first."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # each loop gets one tracking default executor
+            loop.set_default_executor(TrackingExecutor(thread_name_prefix="reward-batch"))
+            self._loop = loop
+        if not await self._acquire(gone):
+            return None
+        threads = _BatchThreads(loop)
+
+        async def tracked() -> T:
+            _batch_threads.set(threads)  # the task's own context: unseen by other requests
+            return await job()
+
+        task = loop.create_task(tracked())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            task.cancel()  # a no-op once it is done
+            await asyncio.wait({task})
+            await threads.idle.wait()
+            self._slots.release()
+        return None if task.cancelled() else task.result()
+
+    async def _acquire(self, gone: asyncio.Future) -> bool:
+        if gone.done():
+            return False
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        try:
+            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            acquire.cancel()  # Semaphore.acquire gives a slot back if cancelled after the grant
+            await asyncio.wait({acquire})
+        if acquire.cancelled():
+            return False
+        if gone.done():
+            self._slots.release()
+            return False
+        return True
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone. Only after the body was read: uvicorn's receive then
+    blocks until the connection is lost."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- the caller -------------------------------------------------------------------------------
 
 
 def is_loopback(host: str) -> bool:
@@ -85,6 +417,61 @@ def _fail(status: int, message: str) -> HTTPException:
     return HTTPException(status_code=status, detail=message)
 
 
+def split_host(value: str) -> tuple[str, int | None]:
+    """A Host header -> (host, port or None); "[::1]:8000" -> ("::1", 8000)."""
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, sep, port = value.rpartition(":")
+        if not sep:
+            host, port = value, ""
+    if not port:
+        return host, None
+    if not port.isdigit():
+        raise ValueError(f"bad port in {value!r}")
+    return host, int(port)
+
+
+def check_local_caller(request: Request, body: bool) -> None:
+    """Without a token, make sure the caller is a program on this machine, not a web page in
+    its browser: DNS rebinding sends a foreign Host, a cross-site fetch or form a foreign (or
+    "null") Origin, and a browser sends a JSON content type only after a CORS preflight, which
+    this server never grants (so a text/plain "simple request" is refused)."""
+    host_header = request.headers.get("host", "")
+    server = request.scope.get("server")
+    port = server[1] if server else None
+    try:
+        host, given = split_host(host_header)
+    except ValueError:
+        host, given = "", None
+    if not is_loopback(host) or (port is not None and (given or 80) != port):
+        raise _fail(
+            400,
+            f"Host header {host_header!r} is not this server's loopback address "
+            f"(127.0.0.1:{port}); without {TOKEN_ENV} the server answers local programs only",
+        )
+    origin = request.headers.get("origin")
+    if origin is not None and not is_loopback(urlsplit(origin).hostname or ""):
+        raise _fail(403, f"Origin {origin!r} is not a loopback origin")
+    if body:
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise _fail(415, f"Content-Type must be application/json, got {media or 'none'!r}")
+
+
+# --- the request ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A /score body after its JSON shape was checked (media still encoded)."""
+
+    prompts: list[str]
+    media: dict[str, list[Any]]  # extra-field name -> encoded entries, one per prompt
+    metadata: dict[str, Any]
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes ``limit`` bytes, so an
     oversize upload never sits in memory in full (chunked uploads have no Content-Length)."""
@@ -97,11 +484,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise _fail(413, f"request body of {size} bytes is over the limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _fail(413, f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _fail(413, f"request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload (or cut at the body deadline): nobody to answer
+        raise _fail(CLIENT_GONE, "the client left during the upload") from None
     return b"".join(chunks)
 
 
@@ -109,6 +499,8 @@ def parse_request(body: bytes, needs: frozenset[str], max_batch: int) -> ScoreRe
     """Check the JSON shape of a /score body; errors name the offending field."""
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise _fail(400, "request body is JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise _fail(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -141,11 +533,41 @@ def parse_request(body: bytes, needs: frozenset[str], max_batch: int) -> ScoreRe
     metadata = data.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise _fail(422, "'metadata' must be a JSON object")
+    check_metadata(metadata, n)  # before the request queues for the gate
     return ScoreRequest(prompts, media, metadata)
 
 
-def _decode_images(entries: list[Any], what: str, budget: int) -> tuple[np.ndarray, int]:
-    """Base64 PNGs of one size -> (N, H, W, 3) uint8; returns the array and bytes used."""
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_metadata(metadata: dict[str, Any], n: int) -> tuple[dict[str, list[int] | None], int]:
+    """(prompt_ids / group / seeds lists or None, policy_version); 422 for a wrong type or
+    length, 400 for an integer outside int64 (what the tensors hold)."""
+    lists: dict[str, list[int] | None] = {}
+    for key in METADATA_INT_LISTS:
+        value = metadata.get(key)
+        if value is not None and (
+            not isinstance(value, list) or len(value) != n or not all(map(_is_int, value))
+        ):
+            raise _fail(422, f"metadata.{key} must be a list of {n} integers")
+        for i, v in enumerate(value or ()):
+            if not INT64[0] <= v <= INT64[1]:
+                raise _fail(400, f"metadata.{key}[{i}] = {v} is outside the int64 range")
+        lists[key] = value
+    version = metadata.get("policy_version", 0)
+    if not _is_int(version):
+        raise _fail(422, "metadata.policy_version must be an integer")
+    if not INT64[0] <= version <= INT64[1]:
+        raise _fail(400, f"metadata.policy_version = {version} is outside the int64 range")
+    return lists, version
+
+
+# --- media ------------------------------------------------------------------------------------
+
+
+def _png_headers(entries: list[Any], what: str) -> tuple[list[bytes], tuple[int, int]]:
+    """Base64 PNGs of one size -> (raw bytes, (width, height)), from their headers only."""
     sized = [codec.png_size(e, f"{what}[{i}]") for i, e in enumerate(entries)]
     if not sized:
         raise CodecError(f"{what} is empty")
@@ -156,13 +578,15 @@ def _decode_images(entries: list[Any], what: str, budget: int) -> tuple[np.ndarr
                 f"{what}[{i}] is {size[0]}x{size[1]} px but {what}[0] is {w}x{h}; "
                 "all images in a request must have one size"
             )
-    nbytes = len(sized) * h * w * 3
-    if nbytes > budget:
-        raise TooLargeError(f"decoded {what} would take {nbytes} bytes, over the server's limit")
-    out = np.empty((len(sized), h, w, 3), dtype=np.uint8)
-    for i, (raw, _) in enumerate(sized):
+    return [raw for raw, _ in sized], (w, h)
+
+
+def _decode_pngs(raws: list[bytes], size: tuple[int, int], what: str) -> np.ndarray:
+    w, h = size
+    out = np.empty((len(raws), h, w, 3), dtype=np.uint8)  # (N, H, W, 3)
+    for i, raw in enumerate(raws):
         out[i] = codec.decode_png(raw, f"{what}[{i}]")
-    return out, nbytes
+    return out
 
 
 def decode_media(
@@ -171,29 +595,47 @@ def decode_media(
     """Encoded media -> the tensors scorers read: image (B, H, W, 3) uint8, video
     (B, F, H, W, 3) uint8, audio (B, N) or (B, C, N) float32 in [-1, 1].
 
+    Every PNG header is read and the total checked against ``max_decoded_bytes`` before any
+    pixel is decoded, so a request of small PNGs claiming huge sizes costs nothing.
     Audio tensors carry no rate, so a scorer assumes its own (its ``sample_rate`` param);
     ``sample_rate``, when known, is checked against the WAV headers so that audio at another
     rate is refused instead of silently scored at the wrong speed."""
-    budget = max_decoded_bytes
-    fields: dict[str, torch.Tensor] = {}
+    planned = 0
+
+    def take(nbytes: int, what: str) -> None:
+        nonlocal planned
+        planned += nbytes
+        if planned > max_decoded_bytes:
+            raise TooLargeError(
+                f"decoded {what} would take the request to {planned} bytes, over the server's "
+                f"limit of {max_decoded_bytes} bytes ({max_decoded_bytes // 3} RGB pixels)"
+            )
+
+    images = None
     if "image" in req.media:
-        images, used = _decode_images(req.media["image"], "images", budget)
-        budget -= used
-        fields["image"] = torch.from_numpy(images)
-    if "video" in req.media:
-        videos = []
-        for i, frames in enumerate(req.media["video"]):
-            if not isinstance(frames, list) or not frames:
-                raise CodecError(f"videos[{i}] must be a non-empty list of base64 PNG frames")
-            arr, used = _decode_images(frames, f"videos[{i}]", budget)
-            budget -= used
-            if videos and arr.shape != videos[0].shape:
-                raise CodecError(
-                    f"videos[{i}] has frames {arr.shape} but videos[0] has {videos[0].shape}; "
-                    "all videos in a request must have one length and frame size"
-                )
-            videos.append(arr)
-        fields["video"] = torch.from_numpy(np.stack(videos))
+        raws, (w, h) = _png_headers(req.media["image"], "images")
+        take(len(raws) * h * w * 3, "images")
+        images = (raws, (w, h))
+    videos = []
+    for i, frames in enumerate(req.media.get("video", ())):
+        if not isinstance(frames, list) or not frames:
+            raise CodecError(f"videos[{i}] must be a non-empty list of base64 PNG frames")
+        raws, (w, h) = _png_headers(frames, f"videos[{i}]")
+        if videos and (len(raws), (w, h)) != (len(videos[0][0]), videos[0][1]):
+            f0, (w0, h0) = len(videos[0][0]), videos[0][1]
+            raise CodecError(
+                f"videos[{i}] has {len(raws)} frames of {w}x{h} but videos[0] has {f0} of "
+                f"{w0}x{h0}; all videos in a request must have one length and frame size"
+            )
+        take(len(raws) * h * w * 3, f"videos[{i}]")
+        videos.append((raws, (w, h)))
+    # every header read and within budget: now decode
+    fields: dict[str, torch.Tensor] = {}
+    if images is not None:
+        fields["image"] = torch.from_numpy(_decode_pngs(*images, "images"))
+    if videos:
+        frames_out = [_decode_pngs(r, s, f"videos[{i}]") for i, (r, s) in enumerate(videos)]
+        fields["video"] = torch.from_numpy(np.stack(frames_out))
     if "audio" in req.media:
         decoded = [codec.decode_wav(e, f"audio[{i}]") for i, e in enumerate(req.media["audio"])]
         clips = [clip for clip, _ in decoded]
@@ -210,23 +652,9 @@ def decode_media(
                     f"audio[{i}] has shape {clip.shape} but audio[0] has {clips[0].shape}; "
                     "all clips in a request must have one length and channel count"
                 )
-        if sum(c.nbytes for c in clips) > budget:
-            raise TooLargeError("decoded audio would be over the server's limit")
+        take(sum(c.nbytes for c in clips), "audio")  # bounded by the body: 2x its PCM
         fields["audio"] = torch.from_numpy(np.stack(clips))
     return fields
-
-
-def _int_list(metadata: dict[str, Any], key: str, n: int) -> torch.Tensor | None:
-    value = metadata.get(key)
-    if value is None:
-        return None
-    if (
-        not isinstance(value, list)
-        or len(value) != n
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        raise _fail(422, f"metadata.{key} must be a list of {n} integers")
-    return torch.tensor(value, dtype=torch.long)
 
 
 def build_trajectory(
@@ -241,10 +669,8 @@ def build_trajectory(
     """
     n = len(prompts)
     h, w = fields["image"].shape[1:3] if "image" in fields else (1, 1)
-    ints = {k: _int_list(metadata, k, n) for k in METADATA_INT_LISTS}
-    version = metadata.get("policy_version", 0)
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise _fail(422, "metadata.policy_version must be an integer")
+    lists, version = check_metadata(metadata, n)
+    ints = {k: None if v is None else torch.tensor(v, dtype=torch.long) for k, v in lists.items()}
     arange = torch.arange(n, dtype=torch.long)
     batch = PromptBatch(
         texts=tuple(prompts),
@@ -290,6 +716,9 @@ def encode_result(result: ScoreResult, n: int, name: str) -> dict[str, Any]:
     return {"scores": out_scores, "valid": out_valid, "metrics": metrics}
 
 
+# --- the app ----------------------------------------------------------------------------------
+
+
 def create_app(
     scorer: Scorer,
     token: str | None,
@@ -300,20 +729,21 @@ def create_app(
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
 ) -> FastAPI:
     """The reward app for one scorer. ``token=None`` disables auth (loopback only; the CLI
-    enforces that). ``max_concurrent`` batches are scored at a time (default 1: a GPU reward
-    model should see one batch at a time rather than run out of memory on several)."""
-    if max_batch < 1 or max_body_bytes < 1 or max_concurrent < 1:
-        raise ValueError("max_batch, max_body_bytes and max_concurrent must be >= 1")
+    enforces that) and checks instead that callers are local programs. ``max_concurrent``
+    batches are decoded and scored at a time (default 1, see ``BatchGate``)."""
+    if min(max_batch, max_body_bytes, max_concurrent, max_decoded_bytes) < 1:
+        raise ValueError("max_batch, max_body_bytes, max_concurrent, max_decoded_bytes: >= 1")
     # No /docs or /openapi.json: they would be unauthenticated and describe nothing useful.
     app = FastAPI(title="diffrl reward server", docs_url=None, redoc_url=None, openapi_url=None)
     needs = frozenset(scorer.needs)
     expected = token.encode() if token else None
-    gate = asyncio.Semaphore(max_concurrent)
+    gate = BatchGate(max_concurrent)
     rate = getattr(scorer, "sample_rate", None)  # audio scorers declare the rate they expect
     rate = int(rate) if isinstance(rate, (int, float)) and rate > 0 else None
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request, body: bool) -> None:
         if expected is None:
+            check_local_caller(request, body)
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         # compare_digest: the time taken must not reveal how much of the token matched
@@ -324,9 +754,27 @@ def create_app(
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
+    async def decode_and_score(req: ScoreRequest) -> ScoreResult:
+        n = len(req.prompts)
+        try:  # decoding is CPU-bound: keep the event loop free for /health and other uploads
+            fields = await asyncio.to_thread(decode_media, req, max_decoded_bytes, rate)
+        except TooLargeError as e:
+            raise _fail(413, str(e)) from None
+        except CodecError as e:
+            raise _fail(422, str(e)) from None
+        traj = build_trajectory(req.prompts, fields, req.metadata)
+        try:
+            return await scorer.score(traj)
+        except ValueError as e:  # the scorer refuses this input: the same again fails again
+            log.warning("scorer %r refused a batch of %d: %s", scorer.name, n, e)
+            raise _fail(422, f"scorer {scorer.name!r} refused the input: {e}") from None
+        except Exception as e:
+            log.exception("scorer %r failed on a batch of %d", scorer.name, n)
+            raise _fail(500, f"scorer {scorer.name!r} failed: {type(e).__name__}: {e}") from e
+
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
-        authorize(request)
+        authorize(request, body=False)
         return {
             "status": "ok",
             "scorer": scorer.name,
@@ -336,26 +784,21 @@ def create_app(
         }
 
     @app.post("/score")
-    async def score(request: Request) -> JSONResponse:
-        authorize(request)
+    async def score(request: Request) -> Response:
+        authorize(request, body=True)
         body = await read_body(request, max_body_bytes)
         req = parse_request(body, needs, max_batch)
         n = len(req.prompts)
         if n == 0:
             return JSONResponse({"scores": [], "valid": [], "metrics": {}})
-        try:  # decoding is CPU-bound: keep the event loop free for /health and other uploads
-            fields = await asyncio.to_thread(decode_media, req, max_decoded_bytes, rate)
-        except TooLargeError as e:
-            raise _fail(413, str(e)) from None
-        except CodecError as e:
-            raise _fail(422, str(e)) from None
-        traj = build_trajectory(req.prompts, fields, req.metadata)
-        async with gate:
-            try:
-                result = await scorer.score(traj)
-            except Exception as e:
-                log.exception("scorer %r failed on a batch of %d", scorer.name, n)
-                raise _fail(500, f"scorer {scorer.name!r} failed: {type(e).__name__}: {e}") from e
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            result = await gate.run(lambda: decode_and_score(req), gone)
+        finally:
+            gone.cancel()
+        if result is None:
+            log.info("the client of a batch of %d left; its work was skipped or cancelled", n)
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse(encode_result(result, n, scorer.name))
 
     return app
@@ -368,6 +811,9 @@ def serve(
     max_batch: int = DEFAULT_MAX_BATCH,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     params: dict[str, Any] | None = None,
+    *,
+    max_decoded_mb: float = DEFAULT_MAX_DECODED_BYTES / (1 << 20),
+    limits: ConnectionLimits | None = None,
 ) -> None:
     """Build the scorer and serve it until interrupted (what ``diffrl serve-reward`` runs).
     Every check runs before the scorer is built, so a bad flag fails in seconds, not after a
@@ -376,13 +822,20 @@ def serve(
     check_bind(host, token)
     if max_batch < 1:
         raise DiffrlError(f"--max-batch={max_batch}: must be >= 1")
-    if not max_body_mb > 0:
-        raise DiffrlError(f"--max-body-mb={max_body_mb}: must be > 0")
+    if not max_body_mb > 0 or not max_decoded_mb > 0:
+        raise DiffrlError(f"--max-body-mb={max_body_mb}, max_decoded_mb={max_decoded_mb}: > 0")
+    limits = limits or ConnectionLimits()
     try:
         scorer = build_scorer(scorer_name, params)
     except (KeyError, ValueError) as e:
         raise DiffrlError(f"--scorer {scorer_name}: {e}") from None
-    app = create_app(scorer, token, max_batch, int(max_body_mb * (1 << 20)))
+    app = create_app(
+        scorer,
+        token,
+        max_batch,
+        int(max_body_mb * (1 << 20)),
+        max_decoded_bytes=int(max_decoded_mb * (1 << 20)),
+    )
     log.warning(
         "serving scorer %r (needs %s) on http://%s:%d, auth %s",
         scorer.name,
@@ -391,26 +844,42 @@ def serve(
         port,
         "on" if token else "off",
     )
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
+    config = uvicorn_config(
+        app, limits, host=host, port=port, log_level="info", timeout_graceful_shutdown=10
+    )
+    quiet_repetitive_logs()  # after the config: uvicorn sets its loggers up there
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run()
 
 
 class BackgroundServer:
-    """An ASGI app served by uvicorn on a daemon thread of this process.
+    """An ASGI app served by uvicorn on a daemon thread of this process, with the same
+    connection guards as ``serve``.
 
     Why: tests (and notebooks) need a real server -- real sockets, real HTTP, real failures --
     without a subprocess's start-up cost. The socket is bound before the thread starts, so
     ``port=0`` picks a free port with no race and ``url`` is valid as soon as ``start`` returns.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ConnectionLimits | None = None,
+    ) -> None:
         self.app, self.host = app, host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+        config = uvicorn_config(
+            app,
+            limits or ConnectionLimits(),
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(

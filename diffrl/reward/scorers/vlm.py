@@ -9,7 +9,10 @@ and scoring it 0 would teach the policy to avoid whatever confuses the judge.
 
 Transient failures (HTTP 429, 5xx, time-outs, dropped connections) are retried with exponential
 back-off (honouring ``Retry-After``); a concurrency cap keeps a large batch from flooding the
-server. httpx is imported lazily so the package imports without it.
+server. ``timeout`` bounds each whole request, so a server that trickles its reply a byte at a
+time cannot hold a sample past it (httpx's own timeout is per read); a reply is read at most to
+``MAX_REPLY_BYTES``; credentials in ``base_url`` never appear in a message. httpx is imported
+lazily so the package imports without it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import json
 import logging
 import os
 import random
@@ -29,6 +33,7 @@ import torch
 from PIL import Image
 
 from diffrl.errors import check_choice
+from diffrl.reward.http.client import read_capped, redact_url, scrub
 from diffrl.reward.scorer import ScoreResult, register_scorer
 from diffrl.types import Trajectory
 
@@ -41,6 +46,8 @@ TEMPLATES = {
         "between 0 and 1, where 1 is a perfect match."
     ),
 }
+
+MAX_REPLY_BYTES = 1 << 20  # a chat completion of a few tokens is ~1 kB
 
 _WORD = re.compile(r"[a-z]+")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -107,11 +114,12 @@ class VlmJudgeScorer:
 
     Params: ``base_url`` and ``model`` (required), ``answer`` ("yesno" or "score"),
     ``template`` (a ``str.format`` string with ``{prompt}``; the default matches ``answer``),
-    ``system`` (an optional system message), ``max_concurrency``, ``timeout`` (seconds per
-    request), ``max_retries``, ``backoff`` (first retry delay, doubled each time, capped at
-    ``max_backoff``), ``api_key_env`` (environment variable with a bearer token; unset is fine
-    for a local server), ``max_tokens``, ``temperature``, ``extra_body`` (merged into each
-    request, e.g. vLLM's ``{"top_k": 1}``), ``trust_env`` (httpx: honour proxy variables).
+    ``system`` (an optional system message), ``max_concurrency``, ``timeout`` (seconds for one
+    whole request: connect, upload and the full reply), ``max_retries``, ``backoff`` (first
+    retry delay, doubled each time, capped at ``max_backoff``), ``api_key_env`` (environment
+    variable with a bearer token; unset is fine for a local server), ``max_tokens``,
+    ``temperature``, ``extra_body`` (merged into each request, e.g. vLLM's ``{"top_k": 1}``),
+    ``trust_env`` (httpx: honour proxy variables).
     If no sample gets a reply at all the scorer raises, so a dead server is reported as such.
     """
 
@@ -156,7 +164,8 @@ class VlmJudgeScorer:
                 f"{{prompt}}: {e!r}"
             ) from None
         self.name = name
-        self.url = chat_url(base_url)
+        self._url = chat_url(base_url)  # with credentials, if any: only requests see it
+        self.url = redact_url(self._url)
         self.model = model
         self.answer = answer
         self.parse = PARSERS[answer]
@@ -206,6 +215,12 @@ class VlmJudgeScorer:
                 wait = max(wait, float(retry_after))
         return min(wait, self.max_backoff)
 
+    async def post(self, client, body: dict[str, Any]) -> tuple[int, Any, bytes, bool]:
+        """One request: (status, headers, reply body up to MAX_REPLY_BYTES, whether cut)."""
+        async with client.stream("POST", self._url, json=body) as r:
+            data, cut = await read_capped(r, MAX_REPLY_BYTES)
+            return r.status_code, r.headers, data, cut
+
     async def ask(self, client, sem: asyncio.Semaphore, body: dict[str, Any]) -> Outcome:
         import httpx
 
@@ -214,21 +229,28 @@ class VlmJudgeScorer:
             for attempt in range(self.max_retries + 1):
                 retry_after = None
                 try:
-                    r = await client.post(self.url, json=body)
-                except httpx.TransportError as e:  # time-outs, refused or dropped connections
-                    error = f"{type(e).__name__}: {e}"
+                    status, headers, data, cut = await asyncio.wait_for(
+                        self.post(client, body), self.timeout
+                    )
+                except (asyncio.TimeoutError, httpx.TimeoutException):
+                    error = f"timed out after {self.timeout:g}s"
+                except httpx.TransportError as e:  # refused or dropped connections
+                    error = scrub(f"{type(e).__name__}: {e}", self._url)
                 else:
-                    if r.status_code == 429 or r.status_code >= 500:
-                        error = f"HTTP {r.status_code}: {r.text[:200]}"
-                        retry_after = r.headers.get("retry-after")
-                    elif r.status_code >= 400:  # our request is wrong: retrying cannot help
-                        return Outcome(error=f"HTTP {r.status_code}: {r.text[:200]}")
+                    text = data[:200].decode(errors="replace")
+                    if status == 429 or status >= 500:
+                        error = f"HTTP {status}: {text}"
+                        retry_after = headers.get("retry-after")
+                    elif status >= 400:  # our request is wrong: retrying cannot help
+                        return Outcome(error=f"HTTP {status}: {text}")
+                    elif cut:
+                        return Outcome(error=f"reply over {MAX_REPLY_BYTES} bytes, not read")
                     else:
                         try:
-                            text = reply_text(r.json())
-                        except (ValueError, KeyError, IndexError, TypeError) as e:
-                            return Outcome(error=f"malformed response ({e!r}): {r.text[:200]}")
-                        return Outcome(value=self.parse(text), reply=text)
+                            reply = reply_text(json.loads(data))
+                        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
+                            return Outcome(error=f"malformed response ({e!r}): {text}")
+                        return Outcome(value=self.parse(reply), reply=reply)
                 if attempt < self.max_retries:
                     await asyncio.sleep(self.delay(attempt, retry_after))
         return Outcome(error=f"{error} (after {self.max_retries + 1} attempts)")
