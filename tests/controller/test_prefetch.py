@@ -7,7 +7,7 @@ import asyncio
 
 from tiny_runs import tiny_run
 
-from diffrl.algorithms.diffusion_nft import NFTConfig, changes_rollout
+from diffrl.algorithms.diffusion_nft import NFTConfig, weight_plan
 from diffrl.config import load_config
 from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
@@ -32,5 +32,5 @@ def test_prefetch_matches_sequential(tiny_checkpoint, tmp_path):
 
 def test_nft_says_when_its_rollout_weights_change():
     copy2 = NFTConfig(old_update="copy", old_every=2)
-    assert [changes_rollout(s, copy2) for s in (1, 2, 3, 4)] == [False, True, False, True]
-    assert changes_rollout(1, NFTConfig(old_update="ema"))
+    assert [weight_plan(s, copy2).sync for s in (1, 2, 3, 4)] == [False, True, False, True]
+    assert weight_plan(1, NFTConfig(old_update="ema")).sync
