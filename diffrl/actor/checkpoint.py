@@ -62,16 +62,17 @@ class Checkpoint:
 def save_checkpoint(
     root: Path, step: int, adapters: dict, actor_state: dict, controller_state: dict, keep: int = 2
 ) -> Path | None:
-    """Write checkpoint ``step`` under ``root`` and keep the ``keep`` newest; None (and a
-    warning) when the adapters are not finite, which are then not written at all."""
+    """Write checkpoint ``step`` under ``root`` and keep the ``keep`` newest. Nothing is written
+    (a warning, and None) when the adapters are not finite, or when the actor's last update was
+    NaN/inf (``actor_state["nonfinite"]`` > 0): weights that stopped training are suspect, and
+    saving them would rotate the last good checkpoint away."""
     bad = nonfinite_tensors(adapters)
-    if bad:
+    why = f"{len(bad)} adapter tensors are not finite (e.g. {bad[0]})" if bad else ""
+    if not bad and actor_state.get("nonfinite"):
+        why = f"the last {actor_state['nonfinite']} updates were NaN/inf and skipped"
+    if why:
         log.warning(
-            "step %d: %d adapter tensors are not finite (e.g. %s): checkpoint NOT written; "
-            "the previous one stays the newest",
-            step,
-            len(bad),
-            bad[0],
+            "step %d: %s: checkpoint NOT written; the previous one stays the newest", step, why
         )
         return None
     root.mkdir(parents=True, exist_ok=True)

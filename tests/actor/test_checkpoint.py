@@ -259,6 +259,15 @@ def test_nonfinite_adapters_are_never_written(tmp_path, caplog) -> None:
     assert load_latest(tmp_path).step == 2
 
 
+def test_no_checkpoint_right_after_a_nonfinite_update(tmp_path, caplog) -> None:
+    save_checkpoint(tmp_path, 1, *payload(1), keep=1)
+    adapters, state, ctrl = payload(2)  # finite weights, but the last update was skipped
+    with caplog.at_level(logging.WARNING):
+        assert save_checkpoint(tmp_path, 2, adapters, {**state, "nonfinite": 2}, ctrl) is None
+    assert "last 2 updates were NaN/inf" in caplog.text
+    assert names(tmp_path) == ["step_000001"]
+
+
 def test_keep_prunes_oldest(tmp_path) -> None:
     for step in (1, 2, 3, 4):
         save_checkpoint(tmp_path, step, *payload(step), keep=2)

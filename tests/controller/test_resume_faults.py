@@ -25,7 +25,7 @@ import torch
 from tiny_runs import tiny_run
 
 import diffrl.controller.sync as sync
-from diffrl.actor.checkpoint import load_latest, save_checkpoint
+from diffrl.actor.checkpoint import Checkpoint, load_latest
 from diffrl.actor.engine import ActorEngine
 from diffrl.cli import main
 from diffrl.config import load_config
@@ -210,12 +210,12 @@ def test_a_diverged_run_keeps_its_last_good_checkpoint_and_resumes_with_a_new_co
     assert rows[-1]["actor/lr"] == 5e-4
 
 
-def test_resume_starts_the_nonfinite_count_afresh(tmp_path):
-    """The saved count of consecutive non-finite updates belonged to the config that made them;
-    a resumed run (typically with a lower actor.lr) gets its full allowance again."""
-    adapters = {"layer.lora_A.default.weight": torch.zeros(2, 2)}
-    state = {"version": 4, "nonfinite": 2}
-    save_checkpoint(tmp_path / "checkpoints", 4, adapters, state, {"step": 4, "wall_s": 9.0})
+def test_resume_starts_the_nonfinite_count_afresh(tmp_path, monkeypatch):
+    """The count of consecutive non-finite updates belongs to the config that made them; a
+    resumed run (typically with a lower actor.lr) gets its full allowance again. (Checkpoints
+    are not written while the count is above 0, so this guards state written otherwise.)"""
+    saved = Checkpoint(tmp_path, {}, {"version": 4, "nonfinite": 2}, {"step": 4, "wall_s": 9.0})
+    monkeypatch.setattr(sync, "load_latest", lambda root: saved)
     loaded = {}
     parts = SimpleNamespace(
         cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
