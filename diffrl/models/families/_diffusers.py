@@ -39,9 +39,12 @@ def _layout(components: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def check_pipeline_dir(path: str, family: str, components: dict[str, str]) -> Path:
+def check_pipeline_dir(
+    path: str, family: str, components: dict[str, str], optional: tuple[str, ...] = ()
+) -> Path:
     """The pipeline directory ``path`` as a Path, or a ConfigError naming what is missing and
-    the whole layout the family expects (``components``: subfolder -> what it holds)."""
+    the whole layout the family expects (``components``: subfolder -> what it holds; those in
+    ``optional`` are listed but may be absent)."""
     root = Path(path).expanduser()
     expected = (
         f"model family {family!r} expects a diffusers pipeline directory:\n{_layout(components)}"
@@ -49,10 +52,20 @@ def check_pipeline_dir(path: str, family: str, components: dict[str, str]) -> Pa
     if not root.is_dir():
         raise ConfigError(f"model.path {str(root)!r} is not a directory; {expected}")
     missing = [] if (root / "model_index.json").is_file() else ["model_index.json"]
-    missing += [f"{sub}/" for sub in components if not (root / sub).is_dir()]
+    missing += [
+        f"{sub}/" for sub in components if sub not in optional and not (root / sub).is_dir()
+    ]
     if missing:
-        raise ConfigError(f"model.path {str(root)!r} lacks {', '.join(missing)}; {expected}")
+        raise missing_error(root, family, components, missing)
     return root
+
+
+def missing_error(root: Path, family: str, components: dict[str, str], missing) -> ConfigError:
+    """The ConfigError for a pipeline directory that lacks ``missing`` (names, "vae/", ...)."""
+    return ConfigError(
+        f"model.path {str(root)!r} lacks {', '.join(missing)}; model family {family!r} expects "
+        f"a diffusers pipeline directory:\n{_layout(components)}"
+    )
 
 
 def _is_tokenizer(cls) -> bool:

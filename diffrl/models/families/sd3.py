@@ -29,6 +29,7 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    missing_error,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
@@ -179,6 +180,7 @@ PRESETS: dict[str, dict] = {
             caption_projection_dim=128,
             pooled_projection_dim=128,
             pos_embed_max_size=8,
+            qk_norm="rms_norm",  # as SD3.5: bounded attention logits while LoRA trains
         ),  # fmt: skip
         clip_l=_tiny_clip(64),
         clip_g=_tiny_clip(64),
@@ -350,8 +352,7 @@ def _load_dir(path: str, dtype: torch.dtype, device: torch.device) -> dict:
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
-    required = {k: v for k, v in COMPONENTS.items() if k != "vae"}
-    root = check_pipeline_dir(path, "sd3", required)
+    root = check_pipeline_dir(path, "sd3", COMPONENTS, optional=("vae",))
     classes = dict(transformer=SD3Transformer2DModel, text_encoder=CLIPTextModelWithProjection,
                    text_encoder_2=CLIPTextModelWithProjection, text_encoder_3=T5EncoderModel,
                    tokenizer=AutoTokenizer, tokenizer_2=AutoTokenizer,
@@ -360,8 +361,7 @@ def _load_dir(path: str, dtype: torch.dtype, device: torch.device) -> dict:
     has_vae = (root / "vae").is_dir()
     out["vae"] = load_component(root, "vae", AutoencoderKL, dtype, device) if has_vae else None
     if out["vae"] is None and out["transformer"].config.in_channels != 3:
-        raise ConfigError(f"model.path {path!r} lacks vae/; model family 'sd3' expects:\n"
-                          + "\n".join(f"  {k}/  ({v})" for k, v in COMPONENTS.items()))  # fmt: skip
+        raise missing_error(root, "sd3", COMPONENTS, ["vae/"])
     return out
 
 
