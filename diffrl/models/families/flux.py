@@ -64,6 +64,7 @@ COMPONENTS = {
 DEFAULT_GUIDANCE = 3.5
 T5_DEFAULT_LEN = 512
 
+# fmt: off
 PRESETS: dict[str, dict] = {
     # black-forest-labs/FLUX.1-dev: 3072 wide (24 heads x 128), 1024 px, 128x128 latents
     "flux1-dev": dict(
@@ -114,7 +115,8 @@ PRESETS: dict[str, dict] = {
         ),
         resolution=64, clip_len=16, t5_len=16,
     ),
-}  # fmt: skip
+}
+# fmt: on
 
 
 def pack(x: Tensor) -> Tensor:
@@ -177,8 +179,15 @@ class FluxFamily:
     lora_targets = LORA_TARGETS
     media = frozenset({"image"})
 
-    def __init__(self, tokenizers: Sequence, lens: tuple[int, int], transformer, vae,
-                 resolution: int, guidance: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizers: Sequence,
+        lens: tuple[int, int],
+        transformer,
+        vae,
+        resolution: int,
+        guidance: float,
+    ) -> None:
         self.tokenizers, self.lens, self.vae, self.guidance = tuple(tokenizers), lens, vae, guidance
         self.tcfg = transformer.config
         down = 2 ** (len(vae.config.block_out_channels) - 1)
@@ -286,9 +295,14 @@ def _load_dir(path: str, dtype: torch.dtype, device: torch.device) -> dict:
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
     root = check_pipeline_dir(path, "flux", COMPONENTS)
-    classes = dict(transformer=FluxTransformer2DModel, text_encoder=CLIPTextModel,
-                   text_encoder_2=T5EncoderModel, tokenizer=AutoTokenizer,
-                   tokenizer_2=AutoTokenizer, vae=AutoencoderKL)  # fmt: skip
+    classes = dict(
+        transformer=FluxTransformer2DModel,
+        text_encoder=CLIPTextModel,
+        text_encoder_2=T5EncoderModel,
+        tokenizer=AutoTokenizer,
+        tokenizer_2=AutoTokenizer,
+        vae=AutoencoderKL,
+    )
     return {sub: load_component(root, sub, cls, dtype, device) for sub, cls in classes.items()}
 
 
@@ -321,8 +335,10 @@ def load(cfg, device: torch.device, guidance: float = DEFAULT_GUIDANCE) -> Famil
         t5_len = parts["tokenizer_2"].model_max_length
         resolution = cfg.resolution or PRESETS[cfg.preset]["resolution"]
     else:
-        raise ConfigError("model family 'flux' needs model.path (a diffusers directory) or "
-                          f"model.preset (one of {sorted(PRESETS)})")  # fmt: skip
+        raise ConfigError(
+            "model family 'flux' needs model.path (a diffusers directory) or "
+            f"model.preset (one of {sorted(PRESETS)})"
+        )
     return assemble(parts, resolution, t5_len, cfg.convention, guidance)
 
 

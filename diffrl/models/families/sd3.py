@@ -65,131 +65,87 @@ COMPONENTS = {
 }
 T5_DEFAULT_LEN = 256
 
+# fmt: off
 _CLIP_L = dict(
     hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
     projection_dim=768, max_position_embeddings=77, hidden_act="quick_gelu", vocab_size=49408,
-)  # fmt: skip
+)
 _CLIP_G = dict(
     hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
     projection_dim=1280, max_position_embeddings=77, hidden_act="gelu", vocab_size=49408,
-)  # fmt: skip
+)
 _T5_XXL = dict(
     d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, vocab_size=32128,
     feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
     relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
-)  # fmt: skip
+)
 _SD3_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
     down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
     layers_per_block=2, norm_num_groups=32, scaling_factor=1.5305, shift_factor=0.0609,
     use_quant_conv=False, use_post_quant_conv=False, sample_size=1024,
-)  # fmt: skip
+)
+_TINY_VAE = dict(
+    _SD3_VAE, block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=8,
+    sample_size=64,
+)
 
 
-def _tiny_clip(width: int, layers: int = 2) -> dict:
+def _tiny_clip(width: int) -> dict:
     return dict(
-        hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+        hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
         num_attention_heads=2, projection_dim=width, max_position_embeddings=16,
-        hidden_act="quick_gelu", vocab_size=0,
-    )  # fmt: skip
+        hidden_act="quick_gelu", vocab_size=0,  # 0: the tokenizer's size
+    )
 
 
-def _tiny_t5(width: int, layers: int = 2) -> dict:
+def _tiny_t5(width: int) -> dict:
     return dict(
-        d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=layers, num_heads=4,
-        vocab_size=0, feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+        d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2, num_heads=4, vocab_size=0,
+        feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
         relative_attention_max_distance=32,
-    )  # fmt: skip
+    )
 
 
 PRESETS: dict[str, dict] = {
     # stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks, 1536 wide, dual attention in
-    # blocks 0-12, RMS qk-norm; 1024 px images, 128x128 latents
+    # blocks 0-12, RMS qk-norm; 1024 px images, 128x128 latents. 2.24 B parameters (+ a 0.23 B
+    # sin-cos position buffer: the published 2.5 B)
     "sd35-medium": dict(
         transformer=dict(
-            sample_size=128,
-            patch_size=2,
-            in_channels=16,
-            out_channels=16,
-            num_layers=24,
-            attention_head_dim=64,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            caption_projection_dim=1536,
-            pooled_projection_dim=2048,
-            pos_embed_max_size=384,
-            dual_attention_layers=tuple(range(13)),
-            qk_norm="rms_norm",
-        ),  # fmt: skip
-        clip_l=_CLIP_L,
-        clip_g=_CLIP_G,
-        t5=_T5_XXL,
-        vae=_SD3_VAE,
-        clip_len=77,
-        t5_len=T5_DEFAULT_LEN,
-    ),  # fmt: skip
-    # every piece tiny, same wiring (dual attention, qk-norm, CLIP widths that need padding)
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+            attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+            caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+        ),
+        clip_l=_CLIP_L, clip_g=_CLIP_G, t5=_T5_XXL, vae=_SD3_VAE,
+        clip_len=77, t5_len=T5_DEFAULT_LEN,
+    ),
+    # every piece tiny, the same wiring (dual attention, qk-norm, CLIP widths that need padding)
     "sd35-tiny": dict(
         transformer=dict(
-            sample_size=8,
-            patch_size=2,
-            in_channels=16,
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=48,
-            caption_projection_dim=32,
-            pooled_projection_dim=40,
-            pos_embed_max_size=16,
-            dual_attention_layers=(0,),
-            qk_norm="rms_norm",
-        ),  # fmt: skip
-        clip_l=_tiny_clip(16),
-        clip_g=_tiny_clip(24),
-        t5=_tiny_t5(48),
-        vae=dict(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=16,
-            block_out_channels=(8, 8, 16, 16),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=1,
-            norm_num_groups=8,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            sample_size=64,
-        ),  # fmt: skip
-        clip_len=16,
-        t5_len=16,
-    ),  # fmt: skip
-    # ShapesBench: 32x32 RGB pixels straight into the MMDiT (patch 4: 64 image tokens)
+            sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+            caption_projection_dim=32, pooled_projection_dim=40, pos_embed_max_size=16,
+            dual_attention_layers=(0,), qk_norm="rms_norm",
+        ),
+        clip_l=_tiny_clip(16), clip_g=_tiny_clip(24), t5=_tiny_t5(48), vae=_TINY_VAE,
+        clip_len=16, t5_len=16,
+    ),
+    # ShapesBench: 32x32 RGB pixels straight into the MMDiT (patch 4: 64 image tokens); RMS
+    # qk-norm as SD3.5, which keeps attention logits bounded while LoRA trains
     "sd3-shapes": dict(
         transformer=dict(
-            sample_size=32,
-            patch_size=4,
-            in_channels=3,
-            out_channels=3,
-            num_layers=6,
-            attention_head_dim=32,
-            num_attention_heads=4,
-            joint_attention_dim=128,
-            caption_projection_dim=128,
-            pooled_projection_dim=128,
-            pos_embed_max_size=8,
-            qk_norm="rms_norm",  # as SD3.5: bounded attention logits while LoRA trains
-        ),  # fmt: skip
-        clip_l=_tiny_clip(64),
-        clip_g=_tiny_clip(64),
-        t5=_tiny_t5(128),
-        vae=None,
-        clip_len=16,
-        t5_len=16,
-    ),  # fmt: skip
+            sample_size=32, patch_size=4, in_channels=3, out_channels=3, num_layers=6,
+            attention_head_dim=32, num_attention_heads=4, joint_attention_dim=128,
+            caption_projection_dim=128, pooled_projection_dim=128, pos_embed_max_size=8,
+            qk_norm="rms_norm",
+        ),
+        clip_l=_tiny_clip(64), clip_g=_tiny_clip(64), t5=_tiny_t5(128), vae=None,
+        clip_len=16, t5_len=16,
+    ),
 }
+# fmt: on
 
 
 class SD3Net(DiffusersNet):
@@ -230,8 +186,9 @@ class SD3Family:
     lora_targets = LORA_TARGETS
     media = frozenset({"image"})
 
-    def __init__(self, tokenizers: Sequence, lens: tuple[int, int, int], transformer, vae,
-                 resolution: int) -> None:  # fmt: skip
+    def __init__(
+        self, tokenizers: Sequence, lens: tuple[int, int, int], transformer, vae, resolution: int
+    ) -> None:
         self.tokenizers, self.lens, self.vae = tuple(tokenizers), lens, vae
         cfg = transformer.config
         self.tcfg = cfg
@@ -244,8 +201,9 @@ class SD3Family:
         else:
             down = 2 ** (len(vae.config.block_out_channels) - 1)
             if resolution % (down * cfg.patch_size):
-                raise ConfigError(f"sd3: resolution {resolution} is not a multiple of "
-                                  f"{down * cfg.patch_size}")  # fmt: skip
+                raise ConfigError(
+                    f"sd3: resolution {resolution} is not a multiple of {down * cfg.patch_size}"
+                )
             side = resolution // down
             self._latent = (vae.config.latent_channels, side, side)
 
@@ -313,8 +271,11 @@ class SD3Family:
 
 def _tokenizers(clip_len: int, t5_len: int) -> dict:
     clip = word_tokenizer(TINY_WORDS, "clip", clip_len)
-    return dict(tokenizer=clip, tokenizer_2=word_tokenizer(TINY_WORDS, "clip", clip_len),
-                tokenizer_3=word_tokenizer(TINY_WORDS, "t5", t5_len))  # fmt: skip
+    return dict(
+        tokenizer=clip,
+        tokenizer_2=word_tokenizer(TINY_WORDS, "clip", clip_len),
+        tokenizer_3=word_tokenizer(TINY_WORDS, "t5", t5_len),
+    )
 
 
 def preset_components(
@@ -329,13 +290,20 @@ def preset_components(
     p = PRESETS[preset]
     out = _tokenizers(p["clip_len"], max_text_len or p["t5_len"])
     clip_tok, t5_tok = out["tokenizer"], out["tokenizer_3"]
-    ids = dict(bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
-               pad_token_id=clip_tok.pad_token_id)  # fmt: skip
+    ids = dict(
+        bos_token_id=clip_tok.bos_token_id,
+        eos_token_id=clip_tok.eos_token_id,
+        pad_token_id=clip_tok.pad_token_id,
+    )
     for sub, key in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
         cfg = {**p[key], **ids, "vocab_size": max(p[key]["vocab_size"], len(clip_tok))}
         out[sub] = random_component(CLIPTextModelWithProjection, cfg, dtype, device)
-    t5 = {**p["t5"], "vocab_size": max(p["t5"]["vocab_size"], len(t5_tok)),
-          "pad_token_id": t5_tok.pad_token_id, "eos_token_id": t5_tok.eos_token_id}  # fmt: skip
+    t5 = {
+        **p["t5"],
+        "vocab_size": max(p["t5"]["vocab_size"], len(t5_tok)),
+        "pad_token_id": t5_tok.pad_token_id,
+        "eos_token_id": t5_tok.eos_token_id,
+    }
     out["text_encoder_3"] = random_component(T5EncoderModel, t5, dtype, device)
     out["transformer"] = random_component(SD3Transformer2DModel, p["transformer"], dtype, device)
     vae = p["vae"] and random_component(AutoencoderKL, p["vae"], dtype, device)
@@ -353,10 +321,15 @@ def _load_dir(path: str, dtype: torch.dtype, device: torch.device) -> dict:
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
     root = check_pipeline_dir(path, "sd3", COMPONENTS, optional=("vae",))
-    classes = dict(transformer=SD3Transformer2DModel, text_encoder=CLIPTextModelWithProjection,
-                   text_encoder_2=CLIPTextModelWithProjection, text_encoder_3=T5EncoderModel,
-                   tokenizer=AutoTokenizer, tokenizer_2=AutoTokenizer,
-                   tokenizer_3=AutoTokenizer)  # fmt: skip
+    classes = dict(
+        transformer=SD3Transformer2DModel,
+        text_encoder=CLIPTextModelWithProjection,
+        text_encoder_2=CLIPTextModelWithProjection,
+        text_encoder_3=T5EncoderModel,
+        tokenizer=AutoTokenizer,
+        tokenizer_2=AutoTokenizer,
+        tokenizer_3=AutoTokenizer,
+    )
     out = {sub: load_component(root, sub, cls, dtype, device) for sub, cls in classes.items()}
     has_vae = (root / "vae").is_dir()
     out["vae"] = load_component(root, "vae", AutoencoderKL, dtype, device) if has_vae else None
@@ -369,8 +342,13 @@ def assemble(parts: dict, resolution: int, t5_len: int, convention: str = "") ->
     """A FamilyModel from pipeline components (however they were made)."""
     toks = (parts["tokenizer"], parts["tokenizer_2"], parts["tokenizer_3"])
     lens = (toks[0].model_max_length, toks[1].model_max_length, t5_len)
-    net = SD3Net(parts["transformer"], parts["text_encoder"], parts["text_encoder_2"],
-                 parts["text_encoder_3"], lens)  # fmt: skip
+    net = SD3Net(
+        parts["transformer"],
+        parts["text_encoder"],
+        parts["text_encoder_2"],
+        parts["text_encoder_3"],
+        lens,
+    )
     family = SD3Family(toks, lens, parts["transformer"], parts["vae"], resolution)
     return FamilyModel(net, family, convention)
 
@@ -392,8 +370,10 @@ def load(cfg, device: torch.device) -> FamilyModel:
         parts = preset_components(cfg.preset, dtype, device, cfg.max_text_len)
         t5_len = parts["tokenizer_3"].model_max_length
     else:
-        raise ConfigError("model family 'sd3' needs model.path (a diffusers directory) or "
-                          f"model.preset (one of {sorted(PRESETS)})")  # fmt: skip
+        raise ConfigError(
+            "model family 'sd3' needs model.path (a diffusers directory) or "
+            f"model.preset (one of {sorted(PRESETS)})"
+        )
     return assemble(parts, cfg.resolution or default_resolution(parts), t5_len, cfg.convention)
 
 
