@@ -26,7 +26,8 @@ class TimeConvention:
 CONVENTIONS: dict[str, TimeConvention] = {
     # diffrl's own: sigma in [0,1], v = eps - x0
     "sigma": TimeConvention("sigma", lambda s: s, 1.0),
-    # diffusers' flow-matching transformers (SD3, FLUX, Wan): timestep = 1000*sigma, v = eps - x0
+    # diffusers' flow-matching transformers (SD3, Wan): timestep = 1000*sigma, v = eps - x0 (FLUX
+    # takes sigma itself, its pipeline passing timestep / 1000: it is native in "sigma")
     "sigma_x1000": TimeConvention("sigma_x1000", lambda s: 1000.0 * s, 1.0),
     # data-progress time t = 1 - sigma (t=1 is data) with v = x0 - eps (e.g. some video models)
     "data_progress": TimeConvention("data_progress", lambda s: 1.0 - s, -1.0),
