@@ -82,6 +82,8 @@ _UMT5_XXL = dict(  # google/umt5-xxl's encoder, as Wan ships it
     tie_word_embeddings=False,
 )
 
+# wan2.1-1.3b at real size: a 1.42 B transformer (2.8 GB in bf16), UMT5-XXL's encoder 5.7 B
+# (11.4 GB), VAE 0.13 B; 81 frames at 480 x 480 are 21 x 30 x 30 = 18,900 tokens
 PRESETS: dict[str, dict] = {
     "wan2.1-1.3b": dict(
         transformer=dict(
