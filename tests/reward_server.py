@@ -109,31 +109,41 @@ def serve_reward_with(
 
 
 class SleepyScorer:
-    """Scores 1.0 after ``delay_s`` (awaiting, or in a thread with ``thread=True``, like a
-    model scorer), writing "start <time>" / "done <time>" lines to ``journal``."""
+    """The ShapesBench verifier, except for batches whose first prompt starts with "sleep" or
+    "thread": those score 1.0 after ``delay_s``, awaiting or in a thread (like a model scorer)
+    respectively. Writes "start <time>" / "done <time>" lines to ``journal`` for those."""
 
     name = "sleepy"
     needs = frozenset({"image"})
 
-    def __init__(self, delay_s: float = 1.0, journal: str = "", thread: bool = False) -> None:
-        self.delay_s, self.journal, self.thread = delay_s, journal, thread
+    def __init__(self, delay_s: float = 1.0, journal: str = "") -> None:
+        from diffrl.reward.scorers.shapes import ShapesScorer
+
+        self.delay_s, self.journal, self.shapes = delay_s, journal, ShapesScorer()
 
     def _note(self, event: str) -> None:
         if self.journal:
             with open(self.journal, "a") as f:
                 f.write(f"{event} {time.time()}\n")
 
+    def _sleep(self) -> None:
+        time.sleep(self.delay_s)
+        self._note("done")
+
     async def score(self, traj):
         import torch
 
         from diffrl.reward.scorer import ScoreResult
 
+        first = traj.prompts.texts[0]
+        if not first.startswith(("sleep", "thread")):
+            return await self.shapes.score(traj)
         self._note("start")
-        if self.thread:
-            await asyncio.to_thread(time.sleep, self.delay_s)
+        if first.startswith("thread"):
+            await asyncio.to_thread(self._sleep)  # "done" when the thread ends, even if cancelled
         else:
             await asyncio.sleep(self.delay_s)
-        self._note("done")
+            self._note("done")
         n = len(traj)
         return ScoreResult(torch.ones(n), torch.ones(n, dtype=torch.bool))
 

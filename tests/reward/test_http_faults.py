@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from diffrl.data.shapes import split_prompts
 from diffrl.reward.http import (
@@ -22,7 +22,8 @@ from diffrl.reward.http import (
     RewardRequestRejected,
     RewardServerUnavailable,
 )
-from diffrl.reward.http.client import backoff_delay, parse_retry_after
+from diffrl.reward.http import client as client_module
+from diffrl.reward.http.client import backoff_delay, parse_retry_after, resolves_to_loopback
 from diffrl.reward.http.codec import TOKEN_ENV
 from diffrl.reward.http.server import BackgroundServer, create_app
 from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig
@@ -300,3 +301,117 @@ def test_client_is_pooled_per_event_loop_and_closes() -> None:
 
         asyncio.run(twice())
         assert run(s).valid.all()  # a new loop gets a fresh client
+
+
+# --- hostile replies ---------------------------------------------------------------------------
+
+
+def test_scores_past_float32_are_missing_never_a_valid_inf() -> None:
+    big_int = "1" + "0" * 400  # a JSON integer past float64
+    scores = f"[1e300, -1e300, 3.5e38, 1e400, {big_int}, 3e38]"
+    body = f'{{"scores": {scores}, "valid": [true, true, true, true, true, true]}}'
+    with serving(raw(body)) as (_, url):
+        result = run(scorer(url), make_traj(6))
+    assert result.valid.tolist() == [False] * 5 + [True]
+    assert torch.isnan(result.scores[:5]).all() and torch.isfinite(result.scores).sum() == 1
+    assert result.scores[5] == pytest.approx(3e38)  # within float32: kept
+
+
+async def endless_step(n: int) -> Response:
+    async def chunks():  # 200 MiB; finite, as uvicorn drops writes once the client has gone
+        for _ in range(200):
+            yield b" " * (1 << 20)
+
+    return StreamingResponse(chunks(), media_type="application/json")
+
+
+async def declared_too_big(n: int) -> Response:
+    return Response(b" " * (2 << 20), media_type="application/json")
+
+
+@pytest.mark.parametrize("step", [endless_step, declared_too_big], ids=["endless", "declared"])
+def test_a_huge_reply_is_cut_at_the_cap_and_not_retried(step) -> None:
+    with serving(step) as (fake, url):
+        start = time.monotonic()
+        with pytest.raises(RewardReplyMalformed, match="over the client's limit of 1048576"):
+            run(scorer(url, max_reply_bytes=1 << 20))
+        assert time.monotonic() - start < 2.0
+    assert fake.calls == 1
+
+
+def test_a_huge_error_reply_is_read_only_for_its_message() -> None:
+    async def huge_500(n: int) -> Response:
+        return Response(b"x" * (8 << 20), status_code=500)
+
+    with serving(huge_500) as (fake, url), pytest.raises(RewardServerUnavailable, match="HTTP 500"):
+        run(scorer(url))
+    assert fake.calls == 3  # a 5xx is still retried
+
+
+def test_a_trickling_reply_is_cut_at_the_whole_request_deadline(raw_server) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+    with raw_server(head, lambda: iter([b" "] * 1000), pause_s=0.05) as url:
+        s = scorer(url, timeout_s=0.5, retries=0)
+        start = time.monotonic()
+        with pytest.raises(RewardServerUnavailable, match="timed out after 0.5s"):
+            run(s)
+    assert time.monotonic() - start < 1.5  # each byte came well within httpx's read timeout
+
+
+# --- credentials and loopback ------------------------------------------------------------------
+
+
+SECRET = "s3cr%40t-pw"  # percent-encoded "s3cr@t-pw"
+
+
+def assert_no_credentials(text: str) -> None:
+    for leak in ("alice", SECRET, "s3cr@t-pw"):
+        assert leak not in text, text
+
+
+def test_url_credentials_never_appear_in_errors_or_logs(caplog, monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "tok")
+    dead = dead_url().replace("http://", f"http://alice:{SECRET}@")
+    s = scorer(dead)
+    assert_no_credentials(s.url)
+    with caplog.at_level("WARNING"), pytest.raises(RewardServerUnavailable) as e:
+        run(s)
+    assert_no_credentials(str(e.value))
+    assert "***@127.0.0.1" in str(e.value)
+
+    async def echoing(n: int) -> Response:
+        return JSONResponse({"detail": f"who is alice:{SECRET}?"}, status_code=422)
+
+    # a server that echoes the credentials back in its message
+    with serving(echoing) as (_, url), pytest.raises(RewardRequestRejected) as e:
+        run(scorer(url.replace("http://", f"http://alice:{SECRET}@")))
+    assert_no_credentials(str(e.value))
+    with pytest.raises(ValueError) as e:
+        HttpScorer(f"ftp://alice:{SECRET}@host")
+    assert_no_credentials(str(e.value))
+    assert_no_credentials(caplog.text)
+
+
+def test_loopback_is_decided_from_the_resolved_address(caplog, monkeypatch) -> None:
+    table = {
+        "127.0.0.1.example.com": ["93.184.216.34"],  # a public name that looks like loopback
+        "localhost": ["127.0.0.1", "::1"],
+        "half.example": ["127.0.0.1", "10.0.0.5"],
+    }
+
+    def fake_getaddrinfo(host, *args, **kwargs):
+        if host not in table:
+            raise socket.gaierror("unknown host")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in table[host]]
+
+    monkeypatch.setattr(client_module.socket, "getaddrinfo", fake_getaddrinfo)
+    assert resolves_to_loopback("localhost") and resolves_to_loopback("127.0.0.2")
+    assert resolves_to_loopback("::1") and resolves_to_loopback("[::1]")
+    for host in ("127.0.0.1.example.com", "half.example", "nowhere.invalid", "10.0.0.1"):
+        assert not resolves_to_loopback(host), host
+    monkeypatch.setenv(TOKEN_ENV, "tok")
+    with caplog.at_level("WARNING"):
+        HttpScorer("http://localhost:8000")
+        assert "clear text" not in caplog.text
+        HttpScorer("http://127.0.0.1.example.com:8000")
+    assert "clear text to http://127.0.0.1.example.com:8000" in caplog.text

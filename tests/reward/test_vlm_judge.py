@@ -260,3 +260,31 @@ def test_bad_params_are_rejected() -> None:
         build_scorer("vlm_judge", {"base_url": "http://x", "model": "m", "answer": "stars"})
     with pytest.raises(ValueError, match="template"):
         build_scorer("vlm_judge", {"base_url": "http://x", "model": "m", "template": "{image}"})
+
+
+def test_a_trickling_judge_is_cut_at_the_whole_request_deadline(raw_server, media_traj) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+    with raw_server(head, lambda: iter([b" "] * 1000), pause_s=0.05) as url:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="no sample got a reply: timed out after 0.5s"):
+            run(scorer(url, timeout=0.5, max_retries=0), media_traj(["a"], image=images(1)))
+    assert time.monotonic() - start < 1.5  # was 29 s with timeout=1: httpx's is per read
+
+
+def test_an_endless_judge_reply_is_cut_at_the_cap(raw_server, media_traj) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n"  # no length: to close
+    endless = raw_server(head, lambda: iter(lambda: b" " * 65536, None))
+    with endless as url, pytest.raises(RuntimeError, match="reply over 1048576 bytes"):
+        run(scorer(url, max_retries=0), media_traj(["a"], image=images(1)))
+
+
+def test_judge_url_credentials_never_appear_in_errors(media_traj, caplog) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://alice:s3cret@127.0.0.1:{s.getsockname()[1]}"
+    judge = scorer(dead, max_retries=0)
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError) as e:
+        run(judge, media_traj(["a circle"], image=images(1)))
+    for text in (str(e.value), caplog.text, judge.url):
+        assert "alice" not in text and "s3cret" not in text, text
+    assert "***@127.0.0.1" in str(e.value)
