@@ -381,9 +381,14 @@ class BatchGate:
 
 async def wait_for_disconnect(request: Request) -> None:
     """Returns once the client has gone. Only after the body was read: uvicorn's receive then
-    blocks until the connection is lost."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    blocks until the connection is lost. If the connection cannot be watched, it never
+    returns: a batch is cancelled only for a client known to have left."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        log.debug("cannot watch a /score connection for a disconnect", exc_info=True)
+        await asyncio.Event().wait()  # until cancelled, when the request is answered
 
 
 # --- the caller -------------------------------------------------------------------------------
