@@ -28,7 +28,7 @@ from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
 from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir
-from diffrl.reward.pool import close_pool, reward_summary
+from diffrl.reward.pool import RewardPool, close_pool, reward_summary
 from diffrl.types import ScoredBatch
 
 
@@ -169,5 +169,6 @@ async def train(cfg: Config) -> Path:
         prefetch.cancel()
     run.save_curves()
     run.close()
-    await close_pool(parts.rewards)
+    if isinstance(parts.rewards, RewardPool):  # a remote or fake engine releases its own
+        await close_pool(parts.rewards)
     return run.root
