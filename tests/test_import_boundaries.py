@@ -81,6 +81,36 @@ def test_forbidden_imports(sub: str, forbidden: tuple[str, ...]) -> None:
     assert violations(sub, forbidden) == []
 
 
+# the loop and its factory build tasks and model families through their registries only
+TASKS_AND_FAMILIES = (
+    "diffrl.tasks.shapes",
+    "diffrl.tasks.prompts",
+    "diffrl.data.shapes",
+    "diffrl.models.families",
+    "diffrl.models.tiny_dit",
+)
+
+
+def test_controller_names_no_task_or_family() -> None:
+    assert violations("controller", TASKS_AND_FAMILIES) == []
+    # nor by a module-name string (importlib.import_module("diffrl.tasks.shapes"))
+    named = [
+        f"{f.relative_to(PKG.parent)} names {node.value!r}"
+        for f in files("controller")
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and any(node.value == m or node.value.startswith(m + ".") for m in TASKS_AND_FAMILIES)
+    ]
+    assert named == []
+
+
+def test_boundary_checker_catches_a_family_import() -> None:
+    src = "from diffrl.models.families import tiny_dit\nfrom diffrl.tasks import shapes\n"
+    found = imports_in(src, ["diffrl", "controller"])
+    assert {"diffrl.models.families.tiny_dit", "diffrl.tasks.shapes"} <= found
+
+
 def test_channel_imports_only_itself() -> None:
     for f in files("channel"):
         others = {m for m in diffrl_imports(f) if not m.startswith("diffrl.channel")}
