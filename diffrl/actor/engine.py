@@ -71,6 +71,10 @@ class ActorConfig:
     # horizon 1/(1-ema_decay) is reached); held-out eval then measures the EMA policy, while
     # rollouts keep sampling with the live one. 0 = off
     ema_decay: float = 0.0
+    # recompute each transformer block's activations in the backward pass instead of keeping
+    # them (diffusers' enable_gradient_checkpointing): a real-size model's training step fits
+    # beside the rollout's copy (Qwen-Image on one H200 ran out of memory without it)
+    activation_checkpointing: bool = False
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 
     def validate(self) -> None:
@@ -110,6 +114,16 @@ def lr_factor(cfg: ActorConfig, step: int) -> float:
     return cfg.lr_end + (1 - cfg.lr_end) * shape
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing on the family's transformer (the diffusers class's own)."""
+    transformer = getattr(model.net, "transformer", None)
+    if transformer is None or not hasattr(transformer, "enable_gradient_checkpointing"):
+        raise DiffrlError(
+            "actor.activation_checkpointing needs a diffusers transformer (model.net.transformer)"
+        )
+    transformer.enable_gradient_checkpointing()
+
+
 class NonFiniteLoss(DiffrlError):
     """The loss or gradients stayed NaN/inf for too many steps."""
 
@@ -133,6 +147,8 @@ class ActorEngine:
             lora_dropout=0.0,
             init_lora_weights=True,
         )
+        if cfg.activation_checkpointing:
+            enable_checkpointing(model)
         self.model = get_peft_model(model.to(device), lora)
         self.frozen = ("old", "ema") if cfg.ema_decay > 0 else ("old",)
         for name in self.frozen:

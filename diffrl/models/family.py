@@ -146,5 +146,9 @@ class FamilyModel(nn.Module):
                 f"{self.family.name}: x has per-sample shape {tuple(x.shape[1:])}, the family "
                 f"samples {tuple(self.family.latent_shape())}"
             )
-        native = self.net(x, self.convention.to_native(sigma), input_ids)
-        return native * self.convention.velocity_sign
+        # the network runs in its own dtype (bf16 weights take bf16 inputs); diffrl's tensors
+        # (latents, noise, log-prob maths) stay in theirs, so cast at this one boundary
+        dtype = next(self.net.parameters()).dtype
+        t = self.convention.to_native(sigma)
+        native = self.net(x.to(dtype), t.to(dtype) if t.is_floating_point() else t, input_ids)
+        return (native * self.convention.velocity_sign).to(x.dtype)

@@ -71,6 +71,9 @@ class RolloutConfig:
     cfg_scale: float = 1.0  # classifier-free guidance; 1 = off (one forward per step)
     max_batch: int = 32  # samples per forward; each micro-batch streams to the reward pool
     keep_latents: bool = False  # keep x at every step (GRPO/log-prob recompute need it)
+    # where weight sync keeps its frozen copy of the LoRA-targeted base weights: "" = beside
+    # them; "cpu" = host memory (a 20 B model's copy does not fit beside actor and rollout)
+    base_copy: str = ""
     eval_num_steps: int = 10  # steps for held-out eval sampling (ODE)
     # guidance for held-out eval sampling; 1 = none, so eval measures the policy itself even
     # when the rollout samples with CFG
@@ -156,6 +159,7 @@ class RolloutConfig:
         check(self.shift > 0, "shift", self.shift, "must be > 0")
         check(self.cfg_scale >= 1, "cfg_scale", self.cfg_scale, "must be >= 1 (1 = off)")
         check(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
+        check_choice("base_copy", self.base_copy, ("", "cpu"))
         check(self.eval_num_steps >= 1, "eval_num_steps", self.eval_num_steps, "must be >= 1")
         check(self.eval_cfg_scale >= 1, "eval_cfg_scale", self.eval_cfg_scale, "must be >= 1")
 
@@ -191,7 +195,7 @@ class RolloutEngine:
         self.device = device
         self.version = 0
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
-        self.target = MergedLoraTarget(self.model, lora_targets, slot_map)
+        self.target = MergedLoraTarget(self.model, lora_targets, slot_map, cfg.base_copy)
 
     @property
     def produces(self) -> frozenset[str]:

@@ -10,6 +10,7 @@ QKV trained as one Linear and served as three, or an FC split into tensor-parall
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +86,16 @@ class SyncReport:
 class MergedLoraTarget:
     """The rollout side's view of one model: frozen base copies of every slot it may write."""
 
-    def __init__(self, model: nn.Module, expected: list[str], slot_map: SlotMap | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        expected: list[str],
+        slot_map: SlotMap | None = None,
+        base_device: str = "",
+    ):
+        """``base_device`` holds the frozen base copies ("" = beside the weights; "cpu" keeps a
+        real-size model's second copy of its targeted weights off the GPU, in pinned memory, at
+        the cost of copying each slot in at sync time)."""
         self.model = model
         self.slot_map = slot_map or SlotMap()
         self.expected = sorted(expected)
@@ -100,7 +110,7 @@ class MergedLoraTarget:
                         f"for trained module {name!r}"
                     )
                 self.weights[slot.module] = mod.weight
-        self.base = {k: w.detach().clone() for k, w in self.weights.items()}
+        self.base = {k: _copy(w, base_device) for k, w in self.weights.items()}
 
     @torch.no_grad()
     def apply(self, update: WeightUpdate) -> SyncReport:
@@ -116,9 +126,9 @@ class MergedLoraTarget:
         max_err = 0.0
         for name in want:
             delta = update.deltas[name].delta()
-            applied_sum = 0.0
+            applied_sum, rounding = 0.0, 0.0
             for slot in self.slot_map.slots_for(name):
-                base = self.base[slot.module]
+                base = self.base[slot.module].to(self.weights[slot.module].device)
                 part = delta[slot.rows]
                 target = new.get(slot.module, base.clone())
                 if target[slot.dst_rows].shape != part.shape:
@@ -128,18 +138,37 @@ class MergedLoraTarget:
                     )
                 target[slot.dst_rows] += part.to(target)
                 new[slot.module] = target
-                applied_sum += float(
-                    (target[slot.dst_rows].double() - base[slot.dst_rows].double()).sum()
-                )
+                written = target[slot.dst_rows].double()
+                applied_sum += float((written - base[slot.dst_rows].double()).sum())
+                rounding += _rounding_bound(written, target.dtype)
             err = abs(applied_sum - update.checksums[name])
-            rel = 1e-4 if base.dtype == torch.float32 else 1e-3  # looser for bf16 weights
-            tol = rel * max(1.0, abs(update.checksums[name]))
+            # fp32 adds rounding ~1e-7 per entry; a low-precision copy rounds W + delta to its
+            # own grid, which shifts the sum by ~sqrt(n) * ulp(|W|) however exact the mapping
+            tol = 1e-4 * max(1.0, abs(update.checksums[name])) + rounding
             if err > tol:
                 raise SyncError(
                     f"checksum mismatch for {name}: applied {applied_sum:.6g}, "
-                    f"actor sent {update.checksums[name]:.6g}"
+                    f"actor sent {update.checksums[name]:.6g} (tolerance {tol:.3g})"
                 )
             max_err = max(max_err, err)
         for module, w in new.items():  # commit only after every target verified
             self.weights[module].copy_(w)
         return SyncReport(update.version, update.adapter, len(want), len(want), max_err)
+
+
+def _rounding_bound(written: Tensor, dtype: torch.dtype) -> float:
+    """A bound on how much rounding ``written`` (float64 view) to ``dtype`` moves its sum: zero
+    for fp32 and wider (their rounding is inside the relative tolerance), else 4 sqrt(n)
+    half-ulps at the entries' RMS magnitude (independent rounding errors add like a random walk;
+    a wrong mapping moves the sum by the delta itself, far more)."""
+    if torch.finfo(dtype).bits >= 32:
+        return 0.0
+    rms = float(written.pow(2).mean().sqrt())
+    return 4.0 * math.sqrt(written.numel()) * 0.5 * torch.finfo(dtype).eps * rms
+
+
+def _copy(w: Tensor, device: str) -> Tensor:
+    if not device or torch.device(device) == w.device:
+        return w.detach().clone()
+    out = torch.empty(w.shape, dtype=w.dtype, device=device, pin_memory=w.is_cuda)
+    return out.copy_(w.detach())
