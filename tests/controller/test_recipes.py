@@ -14,6 +14,7 @@ from diffrl.controller.engines import build
 from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
 from diffrl.errors import ConfigError
+from diffrl.models.registry import PRESET_FAMILY
 
 RECIPES = sorted(p.name for p in (REPO_ROOT / "recipes").glob("*.yaml"))
 
@@ -23,9 +24,27 @@ def test_the_algorithm_recipes_ship() -> None:
     assert want <= set(RECIPES)
 
 
+def tiny_family_overrides(recipe: str) -> list[str]:
+    """A diffusers-family recipe runs on its family's tiny random preset (fp32, so the log-probs
+    agree to 1e-5), a weight-free reward and two held-out prompts; a tiny DiT recipe as is."""
+    family = load_config(recipe).model.resolved_family
+    if family == "tiny_dit":
+        return []
+    pytest.importorskip("diffusers")
+    preset = next(p for p, f in PRESET_FAMILY.items() if f == family and p.endswith("-tiny"))
+    return [
+        f"model.preset={preset}",
+        "model.resolution=0",
+        "model.frames=0",
+        "model.dtype=float32",
+        "data.eval_prompts=2",
+        "reward.scorers=[{name: jpeg_incompressibility}]",
+    ]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps(recipe: str, tiny_checkpoint, tmp_path: Path) -> None:
-    extra = ["rollout.num_steps=4", "run.eval_every=2"]
+    extra = ["rollout.num_steps=4", "run.eval_every=2", *tiny_family_overrides(recipe)]
     cfg = load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 2, *extra))
     root = asyncio.run(train(cfg))
     rows = read_metrics(root)
