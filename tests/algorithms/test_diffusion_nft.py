@@ -293,7 +293,9 @@ def test_prepare_global_std_and_clip() -> None:
     batch = nft.prepare(scored, nft.NFTConfig(adv_clip=1.0, global_std=True))
     a = 1 / 8.5**0.5  # batch std of the centred rewards is sqrt(8.5)
     assert 4 * a > 1  # the second group's advantages are clipped
-    assert batch.optimality.tolist() == pytest.approx([0.5 - a / 2, 0.5 + a / 2, 0.0, 1.0], abs=1e-4)
+    assert batch.optimality.tolist() == pytest.approx(
+        [0.5 - a / 2, 0.5 + a / 2, 0.0, 1.0], abs=1e-4
+    )
 
 
 def test_prepare_can_skip_uniform_groups() -> None:
