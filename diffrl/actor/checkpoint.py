@@ -176,7 +176,7 @@ def _verified_files(path: Path) -> dict[str, bytes]:
         }
     except FileNotFoundError:
         raise CheckpointError(f"{path.name}: {MANIFEST} is missing") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path.name}: {MANIFEST} is unreadable ({e!r})") from None
     blobs = {}
     for name, (size, digest) in files.items():
@@ -184,6 +184,8 @@ def _verified_files(path: Path) -> dict[str, bytes]:
             data = (path / name).read_bytes()
         except FileNotFoundError:
             raise CheckpointError(f"{path.name}: {name} is missing") from None
+        except OSError as e:  # e.g. EIO from a bad sector
+            raise CheckpointError(f"{path.name}: {name} cannot be read ({e})") from None
         if len(data) != size:
             raise CheckpointError(
                 f"{path.name}: {name} has {len(data)} bytes, the manifest says {size} (truncated?)"

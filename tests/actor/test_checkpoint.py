@@ -90,7 +90,13 @@ def flip_last_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
+def unreadable(path) -> None:
+    path.unlink()
+    path.mkdir()  # reading it raises an OSError, as a bad sector's EIO would
+
+
 DAMAGE = {
+    "unreadable actor.pt": ("actor.pt", unreadable, "cannot be read"),
     "truncated actor.pt": ("actor.pt", truncate, "bytes, the manifest says"),
     "truncated adapters": ("adapters.safetensors", truncate, "bytes, the manifest says"),
     "torn controller.json": ("controller.json", truncate, "bytes, the manifest says"),
