@@ -28,6 +28,7 @@ from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
 from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir
+from diffrl.controller.signals import StopSignals
 from diffrl.reward.pool import RewardPool, close_pool, reward_summary
 from diffrl.types import ScoredBatch
 
@@ -131,40 +132,44 @@ async def train(cfg: Config) -> Path:
     bar = tqdm(range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train")
     t_rate = time.time()
     prefetch = None  # step k+1's rollout, started early when update k cannot change its weights
-    for step in bar:
-        scored, r_metrics = await (prefetch or rollout_and_score(parts, step))
-        batch = parts.algorithm.prepare(scored, cfg.algorithm)
-        prefetch = None
-        plan = plan_of(step + 1)  # what update step+1 does to the weights, as data
-        if cfg.run.prefetch and not plan.sync and step + 1 < cfg.run.steps:
-            prefetch = asyncio.create_task(rollout_and_score(parts, step + 1))
-        # the loop drives the prefetch while the update runs in a worker thread
-        metrics = await asyncio.to_thread(parts.actor.train_step, batch)
-        metrics.update(apply_plan(parts, plan))
-        samples += len(scored)
-        done = step + 1
-        metrics.update(r_metrics)
-        metrics.update(
-            {
-                "perf/samples_per_s": samples / (time.time() - t_rate),
-                "perf/wall_s": time.time() - t0,
-            }
-        )
-        out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
-        if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
-            eval_m = await run_eval(parts, run, done)
-            metrics.update(eval_m)
-        run.log(done, metrics)
-        bar.set_postfix(
-            reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-            eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
-            samples_s=f"{metrics['perf/samples_per_s']:.1f}",
-        )
-        if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
-            checkpoint(parts, run, done, time.time() - t0)
-            run.save_curves()
-        if out_of_time:
-            break
+    with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
+        for step in bar:
+            scored, r_metrics = await (prefetch or rollout_and_score(parts, step))
+            batch = parts.algorithm.prepare(scored, cfg.algorithm)
+            prefetch = None
+            plan = plan_of(step + 1)  # what update step+1 does to the weights, as data
+            if cfg.run.prefetch and not plan.sync and step + 1 < cfg.run.steps:
+                prefetch = asyncio.create_task(rollout_and_score(parts, step + 1))
+            # the loop drives the prefetch while the update runs in a worker thread
+            metrics = await asyncio.to_thread(parts.actor.train_step, batch)
+            metrics.update(apply_plan(parts, plan))
+            samples += len(scored)
+            done = step + 1
+            metrics.update(r_metrics)
+            metrics.update(
+                {
+                    "perf/samples_per_s": samples / (time.time() - t_rate),
+                    "perf/wall_s": time.time() - t0,
+                }
+            )
+            out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
+            if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
+                eval_m = await run_eval(parts, run, done)
+                metrics.update(eval_m)
+            run.log(done, metrics)
+            if stop.requested:
+                checkpoint(parts, run, done, time.time() - t0)
+                break
+            bar.set_postfix(
+                reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+                samples_s=f"{metrics['perf/samples_per_s']:.1f}",
+            )
+            if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
+                checkpoint(parts, run, done, time.time() - t0)
+                run.save_curves()
+            if out_of_time:
+                break
     if prefetch is not None:  # stopped early: the prefetched step is simply not used
         prefetch.cancel()
     run.save_curves()

@@ -29,7 +29,7 @@ from diffrl.errors import ConfigError, check
 from diffrl.models.convention import noised
 from diffrl.models.families.tiny_dit import BUILTIN, build, save_model
 from diffrl.models.family import FamilyModel
-from diffrl.models.registry import ModelConfig, load_model
+from diffrl.models.registry import BUILTIN_WEIGHTS, ModelConfig, load_model, save_weights
 from diffrl.models.tiny_dit import TinyDiTConfig
 from diffrl.tasks import Prompt, PromptSet
 from diffrl.types import images_from_uint8
@@ -60,7 +60,10 @@ class PretrainConfig:
     bank_per_prompt: int = 128  # ground-truth renders per train prompt, drawn once up front
     workers: int = 0  # processes rendering the bank; 0 = all cores
     snapshots: list[int] = field(default_factory=list)  # also save+eval at these steps
-    out: str = str(BUILTIN["builtin:shapes_dit"])
+    out: str = ""  # "" = the built-in base of the model below (what the package ships)
+    # "" = the tiny DiT (the fields above set its size); else a diffusers-family preset built with
+    # seeded random weights and pre-trained through that family's adapter, e.g. sd3-shapes
+    preset: str = ""
 
     def validate(self) -> None:
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -147,7 +150,10 @@ def pretrain(cfg: PretrainConfig) -> Path:
         vocab_size=tok.vocab_size,
         max_text_len=tok.max_len,
     )
-    model = build(arch).to(device)
+    if cfg.preset:  # seeded random init; the frozen text encoders are saved with the weights
+        model = load_model(ModelConfig(preset=cfg.preset, probe=False), device)
+    else:
+        model = build(arch).to(device)
     train = PromptSet([Prompt(p.text) for p in shapes], model.family.tokenize)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -162,7 +168,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
     for step in bar:
         idx = rng.integers(0, len(train), cfg.batch)
         pick = rng.integers(0, cfg.bank_per_prompt, cfg.batch)
-        x0 = images_from_uint8(bank[idx, pick]).to(device)
+        x0 = model.family.encode_pixels(images_from_uint8(bank[idx, pick]).to(device))
         ids = train.input_ids[idx].clone()
         drop = torch.from_numpy(rng.random(cfg.batch) < cfg.text_dropout)
         ids[drop] = null
@@ -180,7 +186,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if step + 1 in cfg.snapshots and step + 1 != cfg.steps:
-            out = Path(cfg.out)
+            out = output_path(cfg)
             save_and_score(
                 ema,
                 out.with_name(f"{out.stem}_step{step + 1}{out.suffix}"),
@@ -188,7 +194,13 @@ def pretrain(cfg: PretrainConfig) -> Path:
                 step + 1,
                 time.time() - t0,
             )
-    return save_and_score(ema, Path(cfg.out), cfg, cfg.steps, time.time() - t0)
+    return save_and_score(ema, output_path(cfg), cfg, cfg.steps, time.time() - t0)
+
+
+def output_path(cfg: PretrainConfig) -> Path:
+    if cfg.out:
+        return Path(cfg.out)
+    return BUILTIN_WEIGHTS["builtin:shapes_sd3"] if cfg.preset else BUILTIN["builtin:shapes_dit"]
 
 
 def save_and_score(
@@ -201,11 +213,14 @@ def save_and_score(
         "pretrain_batch": str(cfg.batch),
         "caption_noise": str(cfg.caption_noise),
     }
-    save_model(model, out, meta)
-    metrics = evaluate_checkpoint(str(out), cfg.eval_samples, 10, cfg.device)
-    save_model(
-        model, out, {**meta, "shapes_eval": str({k: round(v, 4) for k, v in metrics.items()})}
+    save = (
+        (lambda m, o, x: save_weights(m, o, {"preset": cfg.preset, **x}))
+        if cfg.preset
+        else save_model
     )
+    save(model, out, meta)
+    metrics = evaluate_checkpoint(str(out), cfg.eval_samples, 10, cfg.device, preset=cfg.preset)
+    save(model, out, {**meta, "shapes_eval": str({k: round(v, 4) for k, v in metrics.items()})})
     print(f"[{out.name}] steps={steps} " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
     return out
 
@@ -216,14 +231,21 @@ def evaluate_checkpoint(
     num_steps: int = 10,
     device: str = "auto",
     seed: int = 1234,
+    preset: str = "",
 ) -> dict[str, float]:
-    """Held-out ShapesBench accuracy of a base checkpoint (no adapters)."""
+    """Held-out ShapesBench accuracy of a base checkpoint (no adapters): a tiny-DiT file, or
+    with ``preset`` a ``model.weights`` file of that preset."""
     from diffrl.controller.engines import pick_device
     from diffrl.rollout.engine import RolloutConfig, RolloutEngine
     from diffrl.tasks import TaskConfig, build_task
 
     dev = pick_device(device)
-    model = load_model(ModelConfig(checkpoint=checkpoint), dev)
+    mcfg = (
+        ModelConfig(preset=preset, weights=checkpoint)
+        if preset
+        else ModelConfig(checkpoint=checkpoint)
+    )
+    model = load_model(mcfg, dev)
     engine = RolloutEngine(model, RolloutConfig(), [], dev)
     task = build_task(TaskConfig(task="shapes"))
     eval_set = PromptSet(task.prompts("test"), model.family.tokenize)

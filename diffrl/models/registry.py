@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.convention import CONVENTIONS
@@ -26,6 +28,10 @@ FAMILY_MODULES = {
     "qwen_image": "diffrl.models.families.qwen_image",
     "wan": "diffrl.models.families.wan",
 }
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+# model.weights shipped inside the package (written by `diffrl pretrain preset=...`)
+BUILTIN_WEIGHTS = {"builtin:shapes_sd3": ASSETS / "shapes_sd3.safetensors"}
 
 # preset -> family (kept here so a config validates without importing the family's module)
 PRESET_FAMILY = {
@@ -54,6 +60,10 @@ class ModelConfig:
     resolution: int = 0  # image side in pixels; 0 = the family's (or preset's) default
     frames: int = 0  # video families: frames per clip; 0 = the family's default
     max_text_len: int = 0  # text tokens per tokenizer; 0 = the family's default
+    # diffusers families: a .safetensors of the model's weights (transformer and frozen
+    # encoders, as `diffrl pretrain` writes them) loaded over model.path / model.preset, or
+    # "builtin:shapes_sd3" (the ShapesBench base on the sd3-shapes preset, shipped inside)
+    weights: str = ""
 
     def validate(self) -> None:
         check_choice("family", self.family, FAMILY_MODULES)
@@ -95,7 +105,60 @@ def family_module(name: str):
 def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> FamilyModel:
     """The run's model, in diffrl's canonical convention, on ``device`` in ``cfg.dtype``."""
     model = family_module(cfg.resolved_family).load(cfg, torch.device(device))
+    if cfg.weights:
+        load_weights(model, cfg.weights)
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))
+
+
+def weights_state(model: FamilyModel) -> dict[str, torch.Tensor]:
+    """Every weight of a model, the shared frozen encoders/VAE included (``frozen.<name>.*``),
+    as plain fp32 CPU tensors: what ``model.weights`` loads back."""
+    state = {f"net.{k}": v for k, v in model.net.state_dict().items()}
+    for name, module in frozen_modules(model).items():
+        state.update({f"frozen.{name}.{k}": v for k, v in module.state_dict().items()})
+    # cloned: tied weights (T5's shared embedding) must not share storage in a safetensors file
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def save_weights(model: FamilyModel, path: Path, meta: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(weights_state(model), str(path), metadata={"family": model.family.name, **meta})
+
+
+def load_weights(model: FamilyModel, spec: str) -> None:
+    path = BUILTIN_WEIGHTS.get(spec, Path(spec))
+    if not path.is_file():
+        hint = (
+            " (run `diffrl pretrain preset=sd3-shapes` to create it)"
+            if spec in BUILTIN_WEIGHTS
+            else ""
+        )
+        raise ConfigError(f"model.weights {spec!r}: no file at {path}{hint}")
+    state = load_file(str(path))
+    want = weights_state(model)
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    bad = [k for k in set(want) & set(state) if want[k].shape != state[k].shape]
+    if missing or unexpected or bad:
+        raise ConfigError(
+            f"model.weights {spec!r} does not fit this model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, wrong shape {bad[:3]} (was it written for "
+            "another preset?)"
+        )
+    with torch.no_grad():
+        model.net.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("net.")})
+        for name, module in frozen_modules(model).items():
+            prefix = f"frozen.{name}."
+            module.load_state_dict(
+                {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            )
+
+
+def frozen_modules(model: FamilyModel) -> dict[str, torch.nn.Module]:
+    """The family's shared frozen modules (text encoders, VAE) by name; {} for the tiny DiT."""
+    frozen = getattr(model.net, "frozen", None)
+    if frozen is None:
+        return {}
+    return {k: m for k, m in vars(frozen).items() if isinstance(m, torch.nn.Module)}
 
 
 def lora_targets(cfg: ModelConfig) -> tuple[str, ...]:
