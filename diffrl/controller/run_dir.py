@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -86,28 +87,29 @@ class RunDir:
         step: int,
         images: np.ndarray,
         texts: list[str],
-        ok: list[bool],
+        ok: list[bool | None],
         cols: int = 8,
-        scale: int = 3,
+        tile: int = 96,
     ) -> Path:
-        """images (N, H, W, 3) uint8 -> samples/step_XXXXXX.png, captioned, green/red border
-        for verifier pass/fail."""
-        n, h, w, _ = images.shape
-        cell_w, cell_h = w * scale + 8, h * scale + 30
+        """images (N, H, W, 3) uint8 -> samples/step_XXXXXX.png: every image as a ``tile``-px
+        square, its caption wrapped in word order under it (nothing clipped), and a green/red
+        border for pass/fail (grey where the task has no verdict)."""
+        n = images.shape[0]
+        chars = max(8, tile // 6)  # PIL's default bitmap font is about 6 px per character
+        captions = [textwrap.wrap(t, chars) or [""] for t in texts]
+        line_h = 11
+        cell_w, cell_h = tile + 8, tile + 12 + line_h * max(len(c) for c in captions)
         rows = math.ceil(n / cols)
         canvas = Image.new("RGB", (cols * cell_w, rows * cell_h), (255, 255, 255))
         draw = ImageDraw.Draw(canvas)
+        small = images.shape[1] < tile  # upscale pixel art sharply, downscale real images smoothly
         for i in range(n):
             x, y = (i % cols) * cell_w, (i // cols) * cell_h
-            border = (30, 170, 60) if ok[i] else (210, 40, 40)
-            draw.rectangle([x + 1, y + 1, x + w * scale + 6, y + h * scale + 6], fill=border)
-            tile = Image.fromarray(images[i]).resize((w * scale, h * scale), Image.NEAREST)
-            canvas.paste(tile, (x + 4, y + 4))
-            words, lines = texts[i].split(), ["", ""]
-            for word in words:  # two short caption lines
-                j = 0 if len(lines[0]) + len(word) < 16 else 1
-                lines[j] = (lines[j] + " " + word).strip()
-            draw.text((x + 2, y + h * scale + 8), "\n".join(lines), fill=(0, 0, 0))
+            border = {True: (30, 170, 60), False: (210, 40, 40)}.get(ok[i], (150, 150, 150))
+            draw.rectangle([x + 1, y + 1, x + tile + 6, y + tile + 6], fill=border)
+            resample = Image.NEAREST if small else Image.LANCZOS
+            canvas.paste(Image.fromarray(images[i]).resize((tile, tile), resample), (x + 4, y + 4))
+            draw.text((x + 2, y + tile + 9), "\n".join(captions[i]), fill=(0, 0, 0), spacing=1)
         path = self.root / "samples" / f"step_{step:06d}.png"
         canvas.save(path)
         return path

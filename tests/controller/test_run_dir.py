@@ -71,3 +71,26 @@ def test_run_name_must_be_a_plain_name(name) -> None:
 @pytest.mark.parametrize("name", ["shapes_nft", "run-2.v1", "..hidden_but_plain"])
 def test_plain_run_names_pass(name) -> None:
     assert load_config(None, [f"run.name={name}"]).run.name == name
+
+
+def test_grid_shows_every_prompt_with_whole_captions(tmp_path):
+    """The eval grid holds one tile per held-out prompt (all 52, colour attribution included)
+    and captions wrap in word order without dropping words."""
+    import textwrap
+
+    import numpy as np
+    from PIL import Image
+
+    from diffrl.controller.run_dir import RunDir
+    from diffrl.data.shapes import split_prompts
+
+    texts = [p.text for p in split_prompts("eval")]
+    run = RunDir(tmp_path / "run", tensorboard=False)
+    images = np.zeros((len(texts), 32, 32, 3), dtype=np.uint8)
+    path = run.save_grid(0, images, texts, [True] * len(texts), cols=8, tile=96)
+    width, height = Image.open(path).size
+    assert width == 8 * (96 + 8)
+    rows = -(-len(texts) // 8)
+    assert len(texts) == 52 and rows == 7 and height >= rows * (96 + 12)
+    for t in texts:  # the wrap RunDir uses keeps every word, in order
+        assert " ".join(textwrap.wrap(t, 96 // 6)) == t
