@@ -65,9 +65,22 @@ def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
     if data is None:
         log.warning("time-convention probe skipped: task %r has no ground-truth samples", task.name)
         return None
-    param = next(model.parameters())
-    x0 = model.family.encode_pixels(data.pixels.to(param.device, param.dtype))
-    ids = model.family.tokenize(data.texts).input_ids.to(param.device)
+    param, fam = next(model.parameters()), model.family
+    pixels = data.pixels.to(param.device, param.dtype)
+    x0 = fam.encode_pixels(pixels)
+    want = tuple(fam.latent_shape())
+    if tuple(x0.shape[1:]) != want and x0.shape[-1] != want[-1]:  # resize to the model's size
+        pixels = torch.nn.functional.interpolate(
+            pixels, scale_factor=want[-1] / x0.shape[-1], mode="bilinear", antialias=True
+        )
+        x0 = fam.encode_pixels(pixels)
+    if tuple(x0.shape[1:]) != want:
+        log.warning(
+            "time-convention probe skipped: task %r's samples encode to %s, the model samples %s",
+            task.name, tuple(x0.shape[1:]), want,
+        )  # fmt: skip
+        return None
+    ids = fam.tokenize(data.texts).input_ids.to(param.device)
     report = probe_convention(model, x0, ids)
     if not report.conclusive:
         log.warning("time-convention probe inconclusive: %s", report.reason)
