@@ -36,6 +36,9 @@ class RewardEngineProtocol(Protocol):
 
     def check_inputs(self, produced: set[str]) -> None: ...
 
+    def observe_step(self, scored: ScoredBatch) -> None:
+        """After each step's scoring; raises when a scorer has been dead too long."""
+
 
 @runtime_checkable
 class ActorEngineProtocol(Protocol):

@@ -52,6 +52,7 @@ async def rollout_and_score(parts: Engines, step: int):
             extra.setdefault(k, []).append((v, len(s)))
     await producer
     batch = ScoredBatch.concat(scored)
+    parts.rewards.observe_step(batch)  # a scorer dead for max_dead_steps steps stops the run
     metrics = {
         k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
     }

@@ -41,9 +41,13 @@ class ScorerConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     scorers: list[ScorerConfig] = field(default_factory=lambda: [ScorerConfig()])
+    # an optional scorer that fails for every sample this many RL steps running stops the run
+    # (a dead reward server would otherwise let it "succeed" while training on nothing)
+    max_dead_steps: int = 3
 
     def validate(self) -> None:
         check(len(self.scorers) > 0, "scorers", self.scorers, "at least one scorer")
+        check(self.max_dead_steps >= 1, "max_dead_steps", self.max_dead_steps, "must be >= 1")
         names = [s.key for s in self.scorers]
         check(
             len(set(names)) == len(names),
@@ -66,6 +70,20 @@ class RewardPool:
                 self.scorers.append((sc, build_scorer(sc.name, sc.params)))
             except (KeyError, ValueError) as e:
                 raise DiffrlError(f"reward.scorers: {e}") from None
+        self.dead_steps = {sc.key: 0 for sc in cfg.scorers}  # consecutive all-missing steps
+
+    def observe_step(self, scored: ScoredBatch) -> None:
+        """After each RL step's scoring: count, per scorer, the steps running in which it gave
+        no valid score at all, and stop the run once one reaches ``max_dead_steps``."""
+        for key, scores in scored.per_scorer.items():
+            dead = not bool(torch.isfinite(scores).any())
+            self.dead_steps[key] = self.dead_steps[key] + 1 if dead else 0
+            if self.dead_steps[key] >= self.cfg.max_dead_steps:
+                raise RewardFailure(
+                    f"optional scorer {key!r} failed for every sample {self.dead_steps[key]} "
+                    "steps running (reward.max_dead_steps): nothing is being trained; fix the "
+                    "scorer (or its server) and resume from the last checkpoint"
+                )
 
     def check_inputs(self, produced: set[str]) -> None:
         """Start-up check: every scorer's declared inputs are produced by the rollout."""
@@ -136,8 +154,8 @@ def reward_summary(scored: ScoredBatch) -> dict[str, float]:
     for name, scores in scored.per_scorer.items():
         ok = torch.isfinite(scores)
         if ok.any():
-            out[f"reward/{name}/mean"] = float(scores[ok].mean())
+            out[f"reward/{name}/mean"] = float(scores[ok].double().mean())  # fp32 overflows
         out[f"reward/{name}/valid_frac"] = float(ok.float().mean())
     if scored.valid.any():
-        out["reward/mean"] = float(scored.rewards[scored.valid].mean())
+        out["reward/mean"] = float(scored.rewards[scored.valid].double().mean())
     return out

@@ -110,6 +110,9 @@ class FakeRewards:
     def check_inputs(self, produced: set[str]) -> None:
         assert "image" in produced
 
+    def observe_step(self, scored: ScoredBatch) -> None:
+        pass
+
     async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]:
         rewards = (traj.seeds % 3).float()  # differs within a group: non-zero advantages
         valid = torch.ones(len(traj), dtype=torch.bool)

@@ -57,3 +57,36 @@ def test_required_scorer_failure_stops_and_resume_continues(tiny_checkpoint, tmp
     trained = [r["step"] for r in rows if "actor/loss" in r]
     assert trained == [1, 2, 3, 4]  # no step lost, none repeated
     assert "reward/dies_after_two_calls/mean" in rows[1] and "reward/shapes/mean" in rows[-1]
+
+
+@register_scorer("always_fails")
+class AlwaysFails:
+    """An optional scorer whose server answers every request with an error."""
+
+    needs = frozenset({"image"})
+
+    def __init__(self) -> None:
+        self.name = "always_fails"
+
+    async def score(self, traj):
+        raise ConnectionError("reward server at 127.0.0.1:9 refused the connection")
+
+
+def test_optional_scorer_dead_for_n_steps_stops_the_run(tiny_checkpoint, tmp_path):
+    """Before: every sample missing, actor/skipped_empty = 1 at every step, exit 0."""
+    cfg = load_config(
+        "recipes/shapes_nft.yaml",
+        tiny_run(
+            tiny_checkpoint,
+            tmp_path,
+            6,
+            "reward.scorers=[{name: always_fails, required: false}]",
+            "reward.max_dead_steps=2",
+            "rollout.num_steps=2",
+            "run.eval_every=100",
+        ),
+    )
+    with pytest.raises(RewardFailure, match="'always_fails' failed for every sample 2 steps"):
+        asyncio.run(train(cfg))
+    rows = read_metrics(tmp_path / "shapes_nft")
+    assert [r["step"] for r in rows if "actor/skipped_empty" in r] == [1]  # stopped at step 2
