@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import sys
+from collections.abc import Callable
 
 from diffrl.errors import DiffrlError
 
@@ -51,12 +53,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
     try:
-        from diffrl.reward.http.server import serve
+        from diffrl.reward.http.server import ConnectionLimits, serve
     except ImportError as e:
         raise DiffrlError(
             f"serve-reward needs the server stack ({e.name} is missing): "
-            "pip install 'fastapi>=0.110' 'uvicorn>=0.29'"
+            "pip install 'diffrl[serve]' (fastapi, uvicorn, h11)"
         ) from None
+    # flags left unset keep the library defaults (ConnectionLimits, serve's max_decoded_mb)
+    given = {
+        "header_timeout_s": args.header_timeout_s,
+        "body_timeout_s": args.body_timeout_s,
+        "max_connections": args.max_connections,
+    }
+    limits = ConnectionLimits(**{k: v for k, v in given.items() if v is not None})
+    decoded = {} if args.max_decoded_mb is None else {"max_decoded_mb": args.max_decoded_mb}
     serve(
         args.scorer,
         host=args.host,
@@ -64,8 +74,26 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_body_mb=args.max_body_mb,
         params=_scorer_params(args.scorer_param),
+        limits=limits,
+        **decoded,
     )
     return 0
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type: a finite number > 0 (argparse turns the error into exit code 2)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            what = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -129,7 +157,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="non-loopback needs $DIFFRL_REWARD_TOKEN")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=256, help="most samples per request")
-    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body")
+    p.add_argument(
+        "--max-body-mb", type=_positive(float), default=64.0, help="largest request body"
+    )
+    p.add_argument(
+        "--max-decoded-mb",
+        type=_positive(float),
+        help="most decoded media per request, from the PNG headers (default 256)",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=_positive(float),
+        help="a socket's request head must arrive within this (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=_positive(float),
+        help="a request body must arrive within this of its head (default 60)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_positive(int),
+        help="most open sockets; past it the oldest idle one is closed (default 64)",
+    )
     p.add_argument(
         "--scorer-param",
         action="append",

@@ -1,17 +1,17 @@
 """A real reward server process for tests (shared by reward and controller tests).
 
-``serve_reward_process`` runs the `diffrl serve-reward` command itself. ``serve_reward_with``
-runs ``serve()``, the function that command calls, through this file's ``__main__`` so that a
-test can set the connection limits (which the command does not expose) and use the test
-scorers below. Each server's output goes to a file, never to a pipe nobody reads: a server
-that logs a lot would otherwise block on a full pipe.
+``serve_reward_cli`` runs the `diffrl serve-reward` command itself (``python -m diffrl.cli``)
+with any of its flags. For a test scorer below (``TEST_SCORERS``), which the command's registry
+does not hold, it runs this file instead, whose ``__main__`` registers them and then calls the
+same ``diffrl.cli.main``: the flags, checks and server are the command's own. Each server's
+output goes to a file, never to a pipe nobody reads: a server that logs a lot would otherwise
+block on a full pipe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -80,29 +79,22 @@ def _running(cmd: list[str], token: str, port: int) -> Iterator[RunningServer]:
 
 
 @contextlib.contextmanager
-def serve_reward_process(token: str, *args: str) -> Iterator[str]:
-    """Run `diffrl serve-reward --scorer shapes ARGS` on a free loopback port; yield its URL
-    once /health answers; stop it afterwards."""
+def serve_reward_cli(token: str, *args: str, scorer: str = "shapes") -> Iterator[RunningServer]:
+    """Run `diffrl serve-reward --scorer SCORER ARGS` on a free loopback port (an empty token:
+    no auth); yield it once /health answers; stop it afterwards."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "diffrl.cli", "serve-reward", "--scorer", "shapes"]
+    entry = [__file__] if scorer in TEST_SCORERS else ["-m", "diffrl.cli"]
+    cmd = [sys.executable, *entry, "serve-reward", "--scorer", scorer]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *args]
     with _running(cmd, token, port) as server:
-        yield server.url
+        yield server
 
 
 @contextlib.contextmanager
-def serve_reward_with(
-    token: str,
-    scorer: str = "shapes",
-    params: dict[str, Any] | None = None,
-    limits: dict[str, Any] | None = None,
-) -> Iterator[RunningServer]:
-    """Run ``serve(scorer, params=params, limits=ConnectionLimits(**limits))`` in a process on
-    a free loopback port (an empty token: no auth); yield it once /health answers."""
-    port = _free_port()
-    spec = {"scorer": scorer, "port": port, "params": params or {}, "limits": limits or {}}
-    with _running([sys.executable, __file__, json.dumps(spec)], token, port) as server:
-        yield server
+def serve_reward_process(token: str, *args: str) -> Iterator[str]:
+    """Run `diffrl serve-reward --scorer shapes ARGS`; yield its URL (see ``serve_reward_cli``)."""
+    with serve_reward_cli(token, *args) as server:
+        yield server.url
 
 
 # --- test scorers, registered only in the server process --------------------------------------
@@ -154,27 +146,13 @@ def journal_events(path: Path) -> list[tuple[str, float]]:
     return [(e, float(t)) for e, t in (line.split() for line in path.read_text().splitlines())]
 
 
-def _main(spec: dict[str, Any]) -> int:
-    import logging
+TEST_SCORERS = {"sleepy": SleepyScorer}
 
-    from diffrl.errors import DiffrlError
-    from diffrl.reward.http.server import ConnectionLimits, serve
+
+if __name__ == "__main__":  # `python reward_server.py serve-reward ...`: the CLI + test scorers
+    from diffrl.cli import main
     from diffrl.reward.scorer import register_scorer
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    register_scorer("sleepy")(SleepyScorer)
-    try:
-        serve(
-            spec["scorer"],
-            port=spec["port"],
-            params=spec["params"],
-            limits=ConnectionLimits(**spec["limits"]),
-        )
-    except DiffrlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(json.loads(sys.argv[1])))
+    for name, factory in TEST_SCORERS.items():
+        register_scorer(name)(factory)
+    sys.exit(main(sys.argv[1:]))

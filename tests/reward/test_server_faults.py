@@ -1,8 +1,9 @@
 """The reward server process under hostile load, on loopback: sockets that send nothing or
 trickle a request, a log flood, bodies that overflow integers or nest deep, PNGs that claim
 huge sizes, scorer input errors, clients that leave, and web pages that try to drive a server
-without a token. Each test drives a real server process (``serve()``, what `diffrl
-serve-reward` runs) with short deadlines, so the whole file takes seconds."""
+without a token. Each test drives a real `diffrl serve-reward` process, its deadlines cut to
+1 s by the command's own flags, so the whole file takes seconds; two processes serve the file.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from reward_server import RunningServer, journal_events, serve_reward_with
+from reward_server import RunningServer, journal_events, serve_reward_cli
 
+from diffrl.cli import main
 from diffrl.data.shapes import render, split_prompts
 from diffrl.reward.http import HttpScorer, RewardRequestRejected, RewardServerUnavailable, codec
 from diffrl.reward.scorer import ScoreResult
@@ -31,7 +33,9 @@ pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "fault-token-1"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-LIMITS = {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "keep_alive_s": 1.0}
+DEADLINES = ("--header-timeout-s", "1", "--body-timeout-s", "1")
+MAX_CONNECTIONS = 16
+MAX_DECODED_MB = 64
 DELAY_S = 1.0  # the sleepy scorer's time per batch
 TINY_PNG = codec.encode_png(np.zeros((4, 4, 3), np.uint8))
 ONE_IMAGE = f'"prompts": ["a red circle on the left"], "images": ["{TINY_PNG}"]'  # JSON inside
@@ -39,8 +43,10 @@ ONE_IMAGE = f'"prompts": ["a red circle on the left"], "images": ["{TINY_PNG}"]'
 
 @pytest.fixture(scope="module")
 def guarded() -> Iterator[RunningServer]:
-    """The shapes scorer behind a token, 1 s deadlines, at most 16 sockets."""
-    with serve_reward_with(TOKEN, limits={**LIMITS, "max_connections": 16}) as server:
+    """The shapes scorer behind a token, 1 s deadlines, at most 16 sockets, 64 MiB decoded."""
+    flags = (*DEADLINES, "--max-connections", str(MAX_CONNECTIONS))
+    flags += ("--max-decoded-mb", str(MAX_DECODED_MB))
+    with serve_reward_cli(TOKEN, *flags) as server:
         yield server
 
 
@@ -53,8 +59,8 @@ def journal(tmp_path_factory) -> Path:
 def open_server(journal) -> Iterator[RunningServer]:
     """No token (loopback only). The shapes scorer, but a batch whose first prompt starts with
     "sleep" (or "thread": in a thread) takes DELAY_S and is journaled as it starts and ends."""
-    params = {"delay_s": DELAY_S, "journal": str(journal)}
-    with serve_reward_with("", scorer="sleepy", params=params, limits=LIMITS) as server:
+    params = ("--scorer-param", f"delay_s={DELAY_S}", "--scorer-param", f"journal={journal}")
+    with serve_reward_cli("", *DEADLINES, *params, scorer="sleepy") as server:
         yield server
 
 
@@ -132,6 +138,7 @@ def test_idle_and_half_sent_sockets_are_closed_and_do_not_lock_out(guarded) -> N
     assert time.monotonic() - start < 3.0  # every socket closed by the 1 s deadline
     assert all(r == b"" or r.startswith(b"HTTP/1.1 408 Request Timeout") for r in replies)
     assert any(r.startswith(b"HTTP/1.1 408") for r in replies[-16:])  # a half head is told
+    assert "closing the oldest idle one" in guarded.log()  # --max-connections took effect
     for s in socks:
         s.close()
 
@@ -182,6 +189,23 @@ def test_a_flood_of_bad_requests_logs_a_few_lines(guarded) -> None:
     assert httpx.get(f"{guarded.url}/health", headers=AUTH).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--header-timeout-s", "0", "must be a finite number > 0, got '0'"),
+        ("--body-timeout-s", "nan", "must be a finite number > 0, got 'nan'"),
+        ("--max-decoded-mb", "inf", "must be a finite number > 0, got 'inf'"),
+        ("--max-connections", "-1", "must be an integer > 0, got '-1'"),
+        ("--max-connections", "2.5", "must be an integer > 0, got '2.5'"),
+    ],
+)
+def test_bad_limit_flags_exit_2_naming_the_flag(capsys, flag, value, message) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve-reward", "--scorer", "shapes", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
 # --- request bodies ------------------------------------------------------------------------------
 
 
@@ -206,12 +230,13 @@ def test_huge_png_sizes_are_refused_from_their_headers(guarded) -> None:
     big, large = png(8192), png(4096)
     cases = {  # (body, words of the 413); neither decodes a pixel
         "over 16777216 pixels": {"prompts": ["a"] * 4, "images": [big] * 4},  # 1 MB, 4 x 8192^2
-        "over the server's limit": {"prompts": ["a"] * 8, "images": [large] * 8},  # 8 x 4096^2
+        # 3 x 4096^2 is 144 MiB: within the default budget (256), over --max-decoded-mb 64
+        f"limit of {MAX_DECODED_MB << 20} bytes": {"prompts": ["a"] * 3, "images": [large] * 3},
     }
     for message, body in cases.items():
         r = httpx.post(f"{guarded.url}/score", json=body, headers=AUTH, timeout=10)
         assert r.status_code == 413 and message in r.json()["detail"], r.text
-    assert guarded.peak_rss_mib() - rss < 64  # decoding the second would take 400 MiB
+    assert guarded.peak_rss_mib() - rss < 64  # decoding the second would take 144 MiB
 
 
 def test_a_scorer_refusing_its_input_is_a_422_not_retried(open_server) -> None:

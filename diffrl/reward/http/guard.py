@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -49,8 +50,9 @@ class ConnectionLimits:
     max_head_bytes: int = 16 << 10  # request line + headers (h11; 400 beyond)
 
     def __post_init__(self) -> None:
-        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
-            raise ValueError(f"{self}: timeouts must be > 0")
+        timeouts = (self.header_timeout_s, self.body_timeout_s, self.keep_alive_s)
+        if not all(0 < t < math.inf for t in timeouts):  # NaN fails too
+            raise ValueError(f"{self}: timeouts must be finite and > 0")
         if self.max_connections < 1 or self.max_head_bytes < 1024:
             raise ValueError(f"{self}: max_connections >= 1 and max_head_bytes >= 1024")
 

@@ -505,8 +505,10 @@ def serve(
     check_bind(host, token)
     if max_batch < 1:
         raise DiffrlError(f"--max-batch={max_batch}: must be >= 1")
-    if not max_body_mb > 0 or not max_decoded_mb > 0:
-        raise DiffrlError(f"--max-body-mb={max_body_mb}, max_decoded_mb={max_decoded_mb}: > 0")
+    if not all(0 < mb < math.inf for mb in (max_body_mb, max_decoded_mb)):  # NaN fails too
+        raise DiffrlError(
+            f"--max-body-mb={max_body_mb}, --max-decoded-mb={max_decoded_mb}: must be finite, > 0"
+        )
     limits = limits or ConnectionLimits()
     try:
         scorer = build_scorer(scorer_name, params)
