@@ -57,7 +57,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise DiffrlError(
             f"serve-reward needs the server stack ({e.name} is missing): "
-            "pip install 'diffrl[serve]' (fastapi, uvicorn, h11)"
+            "pip install -e '.[serve]' (fastapi, uvicorn, h11)"
         ) from None
     # flags left unset keep the library defaults (ConnectionLimits, serve's max_decoded_mb)
     given = {
