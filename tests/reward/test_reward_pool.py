@@ -11,7 +11,6 @@ import pytest
 import torch
 from shapes_images import square_off_one_blob
 
-from diffrl.data.prompts import PromptSet
 from diffrl.data.shapes import parse_prompt, render, split_prompts
 from diffrl.errors import DiffrlError
 from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig
@@ -22,6 +21,7 @@ from diffrl.reward.scorer import (
     register_scorer,
     registered_scorers,
 )
+from diffrl.tasks import Prompt, PromptSet
 from diffrl.types import Trajectory
 
 N = 4
@@ -77,7 +77,7 @@ def _badshape():
 
 
 def make_traj(n: int = N, fields=("image",)) -> Trajectory:
-    ps = PromptSet(split_prompts("train")[:n], _tok())
+    ps = PromptSet([Prompt(p.text) for p in split_prompts("train")[:n]], _tokenize)
     extra = {"image": torch.zeros(n, 32, 32, 3, dtype=torch.uint8)}
     return Trajectory(
         prompts=ps.all(),
@@ -90,10 +90,11 @@ def make_traj(n: int = N, fields=("image",)) -> Trajectory:
     )
 
 
-def _tok():
-    from diffrl.data.tokenizer import WordTokenizer
+def _tokenize(texts):
+    from diffrl.models.families.tiny_dit import TinyDiTFamily
+    from diffrl.models.tiny_dit import TinyDiTConfig
 
-    return WordTokenizer()
+    return TinyDiTFamily(TinyDiTConfig()).tokenize(texts)
 
 
 def pool(*scorers: ScorerConfig) -> RewardPool:
@@ -254,7 +255,7 @@ def test_shapes_scorer_graded_credits_part_of_a_constraint() -> None:
     good = render(prompt, np.random.default_rng(6))
     bad = good.copy()
     square_off_one_blob(bad, "red")
-    ps = PromptSet([prompt, prompt], _tok())
+    ps = PromptSet([Prompt(prompt.text)] * 2, _tokenize)
     traj = replace(make_traj(2), prompts=ps.all()).with_fields(
         image=torch.from_numpy(np.stack([good, bad]))
     )
