@@ -34,6 +34,20 @@ from diffrl.models.family import EncodeCache, Shared
 # --- pipeline directories -------------------------------------------------------------------
 
 
+# The projections of diffusers' joint (MMDiT-style) attention, image and text streams alike:
+# the LoRA targets SD3, FLUX and Qwen-Image share; each family adds its own MLP names.
+JOINT_ATTENTION_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
 def _layout(components: dict[str, str]) -> str:
     lines = ["  model_index.json"] + [f"  {sub}/  ({what})" for sub, what in components.items()]
     return "\n".join(lines)

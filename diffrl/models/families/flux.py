@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
+    JOINT_ATTENTION_TARGETS,
     TINY_WORDS,
     DiffusersNet,
     check_pipeline_dir,
@@ -40,14 +41,7 @@ from diffrl.types import images_to_uint8
 # attention and the MLP up-projection. The single blocks' ``proj_out`` is left out: its name is
 # also the transformer's final layer's, and a suffix target would catch both.
 LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+    *JOINT_ATTENTION_TARGETS,
     "ff.net.0.proj",
     "ff.net.2",
     "proj_mlp",

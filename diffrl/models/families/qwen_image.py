@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
+    JOINT_ATTENTION_TARGETS,
     TINY_WORDS,
     DiffusersNet,
     check_pipeline_dir,
@@ -46,14 +47,7 @@ from diffrl.types import images_to_uint8
 # Module-name suffixes under net.transformer: both streams' attention and MLPs, never the
 # AdaLN modulation (img_mod / txt_mod) or the embedders.
 LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+    *JOINT_ATTENTION_TARGETS,
     "img_mlp.net.0.proj",
     "img_mlp.net.2",
     "txt_mlp.net.0.proj",

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
+    JOINT_ATTENTION_TARGETS,
     TINY_WORDS,
     DiffusersNet,
     check_pipeline_dir,
@@ -41,14 +42,7 @@ from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
 
 LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+    *JOINT_ATTENTION_TARGETS,
     "ff.net.0.proj",
     "ff.net.2",
 )
