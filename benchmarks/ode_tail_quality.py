@@ -17,9 +17,9 @@ import argparse
 import dataclasses
 
 import torch
+from diffrl.controller.build import build
 
 from diffrl.config import load_config
-from diffrl.controller.build import build
 from diffrl.data.shapes import parse_prompt, score_batch
 from diffrl.rollout.engine import RolloutEngine, sample_seeds
 from diffrl.rollout.samplers import coarse_tail, sde_window, sigma_schedule
@@ -66,7 +66,6 @@ def main() -> None:
         engine.model,
         dataclasses.replace(engine.cfg, ode_dtype="bfloat16"),
         [],
-        engine.null_id,
         engine.device,
     )
     ok, x0 = sample(full, low)

@@ -21,12 +21,11 @@ import numpy as np
 
 from diffrl.actor.checkpoint import latest_checkpoint, load_checkpoint
 from diffrl.config import load_config
-from diffrl.controller.build import build
-from diffrl.controller.evaluate import evaluate
-from diffrl.data.prompts import PromptSet
-from diffrl.data.shapes import parse_prompt, score_batch, split_prompts
+from diffrl.controller.engines import build
+from diffrl.data.shapes import parse_prompt, score_batch
 from diffrl.models.registry import load_model
 from diffrl.rollout.samplers import guided_velocity
+from diffrl.tasks import PromptSet
 
 SIGMA_RANGES = ((0, 2), (0.75, 2), (0.65, 2), (0.45, 2), (0, 0.75), (-1, -1))
 
@@ -42,7 +41,10 @@ async def accuracy(parts, engine, prompts, per: int | None) -> dict[str, float]:
     data = parts.cfg.data
     per = per or data.eval_samples_per_prompt
     steps = parts.cfg.rollout.eval_num_steps
-    return (await evaluate(engine, prompts, per, data.eval_seed, steps))[0]
+    traj = await engine.generate(
+        prompts.all(), data.eval_seed, group_size=per, sampler="ode", num_steps=steps
+    )
+    return (await parts.task.evaluate(traj, parts.rewards)).metrics
 
 
 def fmt(metrics: dict[str, float]) -> str:
@@ -50,7 +52,7 @@ def fmt(metrics: dict[str, float]) -> str:
 
 
 async def gap(parts, run_dir: Path, args) -> None:
-    train = PromptSet(split_prompts("train"), parts.tokenizer)
+    train = PromptSet(parts.task.prompts("train"), parts.rollout.family.tokenize)
     for tag in ("base", "trained"):
         if tag == "trained":
             print("checkpoint step", load_trained(parts, run_dir))
@@ -61,7 +63,7 @@ async def gap(parts, run_dir: Path, args) -> None:
 
 
 async def branch(parts, run_dir: Path, args) -> None:
-    train = PromptSet(split_prompts("train"), parts.tokenizer)
+    train = PromptSet(parts.task.prompts("train"), parts.rollout.family.tokenize)
     for tag in ("base", "trained"):
         if tag == "trained":
             load_trained(parts, run_dir)
@@ -97,7 +99,7 @@ async def where(parts, run_dir: Path, args) -> None:
 
         def velocity(x, sigma, ids, lo=lo, hi=hi):
             model = trained.model if lo <= float(sigma[0]) < hi else base
-            return guided_velocity(model, x, sigma, ids, 1.0, trained.null_id)
+            return guided_velocity(model, x, sigma, ids, 1.0, trained.null_ids)
 
         trained.velocity = velocity  # this probe's engine only
         m = await accuracy(parts, trained, parts.eval_set, args.per)
