@@ -27,6 +27,7 @@ FAMILY_MODULES = {
     "flux": "diffrl.models.families.flux",
     "qwen_image": "diffrl.models.families.qwen_image",
     "wan": "diffrl.models.families.wan",
+    "ltx2": "diffrl.models.families.ltx2",
 }
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -44,6 +45,8 @@ PRESET_FAMILY = {
     "qwen-image-tiny": "qwen_image",
     "wan2.1-1.3b": "wan",
     "wan-tiny": "wan",
+    "ltx2": "ltx2",
+    "ltx2-tiny": "ltx2",
 }
 
 

@@ -1,0 +1,599 @@
+"""LTX-2 as a model family for text -> video + audio: ``LTX2VideoTransformer3DModel`` on Gemma-3.
+
+What the family owns, and where diffusers' ``LTX2Pipeline`` says it:
+
+- **Presentation, once** (contract 3). The pipeline strips each prompt and tokenizes it with
+  Gemma's tokenizer (``<bos>`` prepended), padded on the LEFT to a fixed ``max_sequence_length``
+  (1024). There is no chat template for generation (the one in ``enhance_prompt`` is an opt-in
+  prompt rewriter, not the conditioning), so ``tokenize`` applies strip + ``<bos>`` and nothing
+  else; ``null_ids`` is the empty prompt, the pipeline's default negative prompt.
+- **Text conditions, once per prompt.** Gemma-3's hidden states of every layer (embeddings
+  included) stacked and flattened, ``(L, hidden * (layers + 1))``, go through
+  ``LTX2TextConnectors`` (frozen, like the encoder), which give the video and the audio stream
+  their own text tokens and the mask the transformer uses. The cache keeps those three tensors.
+- **Time** ("sigma_x1000"). The pipeline feeds ``FlowMatchEulerDiscreteScheduler``'s timestep,
+  1000 * sigma, as ``timestep`` (and as ``sigma``, which LTX-2.3's prompt modulation reads), and
+  steps with ``x += (sigma_next - sigma) * v``: the output is d x / d sigma = eps - x0 (+1).
+- **One sigma for both modalities.** The pipeline runs the audio latents on a deep copy of the
+  same scheduler with the same sigmas, so video and audio always share sigma. The family's one
+  canonical sigma per sample is therefore exactly what LTX-2 is trained on: ``timestep`` and
+  ``audio_timestep`` (and the cross-modal ``use_cross_timestep`` sigmas) are all 1000 * sigma,
+  and the flow-matching target eps - x0 holds on the concatenation as on each part.
+- **Latents: one flat vector per sample**, ``x = (D,)`` with ``D = D_video + D_audio``:
+  ``x[:D_video]`` is the video latent ``(C, F, h, w)`` of ``AutoencoderKLLTX2Video`` (F =
+  (T-1)/8 + 1, h = H/32 at real size), normalised ``(z - mean) * scaling / std`` as the pipeline
+  does; ``x[D_video:]`` is the audio latent ``(C_a, L_a, M_a)`` of ``AutoencoderKLLTX2Audio``
+  (L_a = round(T / fps * sample_rate / hop / 4) latent frames, M_a = mel_bins / 4), normalised
+  in the packed ``(L_a, C_a * M_a)`` layout the pipeline normalises in. The net unflattens both,
+  packs them into the transformer's video and audio tokens with the pipeline's own
+  ``_pack_latents`` / ``_pack_audio_latents``, and flattens both velocities back.
+- **Media.** ``decode`` runs the video VAE (the clip (B, T, H, W, 3) uint8, its ``fps``, its
+  middle frame as ``image``) and the audio chain the pipeline runs: audio VAE -> mel
+  spectrogram -> ``LTX2Vocoder`` -> a stereo waveform, averaged to mono ``audio`` (B, samples)
+  float32 in [-1, 1] with its ``sample_rate`` (the vocoder's output rate, 24 kHz at real size).
+- **Serving layout** (contract 2). Video and audio self-attention (``attn1``, ``audio_attn1``:
+  q, k and v read the same input, so a fused QKV is sound) held as one ``to_qkv`` weight; the
+  cross-attentions (text, a2v, v2a) read another input for k/v and stay unfused. Both FFN
+  up-projections are held as two row shards in swapped order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+import torch
+from torch import Tensor, nn
+
+from diffrl.errors import ConfigError
+from diffrl.models.families._diffusers import (
+    TINY_WORDS,
+    DiffusersNet,
+    check_pipeline_dir,
+    load_component,
+    missing_error,
+    random_component,
+    save_pipeline_dir,
+    tokenize_padded,
+)
+from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
+from diffrl.sync.weights import SlotMap
+
+# Every attention of an LTX2VideoTransformerBlock: self (video, audio), text cross (video,
+# audio), and the cross-modal pair (a2v: video queries audio; v2a: audio queries video).
+ATTENTIONS = (
+    "attn1",
+    "audio_attn1",
+    "attn2",
+    "audio_attn2",
+    "audio_to_video_attn",
+    "video_to_audio_attn",
+)
+# peft matches a suffix at a dot, so "attn1.to_q" does not also match "audio_attn1.to_q"
+LORA_TARGETS = tuple(
+    f"{attn}.{proj}" for attn in ATTENTIONS for proj in ("to_q", "to_k", "to_v", "to_out.0")
+) + ("ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2")
+COMPONENTS = {
+    "transformer": "LTX2VideoTransformer3DModel",
+    "text_encoder": "Gemma3ForConditionalGeneration",
+    "tokenizer": "GemmaTokenizerFast",
+    "connectors": "LTX2TextConnectors",
+    "vae": "AutoencoderKLLTX2Video",
+    "audio_vae": "AutoencoderKLLTX2Audio",
+    "vocoder": "LTX2Vocoder",
+}
+PIPELINE = "LTX2Pipeline"
+SELF_ATTENTIONS = ("attn1", "audio_attn1")
+FFN_UP = ("ff.net.0.proj", "audio_ff.net.0.proj")
+
+_GEMMA3_12B = dict(  # google/gemma-3-12b-it, as LTX-2 ships it (48 layers, 3840 wide)
+    text_config=dict(
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        sliding_window=1024,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+    vision_config=dict(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=896,
+        patch_size=14,
+    ),
+    mm_tokens_per_image=256,
+)
+
+# ltx2 at real size: the LTX-2.0 19 B audio-video transformer (the class defaults, which are the
+# 2.0 conversion config), Gemma-3-12B, and the VAE/vocoder of the 2.0 conversion script.
+# 121 frames at 512 x 512 are 16 x 16 x 16 = 4096 video tokens plus 126 audio tokens.
+PRESETS: dict[str, dict] = {
+    "ltx2": dict(
+        transformer=dict(),
+        text_encoder=_GEMMA3_12B,
+        connectors=dict(),  # 3840 wide, 49 = 48 + 1 hidden states, 128 registers
+        vae=dict(spatial_compression_ratio=32, temporal_compression_ratio=8, decoder_causal=False),
+        audio_vae=dict(),  # 8 latent channels, 64 mel bins, 16 kHz with hop 160
+        vocoder=dict(),  # 24 kHz out: 100 mel frames/s * 6*5*2*2*2
+        resolution=512,
+        frames=121,
+        max_text_len=1024,
+        fps=24.0,
+    ),
+    "ltx2-tiny": dict(
+        transformer=dict(
+            in_channels=8,
+            out_channels=8,
+            num_attention_heads=2,
+            attention_head_dim=16,
+            cross_attention_dim=32,
+            vae_scale_factors=(2, 8, 8),
+            audio_in_channels=16,  # C_a * M_a = 4 * (16 / 4)
+            audio_out_channels=16,
+            audio_num_attention_heads=2,
+            audio_attention_head_dim=8,
+            audio_cross_attention_dim=16,
+            num_layers=2,
+            caption_channels=32,
+        ),
+        text_encoder=dict(
+            text_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                sliding_window=16,
+                max_position_embeddings=64,
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            mm_tokens_per_image=4,
+        ),
+        connectors=dict(
+            caption_channels=32,
+            text_proj_in_factor=3,  # 2 layers + the embeddings
+            video_connector_num_attention_heads=2,
+            video_connector_attention_head_dim=16,
+            video_connector_num_layers=1,
+            video_connector_num_learnable_registers=8,
+            audio_connector_num_attention_heads=2,
+            audio_connector_attention_head_dim=16,
+            audio_connector_num_layers=1,
+            audio_connector_num_learnable_registers=8,
+            connector_rope_base_seq_len=32,
+        ),
+        vae=dict(  # x8 spatial (patch 4, one down block), x2 temporal
+            latent_channels=8,
+            block_out_channels=(8,),
+            decoder_block_out_channels=(8,),
+            layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1),
+            spatio_temporal_scaling=(True,),
+            decoder_spatio_temporal_scaling=(True,),
+            decoder_inject_noise=(False, False),
+            downsample_type=("spatiotemporal",),
+            upsample_type=("spatiotemporal",),
+            upsample_residual=(False,),
+            upsample_factor=(1,),
+            patch_size=4,
+            decoder_causal=False,
+        ),
+        audio_vae=dict(  # latents_mean has base_channels entries: = C_a * M_a = 4 * 4
+            base_channels=16,
+            ch_mult=(1, 2, 2),
+            num_res_blocks=1,
+            resolution=32,
+            latent_channels=4,
+            mel_bins=16,
+        ),
+        vocoder=dict(  # 100 mel frames/s * 4*4*10 = 16 kHz, the rate it claims
+            in_channels=32,  # 2 mel channels (stereo) * 16 mel bins
+            hidden_channels=32,
+            upsample_kernel_sizes=[8, 8, 20],
+            upsample_factors=[4, 4, 10],
+            resnet_kernel_sizes=[3],
+            resnet_dilations=[[1, 3]],
+            output_sampling_rate=16000,
+        ),
+        resolution=32,
+        frames=9,  # 9 frames at 24 fps: 0.375 s of video, 9 audio latent frames (0.33 s)
+        max_text_len=16,
+        fps=24.0,
+    ),
+}
+# the pipeline's defaults: 121 frames at 512 x 768 (here square) and 24 fps, 1024 text tokens
+DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN, DEFAULT_FPS = 512, 121, 1024, 24.0
+
+
+def present(text: str) -> str:
+    """The one presentation of a prompt: the pipeline's ``p.strip()`` (``<bos>`` is added by
+    the tokenizer's own post-processor, as Gemma's is)."""
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the two latents sit in one sample's flat x, and the clip they decode to."""
+
+    video: tuple[int, int, int, int]  # (C, F, h, w) latent
+    audio: tuple[int, int, int]  # (C_a, L_a, M_a) latent
+    fps: float
+
+    @property
+    def split(self) -> tuple[int, int]:
+        return prod(self.video), prod(self.audio)
+
+    def unflatten(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, D) -> video (B, C, F, h, w), audio (B, C_a, L_a, M_a)."""
+        v, a = x.split(self.split, dim=1)
+        return v.reshape(-1, *self.video), a.reshape(-1, *self.audio)
+
+
+def _pipeline():
+    # the pipeline's own (static) pack/unpack and (de)normalisation, reused rather than copied
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
+
+    return LTX2Pipeline
+
+
+class LTX2Net(DiffusersNet):
+    """forward(x (B, D), 1000 sigma (B,), input_ids (B, L)) -> eps - x0 as (B, D)."""
+
+    def __init__(self, transformer, text_encoder, connectors, vae, audio_vae, vocoder, pad_id):
+        super().__init__(
+            transformer,
+            text_encoder=text_encoder,
+            connectors=connectors,
+            vae=vae,
+            audio_vae=audio_vae,
+            vocoder=vocoder,
+        )
+        self.pad_id = pad_id
+        self.geometry: Geometry | None = None  # set by the family once the sample size is known
+
+    def encode_uncached(self, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Gemma-3's per-layer hidden states through the connectors (``_get_gemma_prompt_embeds``
+        then ``connectors(..., padding_side="left")``): video text (b, L, d), audio text
+        (b, L, d_a), and the (b, L) mask the transformer attends with."""
+        mask = (input_ids != self.pad_id).long()  # (b, L), left-padded
+        out = self.frozen.text_encoder(
+            input_ids=input_ids, attention_mask=mask, output_hidden_states=True
+        )
+        embeds = torch.stack(out.hidden_states, dim=-1).flatten(2, 3)  # (b, L, hidden * layers)
+        return self.frozen.connectors(embeds, mask, padding_side="left")
+
+    def forward(self, x: Tensor, t: Tensor, input_ids: Tensor) -> Tensor:
+        video_txt, audio_txt, txt_mask = self.conditions(input_ids, dtype=x.dtype)
+        g, cfg, pipe = self.geometry, self.transformer.config, _pipeline()
+        video, audio = g.unflatten(x)
+        _, f, h, w = g.video
+        _, frames_a, mels_a = g.audio
+        out_v, out_a = self.transformer(
+            hidden_states=pipe._pack_latents(video, cfg.patch_size, cfg.patch_size_t),
+            audio_hidden_states=pipe._pack_audio_latents(audio),  # (B, L_a, C_a * M_a)
+            encoder_hidden_states=video_txt,
+            audio_encoder_hidden_states=audio_txt,
+            timestep=t,  # audio_timestep defaults to it: one sigma for both modalities
+            sigma=t,  # as the pipeline passes it (LTX-2.3's prompt modulation reads it)
+            encoder_attention_mask=txt_mask,
+            audio_encoder_attention_mask=txt_mask,
+            num_frames=f,
+            height=h,
+            width=w,
+            fps=g.fps,
+            audio_num_frames=frames_a,
+            use_cross_timestep=True,  # the pipeline's default (equal sigmas: same either way)
+            return_dict=False,
+        )
+        p, p_t = cfg.patch_size, cfg.patch_size_t
+        out_v = pipe._unpack_latents(out_v, f // p_t, h // p, w // p, p, p_t)
+        out_a = pipe._unpack_audio_latents(out_a, frames_a, mels_a)
+        return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
+
+
+class LTX2Family:
+    name = "ltx2"
+    native_convention = "sigma_x1000"
+    lora_targets = LORA_TARGETS
+    media = frozenset({"video", "fps", "image", "audio", "sample_rate"})
+
+    def __init__(
+        self, tokenizer, net: LTX2Net, resolution: int, frames: int, max_text_len: int, fps: float
+    ):
+        self.tokenizer, self.net = tokenizer, net
+        self.resolution, self.frames, self.max_text_len = resolution, frames, max_text_len
+        vae, audio_vae = net.frozen.vae, net.frozen.audio_vae
+        cfg = net.transformer.config
+        s, s_t = vae.spatial_compression_ratio, vae.temporal_compression_ratio
+        if (frames - 1) % s_t or resolution % (s * cfg.patch_size):
+            raise ConfigError(
+                f"ltx2: frames {frames} must be 1 + a multiple of {s_t}, and resolution "
+                f"{resolution} a multiple of {s * cfg.patch_size} "
+                f"(VAE x{s}, patch {cfg.patch_size})"
+            )
+        a = audio_vae.config
+        per_second = a.sample_rate / a.mel_hop_length / audio_vae.temporal_compression_ratio
+        video = (
+            vae.config.latent_channels,
+            (frames - 1) // s_t + 1,
+            resolution // s,
+            resolution // s,
+        )
+        audio = (a.latent_channels, round(frames / fps * per_second), a.mel_bins // 4)
+        if cfg.in_channels != video[0] * cfg.patch_size**2 * cfg.patch_size_t:
+            raise ConfigError(f"ltx2: transformer in_channels {cfg.in_channels} vs VAE {video}")
+        if cfg.audio_in_channels != audio[0] * audio[2]:
+            raise ConfigError(
+                f"ltx2: transformer audio_in_channels {cfg.audio_in_channels} != audio latent "
+                f"channels x mel bins {audio[0]} x {audio[2]}"
+            )
+        if video[1] % cfg.patch_size_t:
+            raise ConfigError(f"ltx2: {video[1]} latent frames vs patch_size_t {cfg.patch_size_t}")
+        net.geometry = Geometry(video, audio, float(fps))
+        self.fps, self.sample_rate = (
+            float(fps),
+            float(net.frozen.vocoder.config.output_sampling_rate),
+        )
+
+    # --- contract 3 ---------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str]) -> TokenBatch:
+        ids, mask = tokenize_padded(self.tokenizer, [present(t) for t in texts], self.max_text_len)
+        return TokenBatch(ids, mask, hash_rows(ids))
+
+    def null_ids(self) -> Tensor:
+        return self.tokenize([""]).input_ids[0]  # the pipeline's default negative prompt
+
+    # --- shapes and media ---------------------------------------------------------------
+    @property
+    def geometry(self) -> Geometry:
+        return self.net.geometry
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return (sum(self.geometry.split),)
+
+    def _video_stats(self, like: Tensor) -> tuple[Tensor, Tensor, float]:
+        vae = self.net.frozen.vae
+        view = (1, -1, 1, 1, 1)
+        return (
+            vae.latents_mean.view(view).to(like),
+            vae.latents_std.view(view).to(like),
+            vae.config.scaling_factor,
+        )
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> dict[str, Tensor]:
+        """(B, D) -> the clip, its fps and middle frame, and its mono waveform and rate."""
+        f = self.net.frozen
+        g, pipe = self.geometry, _pipeline()
+        video, audio = g.unflatten(latents.to(next(f.vae.parameters())))
+        mean, std, scale = self._video_stats(video)
+        timestep = None  # decode_timestep 0 with no decode noise, as the pipeline's defaults
+        if f.vae.config.timestep_conditioning:
+            timestep = torch.zeros(video.shape[0]).to(video)
+        clip = f.vae.decode(video * std / scale + mean, timestep, return_dict=False)[0]
+        clip = ((clip.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        clip = clip.permute(0, 2, 3, 4, 1).cpu()  # (B, T, H, W, 3)
+        # audio: denormalised in the packed layout the pipeline normalises in
+        packed = pipe._pack_audio_latents(audio)  # (B, L_a, C_a * M_a)
+        packed = pipe._denormalize_audio_latents(
+            packed, f.audio_vae.latents_mean, f.audio_vae.latents_std
+        )
+        z = pipe._unpack_audio_latents(packed, g.audio[1], g.audio[2])
+        mel = f.audio_vae.decode(z.to(next(f.audio_vae.parameters())), return_dict=False)[0]
+        wave = f.vocoder(mel.to(next(f.vocoder.parameters())))  # (B, channels, samples)
+        wave = wave.float().mean(dim=1).clamp(-1, 1).cpu()  # stereo -> mono (B, samples)
+        b = clip.shape[0]
+        return {
+            "video": clip,
+            "fps": torch.full((b,), self.fps),
+            "image": clip[:, clip.shape[1] // 2],
+            "audio": wave,
+            "sample_rate": torch.full((b,), self.sample_rate),
+        }
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        """(B, 3, T, H, W) clips in [-1, 1] (an image (B, 3, H, W) is a still clip of
+        ``frames`` frames) -> (B, D). Pixels carry no sound: the audio part is 0, the mean of
+        the normalised audio latents."""
+        vae = self.net.frozen.vae
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2).expand(-1, -1, self.frames, -1, -1)
+        z = vae.encode(pixels.to(next(vae.parameters()))).latent_dist.mode()
+        mean, std, scale = self._video_stats(z)
+        video = ((z - mean) * scale / std).flatten(1)
+        return torch.cat([video, video.new_zeros(video.shape[0], self.geometry.split[1])], dim=1)
+
+    # --- contract 2 and cost ------------------------------------------------------------
+    def serving_layout(self, model: nn.Module) -> SlotMap:
+        n = len(model.net.transformer.transformer_blocks)
+        blocks = [f"net.transformer.transformer_blocks.{i}" for i in range(n)]
+        # LTX2Attention's processor always calls to_q/to_k/to_v: the fused weight is the one
+        # tensor the sync writes, and RowViews of it stand where q, k and v stood
+        qkv = fuse_qkv(model, [f"{b}.{a}" for b in blocks for a in SELF_ATTENTIONS])
+        ffn = split_swapped(model, [f"{b}.{u}" for b in blocks for u in FFN_UP], n_shards=2)
+        return merge(qkv, ffn)
+
+    def flops(self, batch: int) -> float:
+        """One transformer forward (Gemma and the connectors run once per prompt, cached): the
+        Linears at 2 FLOPs per weight per token, attention 4 N_q N_k d per attention."""
+        cfg = self.net.transformer.config
+        d = cfg.num_attention_heads * cfg.attention_head_dim
+        d_a = cfg.audio_num_attention_heads * cfg.audio_attention_head_dim
+        c, f, h, w = self.geometry.video
+        n = f * h * w // (cfg.patch_size**2 * cfg.patch_size_t)
+        n_a, n_t = self.geometry.audio[1], self.max_text_len
+        video = 2 * n * (4 * d * d) * 2 + 2 * n * 2 * (4 * d) * d + 2 * n_t * 2 * d * d
+        audio = 2 * n_a * (4 * d_a * d_a) * 2 + 2 * n_a * 2 * (4 * d_a) * d_a
+        audio += 2 * n_t * 2 * d_a * d_a
+        cross = 2 * (n + n_a) * (2 * d * d_a + 2 * d_a * d_a)  # a2v and v2a projections
+        attn = 4 * (n * n * d + n * n_t * d + n_a * n_a * d_a + n_a * n_t * d_a + 2 * n * n_a * d_a)
+        io = 2 * n * d * (cfg.in_channels + cfg.out_channels) + 2 * n_a * d_a * 2 * c
+        return float(batch * (cfg.num_layers * (video + audio + cross + attn) + io))
+
+
+# --- building ---------------------------------------------------------------------------------
+
+
+def build(
+    transformer,
+    text_encoder,
+    connectors,
+    vae,
+    audio_vae,
+    vocoder,
+    tokenizer,
+    resolution: int,
+    frames: int,
+    max_text_len: int,
+    fps: float = DEFAULT_FPS,
+    convention: str = "",
+) -> FamilyModel:
+    tokenizer.padding_side = "left"  # "Gemma expects left padding" (the pipeline sets it too)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    net = LTX2Net(
+        transformer, text_encoder, connectors, vae, audio_vae, vocoder, tokenizer.pad_token_id
+    )
+    family = LTX2Family(tokenizer, net, resolution, frames, max_text_len, fps)
+    return FamilyModel(net, family, convention)
+
+
+_GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's own ids 0..3
+
+
+def tiny_tokenizer(max_len: int, words=TINY_WORDS):
+    """A word-level Gemma-style tokenizer: Gemma's specials at Gemma's ids, ``<bos>`` prepended,
+    left padding. (``_diffusers.word_tokenizer`` knows CLIP, T5 and Qwen; Gemma's bos-only
+    template is these few lines, kept here rather than growing that shared function.)"""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([*_GEMMA_SPECIALS, *sorted(set(words))])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(_GEMMA_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=max_len,
+        padding_side="left",
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
+
+
+def _classes() -> dict[str, type]:
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers import LTX2VideoTransformer3DModel as Transformer
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3ForConditionalGeneration
+
+    return dict(
+        transformer=Transformer,
+        text_encoder=Gemma3ForConditionalGeneration,
+        connectors=LTX2TextConnectors,
+        vae=AutoencoderKLLTX2Video,
+        audio_vae=AutoencoderKLLTX2Audio,
+        vocoder=LTX2Vocoder,
+    )
+
+
+def _random(preset: str, dtype: torch.dtype, device: torch.device) -> dict:
+    spec = PRESETS[preset]
+    tok = tiny_tokenizer(spec["max_text_len"])
+    te = {k: dict(v) if isinstance(v, dict) else v for k, v in spec["text_encoder"].items()}
+    if preset != "ltx2":  # the real preset keeps Gemma's vocabulary; the tiny one the word list
+        te["text_config"]["vocab_size"] = len(tok)
+        # Gemma-3's image token ids must lie inside the vocabulary
+        te |= dict(image_token_index=len(tok) - 1, boi_token_index=2, eoi_token_index=1)
+    parts = {
+        sub: random_component(cls, te if sub == "text_encoder" else spec[sub], dtype, device)
+        for sub, cls in _classes().items()
+    }
+    return {**parts, "tokenizer": tok}
+
+
+def tiny_components(preset: str = "ltx2-tiny") -> dict[str, object]:
+    """Random components of ``preset`` on the CPU in fp32, for ``save_pipeline_dir``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    parts = _random(preset, torch.float32, torch.device("cpu"))
+    # the shift the pipeline reads (base_shift 0.95, max_shift 2.05 over 1024..4096 tokens)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05
+    )
+    return {**parts, "scheduler": scheduler}
+
+
+def save_tiny(path, preset: str = "ltx2-tiny"):
+    return save_pipeline_dir(path, tiny_components(preset), PIPELINE)
+
+
+def _check_classes(root) -> None:
+    """Refuse a directory whose vocoder or text encoder is another LTX-2 generation's (2.3's
+    ``LTX2VocoderWithBWE``, 2.5's Gemma-4): this family is written against LTX-2.0's."""
+    index = json.loads((root / "model_index.json").read_text())
+    for sub in ("text_encoder", "vocoder"):
+        name = (index.get(sub) or [None, None])[1]
+        if name is None:
+            raise missing_error(root, "ltx2", COMPONENTS, [f"{sub} in model_index.json"])
+        if name != COMPONENTS[sub]:
+            raise ConfigError(
+                f"{root}: {sub} is {name}; the 'ltx2' family loads LTX-2.0's {COMPONENTS[sub]}"
+            )
+
+
+def load(cfg, device: torch.device) -> FamilyModel:
+    """From a local pipeline directory (``cfg.path``) or a preset with random weights."""
+    from transformers import AutoTokenizer
+
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path:
+        root = check_pipeline_dir(cfg.path, "ltx2", COMPONENTS)
+        _check_classes(root)
+        parts = {
+            sub: load_component(root, sub, cls, dtype, device) for sub, cls in _classes().items()
+        }
+        parts["tokenizer"] = load_component(root, "tokenizer", AutoTokenizer, dtype, device)
+        defaults = (DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN, DEFAULT_FPS)
+    elif cfg.preset in PRESETS:
+        parts = _random(cfg.preset, dtype, device)
+        spec = PRESETS[cfg.preset]
+        defaults = (spec["resolution"], spec["frames"], spec["max_text_len"], spec["fps"])
+    else:
+        raise ConfigError(
+            f"model family 'ltx2' needs model.path (a diffusers directory) or model.preset "
+            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
+        )
+    return build(
+        **parts,
+        resolution=cfg.resolution or defaults[0],
+        frames=cfg.frames or defaults[1],
+        max_text_len=cfg.max_text_len or defaults[2],
+        fps=defaults[3],
+        convention=cfg.convention,
+    )
