@@ -27,6 +27,7 @@ FAMILY_MODULES = {
     "flux": "diffrl.models.families.flux",
     "qwen_image": "diffrl.models.families.qwen_image",
     "wan": "diffrl.models.families.wan",
+    "minimax_h3": "diffrl.models.families.minimax_h3",
     "ltx2": "diffrl.models.families.ltx2",
 }
 
@@ -45,6 +46,8 @@ PRESET_FAMILY = {
     "qwen-image-tiny": "qwen_image",
     "wan2.1-1.3b": "wan",
     "wan-tiny": "wan",
+    "minimax-h3": "minimax_h3",
+    "h3-tiny": "minimax_h3",
     "ltx2": "ltx2",
     "ltx2-tiny": "ltx2",
 }

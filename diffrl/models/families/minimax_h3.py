@@ -1,0 +1,717 @@
+"""MiniMax-H3 as a model family: ``MiniMaxH3Transformer3DModel`` over one packed sequence.
+
+H3 denoises ONE sequence per request, ``[text | keyframe conditions | target audio | target
+video]`` (diffusers' ``MiniMaxH3PrepareLayoutStep.build_packed_sequence``, used here as is), with
+full self-attention, per-row modality tags (0 video, 1 text, 2 audio) and per-row timesteps.
+What the family owns, and where diffusers says it:
+
+- **Sample layout.** diffrl's engines hold one tensor and one sigma per sample, so ``x`` is
+  ``(D,)``: the video latent ``(C, F, h, w)`` flattened, then the audio latent
+  ``(channels, N, C_a)`` flattened (channel-major, as H3 packs stereo). ``MiniMaxH3Net``
+  unpacks it, patchifies the video into rows, packs the sequence, runs the transformer and
+  flattens both heads' velocities back.
+- **Time** ("data_progress"). ``MiniMaxH3Scheduler``: t = 1 - sigma in [0, 1] unscaled, t = 1
+  clean, and a data-ward velocity (x0 = x_t + sigma * v), so ``FamilyModel`` feeds 1 - sigma
+  and flips the sign. The transformer's ``time_proj`` takes t itself (no 1000x).
+- **Per-modality sigma.** H3 runs two schedules of one grid u: sigma_v = f_sv(u) (shift 12)
+  and sigma_a = f_sa(u) (shift 3), f_s(u) = s u / (1 + (s-1) u). f_s multiplies the odds
+  sigma/(1-sigma) by s, so sigma_a = f_k(sigma_v) with k = s_a / s_v (0.25): the audio sigma
+  is a deterministic function of the canonical (video) sigma. diffrl keeps ONE sigma per
+  sample: the canonical audio variable is b = a / k (the audio latent divided by k), noised
+  at the canonical sigma, x_b = (1 - sigma) b0 + sigma eps. Then H3's audio state is exactly
+  ``y = g x_b`` with g = k / (1 + (k-1) sigma), at sigma_a = g sigma (so y = (1 - sigma_a) a0
+  + sigma_a eps, the same eps), and the canonical velocity eps - b0 is an affine map of y and
+  H3's audio output u: eps - b0 = (1 - 1/k) y - ((1 - sigma_a) + sigma_a / k) u. Training
+  targets, samplers and log-probs all see one rectified flow on (video, b); decode multiplies
+  b by k. At k = 1 (equal shifts) all of this is the identity.
+- **Presentation, once** (contract 3). ``MiniMaxH3TextEncoderStep``: the prompt verbatim,
+  no chat template, no special tokens; the ids travel right-padded with the pad token (which
+  no presentation contains) so a row's real length is ``ids != pad``. The checkpoint is
+  guidance-distilled: no negative prompt (``null_ids`` is the empty prompt, one pad row).
+- **Text encoder.** Qwen3-VL's ``hidden_states[50]`` (of 64 layers) off ``text_encoder.model``
+  (the LM head never runs); the tiny preset reads the last of its 2 layers. Run once per
+  prompt (``EncodeCache``); ``offload_text_encoder`` keeps it on the CPU between uses.
+- **Conditioning rows** (FL2VA). ``family.conditioned(model, keyframes)`` packs first/last
+  keyframe latents (``encode_keyframes``) as conditioning rows, held at t = max(t, 0.999)
+  (the pipeline's ``keyframe_noise_aug``), detached, and cut from the output: no gradient, no
+  loss. The vision block H3 also puts into the text presentation for FL2VA is not built here.
+- **Serving layout** (contract 2). ``MiniMaxH3Attention``'s processor computes with ``to_qkv``
+  once ``fused_projections`` is set, so the rollout fuses q/k/v natively (blocks and token
+  refiner) and holds the SwiGLU up-projection ``ff.net.0.proj`` as two swapped row shards.
+- **Batching.** The transformer's batch axis replicates ONE layout and ONE timestep table, so
+  the net groups samples by (text length, sigma, keyframes or not): a rollout step is one call
+  per prompt length, training (a sigma per sample) one call per sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from diffrl.errors import ConfigError
+from diffrl.models.families._diffusers import (
+    TINY_WORDS,
+    DiffusersNet,
+    check_pipeline_dir,
+    load_component,
+    random_component,
+    save_pipeline_dir,
+    tokenize_padded,
+    word_tokenizer,
+)
+from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
+from diffrl.sync.weights import SlotMap
+
+# suffixes: the transformer blocks' and the token refiner's attention and SwiGLU FFN (FC1 is
+# ff.net.0.proj, the fused [hidden | gate] up-projection; FC2 is ff.net.2)
+LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "ff.net.0.proj",
+    "ff.net.2",
+)
+PIPELINE = "MiniMaxH3ModularPipeline"
+COMPONENTS = {
+    "transformer": "MiniMaxH3Transformer3DModel",
+    "vae": "AutoencoderKLMiniMaxH3",
+    "audio_vae": "AutoencoderKLMiniMaxH3Audio",
+    "text_encoder": "Qwen3VLForConditionalGeneration",
+    "tokenizer": "Qwen2TokenizerFast (Qwen3-VL's)",
+    "scheduler": "MiniMaxH3Scheduler (video, shift 12)",
+    "audio_scheduler": "MiniMaxH3Scheduler (audio, shift 3)",
+}
+VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # the AdaLN table's modality rows (a checkpoint fact)
+KEYFRAME_T = 0.999  # the pipeline's keyframe_noise_aug: conditioning rows sit just short of clean
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the video VAE's pixels
+TEXT_LAYER = 50  # hidden_states[50] of Qwen3-VL-32B conditions the DiT
+
+_QWEN3_VL_32B = dict(
+    text_config=dict(
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20]},
+        tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=5120,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+)
+
+PRESETS: dict[str, dict] = {
+    # the released DiT: the class defaults (50 layers, hidden 5376, 56 x 128 heads, 33 B);
+    # video VAE x16 spatial, 17n+5 -> 5n+2 frames, 24 channels; audio VAE 32 kHz, hop 800,
+    # 32 channels, stereo; 124 frames (5.2 s at 24 fps) on a 768 px square canvas
+    "minimax-h3": dict(
+        transformer=dict(),
+        vae=dict(),
+        audio_vae=dict(),
+        text_encoder=_QWEN3_VL_32B,
+        text_layer=TEXT_LAYER,
+        video_shift=12.0,
+        audio_shift=3.0,
+        audio_channels=2,
+        fps=24.0,
+        resolution=768,
+        frames=124,
+        max_text_len=512,
+        offload_text_encoder=True,
+    ),
+    # ~0.2 M parameters: 8 frames of 32 x 32 px -> (4, 5, 8, 8) video latents; 0.5 s of mono
+    # 8 kHz audio -> 20 latents of 4 channels; a 2-layer Qwen3-VL text encoder
+    "h3-tiny": dict(
+        transformer=dict(
+            num_attention_heads=2,
+            attention_head_dim=16,
+            hidden_size=32,
+            num_layers=2,
+            num_refiner_layers=1,
+            ffn_dim=64,
+            in_channels=4,
+            audio_in_channels=4,
+            patch_size=(1, 2, 2),
+            text_dim=32,
+            freq_dim=32,
+            time_embed_hidden_dim=32,
+            time_embed_dim=16,
+            rope_freq_dim=2,
+        ),
+        vae=dict(
+            latent_channels=4,
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            spatial_downsample_factors=(2, 2),
+            temporal_downsample_factors=(1, 2),
+            norm_num_groups=4,
+            decoder_num_layers=1,
+            decoder_num_attention_heads=2,
+            decoder_attention_head_dim=8,
+            decoder_num_register_tokens=1,
+            clip_length=5,
+            token_drop=1,
+            latents_mean=(0.0,) * 4,
+            latents_std=(1.0,) * 4,
+        ),
+        audio_vae=dict(
+            encoder_dim=4,
+            encoder_rates=(2, 4, 5, 5),
+            latent_dim=16,
+            latent_channels=4,
+            num_attention_heads=2,
+            decoder_dim=16,
+            decoder_rates=(5, 5, 4, 2),
+            decoder_kernel_sizes=(9, 9, 8, 4),
+            resblock_kernel_sizes=(3,),
+            resblock_dilation_sizes=((1,),),
+            sampling_rate=8000,
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        ),
+        text_encoder=dict(
+            text_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
+                tie_word_embeddings=False,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=16,
+                intermediate_size=32,
+                num_heads=2,
+                out_hidden_size=32,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                deepstack_visual_indexes=[0],
+            ),
+        ),
+        text_layer=2,
+        video_shift=12.0,
+        audio_shift=3.0,
+        audio_channels=1,
+        fps=16.0,
+        resolution=32,
+        frames=8,
+        max_text_len=16,
+        offload_text_encoder=False,
+    ),
+}
+DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN = 768, 124, 512
+
+
+def present(text: str) -> str:
+    """The one presentation of a t2va prompt: verbatim (no chat template, no specials)."""
+    return text
+
+
+def odds_shift(sigma: Tensor, k: float) -> Tensor:
+    """f_k(sigma) = k sigma / (1 + (k - 1) sigma): the scheduler's shift, which multiplies the
+    odds sigma / (1 - sigma) by k (so f_a(f_b^-1(s)) = f_{a/b}(s))."""
+    return k * sigma / (1 + (k - 1) * sigma)
+
+
+def patchify(z: Tensor, patch: tuple[int, int, int]) -> Tensor:
+    """(B, C, F, h, w) -> (B, rows, C * pt * ph * pw), frame-major then row-major (the
+    pipeline's ``patchify_video_latents``, keeping the batch axis)."""
+    b, c, f, h, w = z.shape
+    pt, ph, pw = patch
+    z = z.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    return z.reshape(b, -1, c * pt * ph * pw)
+
+
+def unpatchify(rows: Tensor, shape: tuple[int, int, int, int], patch) -> Tensor:
+    """The inverse of ``patchify``: (B, rows, C * pt * ph * pw) -> (B, C, F, h, w)."""
+    c, f, h, w = shape
+    pt, ph, pw = patch
+    z = rows.reshape(-1, f // pt, h // ph, w // pw, c, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return z.reshape(-1, c, f, h, w)
+
+
+class MiniMaxH3Net(DiffusersNet):
+    """forward(x (B, D), t = 1 - sigma (B,), input_ids (B, L)) -> H3's native data-ward
+    velocity, flat (B, D): the video part as the transformer returns it, the audio part the
+    canonical audio velocity negated (module docstring), so FamilyModel's flip is exact."""
+
+    def __init__(
+        self,
+        transformer,
+        text_encoder,
+        vae,
+        audio_vae,
+        *,
+        pad_id: int,
+        video_shape: tuple[int, int, int, int],
+        audio_shape: tuple[int, int, int],
+        audio_shift_ratio: float,
+        text_layer: int,
+        offload_text_encoder: bool = False,
+    ) -> None:
+        super().__init__(transformer, text_encoder=text_encoder, vae=vae, audio_vae=audio_vae)
+        self.pad_id, self.text_layer = pad_id, text_layer
+        self.video_shape, self.audio_shape = video_shape, audio_shape  # (C,F,h,w), (ch,N,Ca)
+        self.k = float(audio_shift_ratio)
+        self.offload = offload_text_encoder
+        self.keyframes: tuple[Tensor, tuple[str, ...]] | None = None  # set by conditioned()
+        n_layers = text_encoder.config.text_config.num_hidden_layers
+        if not 0 < text_layer <= n_layers:
+            raise ConfigError(
+                f"minimax_h3: text layer {text_layer} is not in the encoder's 1..{n_layers}"
+            )
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        return math.prod(self.video_shape), math.prod(self.audio_shape)
+
+    # --- text ---------------------------------------------------------------------------
+    def encode_uncached(self, input_ids: Tensor) -> tuple[Tensor]:
+        """Qwen3-VL's hidden_states[text_layer] off ``text_encoder.model`` (no LM head), zero
+        after each row's real tokens. Right padding leaves the real rows as the pipeline's
+        unpadded call computes them (causal attention, positions from 0)."""
+        te = self.frozen.text_encoder
+        device = input_ids.device
+        if self.offload:
+            te.to(device)
+        mask = input_ids != self.pad_id
+        out = te.model(
+            input_ids=input_ids,
+            attention_mask=mask.long(),
+            use_cache=False,
+            output_hidden_states=True,
+        )
+        hidden = out.hidden_states[self.text_layer] * mask[..., None]
+        if self.offload:
+            te.to("cpu")
+        return (hidden,)
+
+    # --- the packed sequence ------------------------------------------------------------
+    def layout(self, n_text: int, anchors: tuple[str, ...], device) -> dict[str, Tensor]:
+        """position_ids, token_tags and the three index tensors of one request's sequence."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+            MiniMaxH3PrepareLayoutStep,
+        )
+
+        _, f, h, w = self.video_shape
+        ch, n_audio, _ = self.audio_shape
+        pos, tags, vid, aud, txt, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            torch.full((n_text,), TEXT_TAG),
+            f,
+            h,
+            w,
+            n_audio,
+            tuple(self.transformer.config.patch_size),
+            ch,
+            AUDIO_TAG,
+            VIDEO_TAG,
+            anchors,
+        )
+        out = dict(
+            position_ids=pos.float(),
+            token_tags=tags,
+            video_indices=vid,
+            audio_indices=aud,
+            text_indices=txt,
+        )
+        return {k: v.to(device) for k, v in out.items()}
+
+    def _group(
+        self, x: Tensor, t: Tensor, txt: Tensor, n_text: int, cond: Tensor | None, anchors
+    ) -> Tensor:
+        """One transformer call for samples sharing text length n_text and time t (scalar)."""
+        b = x.shape[0]
+        dv, _ = self.dims
+        patch = tuple(self.transformer.config.patch_size)
+        sigma = 1.0 - t.float()  # canonical sigma, from the native time
+        g = self.k / (1 + (self.k - 1) * sigma)  # H3 audio state = g * canonical audio
+        sigma_a = g * sigma
+        video = patchify(x[:, :dv].reshape(b, *self.video_shape), patch)  # (b, Nv, Cp)
+        y = g * x[:, dv:].float()  # (b, Da) H3-space audio
+        audio_rows = y.reshape(b, -1, self.audio_shape[-1])  # (b, ch * N, Ca), channel-major
+        n_cond = 0
+        if cond is not None:  # (b, K, C, 1, h, w) keyframe latents: frozen rows, no gradient
+            cond_rows = patchify(cond.detach().flatten(1, 2).transpose(1, 2), patch)
+            n_cond = cond_rows.shape[1]
+            video = torch.cat([cond_rows.to(video), video], dim=1)
+        lay = self.layout(n_text, anchors, x.device)
+        seq_len = lay["position_ids"].shape[0]
+        row_t = torch.full((seq_len,), float(t), device=x.device)
+        row_t[lay["audio_indices"]] = float(1.0 - sigma_a)
+        row_t[lay["video_indices"][:n_cond]] = max(float(t), KEYFRAME_T)
+        timestep, timestep_indices = torch.unique(row_t, sorted=True, return_inverse=True)
+        dtype = txt.dtype
+        v_out, a_out = self.transformer(
+            hidden_states=video.to(dtype),
+            audio_hidden_states=audio_rows.to(dtype),
+            encoder_hidden_states=txt[:, :n_text],
+            timestep=timestep.to(dtype),
+            timestep_indices=timestep_indices,
+            return_dict=False,
+            **lay,
+        )
+        v_video = unpatchify(v_out[:, n_cond:], self.video_shape, patch).flatten(1)
+        u = a_out.float().flatten(1)  # H3's data-ward audio velocity a0 - eps, at sigma_a
+        canon = (1 - 1 / self.k) * y - ((1 - sigma_a) + sigma_a / self.k) * u  # eps - b0
+        return torch.cat([v_video.to(x.dtype), (-canon).to(x.dtype)], dim=1)
+
+    def forward(self, x: Tensor, t: Tensor, input_ids: Tensor) -> Tensor:
+        (txt,) = self.conditions(input_ids, dtype=x.dtype)
+        lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
+        cond, anchors = self.keyframes if self.keyframes is not None else (None, ())
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        groups: dict[tuple[int, float], list[int]] = {}
+        for i, (n, ti) in enumerate(zip(lengths, t.float().tolist(), strict=True)):
+            groups.setdefault((n, ti), []).append(i)
+        for (n, _), rows in groups.items():
+            idx = torch.tensor(rows, device=x.device)
+            c = None if cond is None else cond[idx]
+            out[idx] = self._group(x[idx], t[rows[0]], txt[idx], n, c, anchors)
+        return out
+
+
+class MiniMaxH3Family:
+    name = "minimax_h3"
+    native_convention = "data_progress"
+    lora_targets = LORA_TARGETS
+    media = frozenset({"video", "fps", "image", "audio", "sample_rate"})
+
+    def __init__(self, tokenizer, net: MiniMaxH3Net, resolution: int, frames: int, fps: float):
+        self.tokenizer, self.net = tokenizer, net
+        self.resolution, self.frames, self.fps = resolution, frames, fps
+        self.max_text_len = tokenizer.model_max_length
+
+    # --- contract 3 ---------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str]) -> TokenBatch:
+        ids, mask = tokenize_padded(self.tokenizer, [present(t) for t in texts], self.max_text_len)
+        return TokenBatch(ids, mask, hash_rows(ids))
+
+    def null_ids(self) -> Tensor:
+        return self.tokenize([""]).input_ids[0]  # guidance-distilled: no negative prompt
+
+    # --- shapes and media ---------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, ...]:
+        return (sum(self.net.dims),)
+
+    def split(self, latents: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, D) -> video (B, C, F, h, w) and H3-space audio (B, ch, N, Ca) (= k * b)."""
+        dv, _ = self.net.dims
+        b = latents.shape[0]
+        video = latents[:, :dv].reshape(b, *self.net.video_shape)
+        audio = self.net.k * latents[:, dv:].reshape(b, *self.net.audio_shape)
+        return video, audio
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> dict[str, Tensor]:
+        vae, avae = self.net.frozen.vae, self.net.frozen.audio_vae
+        video, audio = self.split(latents.float())
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1).to(video)
+        std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1).to(video)
+        clip = vae.decode((video * std + mean).to(next(vae.parameters())), return_dict=False)[0]
+        pm = torch.tensor(PIXEL_MEAN).view(1, 3, 1, 1, 1)
+        ps = torch.tensor(PIXEL_STD).view(1, 3, 1, 1, 1)
+        clip = (clip.float().cpu() * ps + pm).clamp(0, 1)[:, :, : self.frames]
+        frames = (clip * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # (B, T, H, W, 3)
+        acfg = avae.config
+        b, ch, n, ca = audio.shape
+        amean = torch.tensor(acfg.latents_mean).view(1, 1, 1, -1).to(audio)
+        astd = torch.tensor(acfg.latents_std).view(1, 1, 1, -1).to(audio)
+        z = (audio * astd + amean).reshape(b * ch, n, ca).transpose(1, 2)  # (B*ch, Ca, N)
+        wave = avae.decode(z.to(next(avae.parameters())), return_dict=False)[0]
+        wave = wave.float().cpu().reshape(b, ch, -1).mean(1)  # stereo mixed down to (B, samples)
+        return {
+            "video": frames,
+            "fps": torch.full((b,), float(self.fps)),
+            "image": frames[:, frames.shape[1] // 2],
+            "audio": wave,
+            "sample_rate": torch.full((b,), float(acfg.sampling_rate)),
+        }
+
+    @torch.no_grad()
+    def encode_video(self, pixels: Tensor) -> Tensor:
+        """(B, 3, T, H, W) in [-1, 1] -> normalised video latents (B, C, F', h, w): ImageNet
+        pixels, the posterior's mode (the pipeline samples keyframes under seed 42)."""
+        vae = self.net.frozen.vae
+        pm = torch.tensor(PIXEL_MEAN).view(1, 3, 1, 1, 1).to(pixels)
+        ps = torch.tensor(PIXEL_STD).view(1, 3, 1, 1, 1).to(pixels)
+        pix = ((pixels + 1) / 2 - pm) / ps
+        z = vae.encode(pix.to(next(vae.parameters())), return_dict=False)[0].mode()
+        cfg = vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1).to(z)
+        std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1).to(z)
+        return (z - mean) / std
+
+    def _resize(self, pixels: Tensor) -> Tensor:
+        if pixels.shape[-1] == self.resolution and pixels.shape[-2] == self.resolution:
+            return pixels
+        size = (self.resolution, self.resolution)
+        flat = pixels.flatten(0, -4) if pixels.ndim == 5 else pixels
+        out = F.interpolate(flat, size=size, mode="bilinear", antialias=True)
+        return out.reshape(*pixels.shape[:-2], *size) if pixels.ndim == 5 else out
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        """(B, 3, H, W) images (a still clip) or (B, 3, T, H, W) clips in [-1, 1] -> (B, D)
+        latents; the audio part is 0 (the audio latents' mean), as images carry no sound."""
+        pixels = self._resize(pixels)
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2).expand(-1, -1, self.frames, -1, -1)
+        video = self.encode_video(pixels).flatten(1)
+        return torch.cat([video, video.new_zeros(video.shape[0], self.net.dims[1])], dim=1)
+
+    def encode_keyframes(self, pixels: Tensor) -> Tensor:
+        """(B, K, 3, H, W) first/last frames in [-1, 1] -> (B, K, C, 1, h, w) latents, each
+        frame encoded alone (the spatial encoder, as the pipeline encodes a keyframe)."""
+        b, k = pixels.shape[:2]
+        z = self.encode_video(self._resize(pixels.flatten(0, 1)).unsqueeze(2))
+        return z.reshape(b, k, *z.shape[1:])
+
+    @contextlib.contextmanager
+    def conditioned(
+        self, model: FamilyModel, keyframes: Tensor, anchors: tuple[str, ...] = ("first", "last")
+    ) -> Iterator[FamilyModel]:
+        """FL2VA: within the block, ``model`` packs ``keyframes`` (B, K, C, 1, h, w) as frozen
+        conditioning rows anchored at ``anchors`` (no gradient, cut from the output)."""
+        if keyframes.shape[1] != len(anchors):
+            raise ConfigError(f"{keyframes.shape[1]} keyframes for anchors {anchors}")
+        model.net.keyframes = (keyframes.detach(), tuple(anchors))
+        try:
+            yield model
+        finally:
+            model.net.keyframes = None
+
+    # --- contract 2 and cost ------------------------------------------------------------
+    def serving_layout(self, model: nn.Module) -> SlotMap:
+        tr = model.net.transformer
+        blocks = [
+            f"net.transformer.transformer_blocks.{i}" for i in range(len(tr.transformer_blocks))
+        ]
+        blocks += [
+            f"net.transformer.token_refiner.refiner_blocks.{i}"
+            for i in range(len(tr.token_refiner.refiner_blocks))
+        ]
+        # native: MiniMaxH3AttnProcessor computes with attn.to_qkv once fused_projections is set
+        qkv = fuse_qkv(model, [f"{b}.attn" for b in blocks], native=True)
+        ffn = split_swapped(model, [f"{b}.ff.net.0.proj" for b in blocks], n_shards=2)
+        return merge(qkv, ffn)
+
+    def flops(self, batch: int) -> float:
+        """One transformer forward over the packed sequence (the text encoder runs once per
+        prompt, cached): Linears at 2 FLOPs per weight per row, attention 4 S^2 d."""
+        cfg = self.net.transformer.config
+        hid, inner, ffn = (
+            cfg.hidden_size,
+            cfg.num_attention_heads * cfg.attention_head_dim,
+            cfg.ffn_dim,
+        )
+        c, f, h, w = self.net.video_shape
+        pt, ph, pw = cfg.patch_size
+        rows_v = (f // pt) * (h // ph) * (w // pw)
+        rows_a = self.net.audio_shape[0] * self.net.audio_shape[1]
+        n_txt = self.max_text_len
+        s = rows_v + rows_a + n_txt
+        block_rows = 2 * (4 * hid * inner + 3 * hid * ffn)
+        blocks = cfg.num_layers * (s * block_rows + 4 * s * s * inner)
+        refiner = cfg.num_refiner_layers * (n_txt * block_rows + 4 * n_txt * n_txt * inner)
+        io = 2 * rows_v * hid * c * pt * ph * pw * 2 + 2 * n_txt * cfg.text_dim * hid
+        return float(batch * (blocks + refiner + io))
+
+
+# --- building ---------------------------------------------------------------------------------
+
+
+def _latent_frames(vae, frames: int) -> int:
+    """The video VAE's latent frame count: ``clip_length * n + tokens_chunk_size`` pixel frames
+    (17n+5 for the release) -> ``tokens_chunk_size * n + 2`` latents (5n+2)."""
+    clip, chunk = vae.config.clip_length, vae.tokens_chunk_size
+    if frames % clip != chunk % clip or frames < clip:
+        raise ConfigError(
+            f"minimax_h3: frames {frames} must be {clip} * n + {chunk} (n >= 1) for this video VAE"
+        )
+    return (frames - chunk) // clip * chunk + 2
+
+
+def build(
+    transformer,
+    text_encoder,
+    vae,
+    audio_vae,
+    tokenizer,
+    *,
+    resolution: int,
+    frames: int,
+    max_text_len: int,
+    fps: float,
+    audio_shift_ratio: float,
+    audio_channels: int,
+    text_layer: int,
+    offload_text_encoder: bool = False,
+    convention: str = "",
+) -> FamilyModel:
+    tokenizer.padding_side = "right"
+    tokenizer.model_max_length = max_text_len
+    if tokenizer.pad_token_id is None:
+        raise ConfigError("minimax_h3: the tokenizer has no pad token")
+    cfg = transformer.config
+    ratio = vae.spatial_compression_ratio
+    if resolution % (ratio * cfg.patch_size[1]):
+        raise ConfigError(
+            f"minimax_h3: resolution {resolution} must be a multiple of "
+            f"{ratio * cfg.patch_size[1]} (VAE x{ratio}, patch {cfg.patch_size[1]})"
+        )
+    side = resolution // ratio
+    if resolution <= vae.tile_sample_min_height:
+        vae.disable_tiling()  # one tile is the whole frame (the release tiles 768 px frames)
+    video_shape = (vae.config.latent_channels, _latent_frames(vae, frames), side, side)
+    latents_per_second = audio_vae.config.sampling_rate / audio_vae.hop_length
+    n_audio = int(round(frames / fps * latents_per_second))
+    audio_shape = (audio_channels, n_audio, audio_vae.config.latent_channels)
+    if cfg.in_channels != video_shape[0] or cfg.audio_in_channels != audio_shape[-1]:
+        raise ConfigError(
+            f"minimax_h3: transformer takes {cfg.in_channels} video / {cfg.audio_in_channels} "
+            f"audio channels, the VAEs give {video_shape[0]} / {audio_shape[-1]}"
+        )
+    net = MiniMaxH3Net(
+        transformer,
+        text_encoder,
+        vae,
+        audio_vae,
+        pad_id=tokenizer.pad_token_id,
+        video_shape=video_shape,
+        audio_shape=audio_shape,
+        audio_shift_ratio=audio_shift_ratio,
+        text_layer=text_layer,
+        offload_text_encoder=offload_text_encoder,
+    )
+    family = MiniMaxH3Family(tokenizer, net, resolution, frames, fps)
+    return FamilyModel(net, family, convention)
+
+
+def tiny_tokenizer(max_len: int):
+    return word_tokenizer(TINY_WORDS, "qwen", max_len)
+
+
+def _random(preset: str, dtype: torch.dtype, device: torch.device) -> dict:
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3Transformer3DModel,
+    )
+    from transformers import Qwen3VLForConditionalGeneration
+
+    spec = PRESETS[preset]
+    tok = tiny_tokenizer(spec["max_text_len"])
+    te_cfg = {k: dict(v) for k, v in spec["text_encoder"].items()}
+    if preset != "minimax-h3":
+        te_cfg["text_config"]["vocab_size"] = len(tok)
+    te_device = torch.device("cpu") if spec["offload_text_encoder"] else device
+    tr = random_component(MiniMaxH3Transformer3DModel, spec["transformer"], dtype, device)
+    return dict(
+        transformer=tr,
+        text_encoder=random_component(Qwen3VLForConditionalGeneration, te_cfg, dtype, te_device),
+        vae=random_component(AutoencoderKLMiniMaxH3, spec["vae"], dtype, device),
+        audio_vae=random_component(AutoencoderKLMiniMaxH3Audio, spec["audio_vae"], dtype, device),
+        tokenizer=tok,
+    )
+
+
+def tiny_components(preset: str = "h3-tiny") -> dict[str, object]:
+    """Random components of ``preset`` on the CPU in fp32, for ``save_pipeline_dir``; the two
+    schedulers carry the per-modality shifts (video 12, audio 3) a directory is read with."""
+    from diffusers import MiniMaxH3Scheduler
+
+    spec = PRESETS[preset]
+    parts = _random(preset, torch.float32, torch.device("cpu"))
+    return {
+        **parts,
+        "scheduler": MiniMaxH3Scheduler(shift=spec["video_shift"]),
+        "audio_scheduler": MiniMaxH3Scheduler(shift=spec["audio_shift"]),
+    }
+
+
+def save_tiny(path, preset: str = "h3-tiny"):
+    return save_pipeline_dir(path, tiny_components(preset), PIPELINE)
+
+
+def load(cfg, device: torch.device) -> FamilyModel:
+    """From a local pipeline directory (``cfg.path``) or a preset with random weights. A
+    directory's sizes default to the tiny preset's when its transformer is tiny (hidden < 1024),
+    else to the release's 124 frames of 768 px; its shift ratio comes from its schedulers."""
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3Scheduler,
+        MiniMaxH3Transformer3DModel,
+    )
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path:
+        root = check_pipeline_dir(cfg.path, "minimax_h3", COMPONENTS)
+        transformer = load_component(
+            root, "transformer", MiniMaxH3Transformer3DModel, dtype, device
+        )
+        spec = PRESETS["h3-tiny" if transformer.config.hidden_size < 1024 else "minimax-h3"]
+        offload = spec["offload_text_encoder"] and device.type == "cuda"
+        te_device = torch.device("cpu") if offload else device
+        parts = dict(
+            transformer=transformer,
+            text_encoder=load_component(
+                root, "text_encoder", Qwen3VLForConditionalGeneration, dtype, te_device
+            ),
+            vae=load_component(root, "vae", AutoencoderKLMiniMaxH3, dtype, device),
+            audio_vae=load_component(root, "audio_vae", AutoencoderKLMiniMaxH3Audio, dtype, device),
+            tokenizer=load_component(root, "tokenizer", AutoTokenizer, dtype, device),
+        )
+        shifts = [
+            MiniMaxH3Scheduler.from_pretrained(str(root), subfolder=s).shift
+            for s in ("scheduler", "audio_scheduler")
+        ]
+        n_layers = parts["text_encoder"].config.text_config.num_hidden_layers
+        text_layer = TEXT_LAYER if n_layers > TEXT_LAYER else n_layers
+    elif cfg.preset in PRESETS:
+        spec = PRESETS[cfg.preset]
+        parts = _random(cfg.preset, dtype, device)
+        shifts = [spec["video_shift"], spec["audio_shift"]]
+        text_layer, offload = spec["text_layer"], spec["offload_text_encoder"]
+    else:
+        raise ConfigError(
+            f"model family 'minimax_h3' needs model.path (a diffusers directory) or model.preset "
+            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
+        )
+    return build(
+        **parts,
+        resolution=cfg.resolution or spec["resolution"],
+        frames=cfg.frames or spec["frames"],
+        max_text_len=cfg.max_text_len or spec["max_text_len"],
+        fps=spec["fps"],
+        audio_shift_ratio=shifts[1] / shifts[0],
+        audio_channels=spec["audio_channels"],
+        text_layer=text_layer,
+        offload_text_encoder=offload,
+        convention=cfg.convention,
+    )
