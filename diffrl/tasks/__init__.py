@@ -15,7 +15,12 @@ from diffrl.tasks.base import (
     TaskConfig,
 )
 
-TASK_MODULES = {"shapes": "diffrl.tasks.shapes", "prompts": "diffrl.tasks.prompts"}
+TASK_MODULES = {
+    "shapes": "diffrl.tasks.shapes",
+    "prompts": "diffrl.tasks.prompts",
+    "avbench": "diffrl.tasks.avbench",  # T2VA
+    "avbench_fl2va": "diffrl.tasks.avbench",  # FL2VA: the same module, mode from cfg.task
+}
 
 
 def build_task(cfg: TaskConfig) -> Task:

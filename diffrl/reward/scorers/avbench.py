@@ -1,0 +1,38 @@
+"""AVBench's verifiers as a scorer: exact programs over a clip's frames and samples."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from diffrl.errors import check_choice
+from diffrl.reward.scorer import ScoreResult, register_scorer
+from diffrl.tasks.avbench import trajectory_checks
+from diffrl.types import Trajectory
+
+
+@register_scorer("avbench")
+class AVBenchScorer:
+    """mode="overall": 1 if every check passes else 0 (the eval's strict score);
+    mode="partial": the mean of the checks' fractions (pitch, beep_count, sync, color,
+    bounce_count, and frames with ``fl2va``), a denser signal that credits e.g. two of three
+    beeps in sync. ``fl2va``: also grade the first/last frames against the conditions in
+    ``extra_fields`` ("first_frame", "last_frame"), or the prompt's canonical ones."""
+
+    needs = frozenset({"video", "audio"})
+
+    def __init__(self, mode: str = "partial", fl2va: bool = False, name: str = "avbench") -> None:
+        check_choice("mode", mode, ("partial", "overall"))
+        self.name, self.mode, self.fl2va = name, mode, bool(fl2va)
+
+    async def score(self, traj: Trajectory) -> ScoreResult:
+        return await asyncio.to_thread(self.score_sync, traj)
+
+    def score_sync(self, traj: Trajectory) -> ScoreResult:
+        checks = trajectory_checks(traj, self.fl2va)
+        overall = torch.from_numpy(checks.overall.astype("float32"))
+        scores = overall if self.mode == "overall" else torch.from_numpy(checks.partial).float()
+        metrics = {"accuracy": float(overall.mean())}
+        metrics |= {k: float(v.mean()) for k, v in checks.passed.items()}
+        return ScoreResult(scores.float(), torch.ones(len(scores), dtype=torch.bool), metrics)
