@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from scipy import ndimage
 
 from diffrl.reward.scorer import build_scorer
 from diffrl.tasks import Prompt, TaskConfig, build_task
@@ -79,6 +80,20 @@ def test_verifiers_pass_on_every_ground_truth_prompt() -> None:
         verify_visual(video, prompts),
     ):
         assert all(v.all() for v in part.passed.values())
+
+
+def test_verifiers_tolerate_noise_and_blur() -> None:
+    """A generator's clips are never clean: pixel noise, soft edges, a noise floor."""
+    prompts = all_prompts()
+    video, audio = render_batch(prompts, list(range(len(prompts))))
+    rng = np.random.default_rng(0)
+    soft = ndimage.gaussian_filter(video.astype(np.float64), sigma=(0, 0, 0.8, 0.8, 0))
+    noisy = np.clip(soft + rng.normal(0, 8, video.shape), 0, 255).astype(np.uint8)
+    hiss = np.clip(audio + rng.normal(0, 0.03, audio.shape), -1, 1).astype(np.float32)
+    checks = verify_clips(noisy, hiss, prompts, first=video[:, 0], last=video[:, -1])
+    assert {k: v.mean() for k, v in checks.passed.items()} == dict.fromkeys(
+        (*CHECKS, "frames"), 1.0
+    )
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ MIN_BALL_AREA = 6
 MIN_SATURATION = 0.25  # below this a pixel has no hue
 CONTACT_PROMINENCE = 4.0
 SYNC_TOLERANCE_FRAMES = 1.0
-FRAME_MAE, REGION_MAE = 6.0, 40.0
+FRAME_MAE, REGION_MAE = 10.0, 40.0
 
 
 @dataclass(frozen=True)
