@@ -335,7 +335,11 @@ class LTX2Family:
             resolution // s,
             resolution // s,
         )
-        audio = (a.latent_channels, round(frames / fps * per_second), a.mel_bins // 4)
+        audio = (
+            a.latent_channels,
+            round(frames / fps * per_second),
+            a.mel_bins // audio_vae.mel_compression_ratio,
+        )
         if cfg.in_channels != video[0] * cfg.patch_size**2 * cfg.patch_size_t:
             raise ConfigError(f"ltx2: transformer in_channels {cfg.in_channels} vs VAE {video}")
         if cfg.audio_in_channels != audio[0] * audio[2]:
