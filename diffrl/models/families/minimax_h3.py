@@ -354,7 +354,7 @@ class MiniMaxH3Net(DiffusersNet):
         audio_rows = y.reshape(b, -1, self.audio_shape[-1])  # (b, ch * N, Ca), channel-major
         n_cond = 0
         if cond is not None:  # (b, K, C, 1, h, w) keyframe latents: frozen rows, no gradient
-            cond_rows = patchify(cond.detach().flatten(1, 2).transpose(1, 2), patch)
+            cond_rows = patchify(cond.detach().squeeze(3).transpose(1, 2), patch)  # (b, K*rows, Cp)
             n_cond = cond_rows.shape[1]
             video = torch.cat([cond_rows.to(video), video], dim=1)
         lay = self.layout(n_text, anchors, x.device)
