@@ -14,7 +14,15 @@ from diffrl.reward.scorer import build_scorer
 from diffrl.tasks import Prompt, TaskConfig, build_task
 from diffrl.tasks.avbench import render, render_batch, trajectory_checks
 from diffrl.tasks.avbench.prompts import all_prompts, make_prompt, parse_prompt, split_prompts
-from diffrl.tasks.avbench.render import FPS, FRAMES, SAMPLE_RATE, SAMPLES, SIZE, contact_frames
+from diffrl.tasks.avbench.render import (
+    FPS,
+    FRAMES,
+    SAMPLE_RATE,
+    SAMPLES,
+    SIZE,
+    ClipSpec,
+    contact_frames,
+)
 from diffrl.tasks.avbench.verify import (
     VERIFIERS,
     analyze_audio,
@@ -61,6 +69,17 @@ def test_contacts_and_beeps_fall_where_the_prompt_says() -> None:
         events = analyze_audio(audio, SAMPLE_RATE)
         np.testing.assert_allclose(events.times * FPS, contact_frames(n), atol=0.2)
         np.testing.assert_allclose(events.pitches, 300.0, atol=10.0)
+
+
+def test_other_clip_geometries_render_verifiable_clips() -> None:
+    """A model's own frame count, size and rates (e.g. 10 frames at 24 fps, 64 px, 24 kHz)."""
+    spec = ClipSpec(frames=10, size=64, fps=24, sample_rate=24000)
+    prompts = all_prompts()
+    video, audio = render_batch(prompts, None, spec)
+    assert video.shape == (36, 10, 64, 64, 3) and audio.shape == (36, 10000)
+    assert verify_clips(video, audio, prompts, spec.fps, spec.sample_rate).overall.all()
+    with pytest.raises(ValueError, match="frames >= 10"):
+        ClipSpec(frames=8)
 
 
 # --------------------------------------------------------------------------- verifiers

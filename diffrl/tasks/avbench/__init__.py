@@ -17,7 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from diffrl.tasks.avbench.prompts import AVPrompt, parse_prompt, split_prompts
-from diffrl.tasks.avbench.render import FPS, SAMPLE_RATE, conditions, render, render_batch
+from diffrl.tasks.avbench.render import (
+    DEFAULT_SPEC,
+    FPS,
+    SAMPLE_RATE,
+    ClipSpec,
+    conditions,
+    render,
+    render_batch,
+)
 from diffrl.tasks.avbench.verify import VERIFIERS, Checks, verify_clips
 from diffrl.tasks.base import EvalResult, Prompt, TaskConfig, first_of_each_prompt
 from diffrl.types import Trajectory
@@ -66,9 +74,12 @@ class AVBenchTask:
     def prompts(self, split: str) -> list[Prompt]:
         return [Prompt(p.text) for p in split_prompts(split)]
 
-    def conditions(self, prompt_text: str, seed: int = 0) -> dict[str, np.ndarray]:
-        """{"first_frame", "last_frame"}: (H, W, 3) uint8 ground truth, fixed per (text, seed)."""
-        return conditions(prompt_text, seed)
+    def conditions(
+        self, prompt_text: str, seed: int = 0, spec: ClipSpec = DEFAULT_SPEC
+    ) -> dict[str, np.ndarray]:
+        """{"first_frame", "last_frame"}: (H, W, 3) uint8 ground truth, fixed per (text, seed);
+        ``spec`` renders them at a model's own size and frame count."""
+        return conditions(prompt_text, seed, spec)
 
     async def evaluate(self, traj: Trajectory, rewards=None) -> EvalResult:
         """eval/<check> and eval/<verifier> accuracies, eval/overall (all checks pass); the
@@ -105,6 +116,7 @@ def build(cfg: TaskConfig) -> AVBenchTask:
 __all__ = [
     "AVBenchTask",
     "AVPrompt",
+    "ClipSpec",
     "build",
     "conditions",
     "parse_prompt",
