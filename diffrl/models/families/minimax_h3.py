@@ -438,8 +438,8 @@ class MiniMaxH3Family:
         frames = (clip * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # (B, T, H, W, 3)
         acfg = avae.config
         b, ch, n, ca = audio.shape
-        amean = torch.tensor(acfg.latents_mean).view(1, 1, 1, -1).to(audio)
-        astd = torch.tensor(acfg.latents_std).view(1, 1, 1, -1).to(audio)
+        amean = torch.tensor(acfg.latents_mean or [0.0] * ca).view(1, 1, 1, -1).to(audio)
+        astd = torch.tensor(acfg.latents_std or [1.0] * ca).view(1, 1, 1, -1).to(audio)
         z = (audio * astd + amean).reshape(b * ch, n, ca).transpose(1, 2)  # (B*ch, Ca, N)
         wave = avae.decode(z.to(next(avae.parameters())), return_dict=False)[0]
         wave = wave.float().cpu().reshape(b, ch, -1).mean(1)  # stereo mixed down to (B, samples)

@@ -53,6 +53,7 @@ def test_loads_from_dir(model, pipe_dir) -> None:
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for target in minimax_h3.LORA_TARGETS:
         assert any(n.endswith("." + target) for n in linears), target
+    assert fam.flops(2) == 2 * fam.flops(1) > 0
     preset = load_model(ModelConfig(preset="h3-tiny"))
     assert preset.family.latent_shape() == fam.latent_shape()
 
@@ -80,6 +81,14 @@ def test_real_size_dit_on_meta() -> None:
     n = sum(p.numel() for p in dit.parameters())
     assert 32e9 < n < 35e9, n
     assert len(dit.transformer_blocks) == 50 and dit.config.hidden_size == 5376
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    with torch.device("meta"):
+        te = Qwen3VLForConditionalGeneration(
+            Qwen3VLConfig(**minimax_h3.PRESETS["minimax-h3"]["text_encoder"])
+        )
+    n_te = sum(p.numel() for p in te.parameters())
+    assert 30e9 < n_te < 36e9, n_te  # Qwen3-VL-32B; the DiT reads hidden_states[50] of 64
 
 
 def test_tokenize_once_and_drift_is_caught(model, pipe_dir) -> None:
