@@ -111,4 +111,33 @@ def probe_convention(
             f"time-convention probe: the model fits the data better when fed 1 - sigma than "
             f"sigma under declared convention {model.convention.name!r}; check the time input"
         )
+    if conclusive:
+        check_scale(model, x0, input_ids, eps, err_declared)
     return report
+
+
+@torch.no_grad()
+def check_scale(model: VelocityModel, x0: Tensor, input_ids: Tensor, eps: Tensor, err: float):
+    """The direction checks above cannot tell sigma from 1000 sigma (a time input off in scale
+    still gives a velocity roughly along eps - x0): refit the same data under every known
+    convention, and raise when another one fits it far better than the declared one."""
+    declared, errs = model.convention, {}
+    try:
+        for name, conv in CONVENTIONS.items():
+            if name == declared.name:
+                continue
+            model.convention = conv
+            errs[name] = 0.0
+            for s in (0.25, 0.5, 0.75):
+                sigma = torch.full((x0.shape[0],), s, device=x0.device, dtype=x0.dtype)
+                v = model(noised(x0, sigma, eps), sigma, input_ids)
+                errs[name] += (v - (eps - x0)).pow(2).mean().item()
+    finally:
+        model.convention = declared
+    best = min(errs, key=errs.get) if errs else None
+    if best is not None and errs[best] < 0.5 * err:
+        raise ContractError(
+            f"time-convention probe: declared convention {declared.name!r} fits the data worse "
+            f"(error {err / 3:.3g}) than {best!r} does ({errs[best] / 3:.3g}); the model's "
+            f"native time input is likely {best!r}"
+        )

@@ -109,3 +109,14 @@ def test_shipped_base_model_passes_its_probe() -> None:
     wrong = load_model(ModelConfig(checkpoint="builtin:shapes_dit", convention="data_progress"))
     with pytest.raises(ContractError):
         probe_convention(wrong, x0, ids)
+
+
+def test_probe_catches_a_time_scale_mis_declaration() -> None:
+    """sigma vs 1000 sigma keeps the velocity's direction (cos > 0, the mirror check passes),
+    so only refitting under the other conventions shows it; the error names the right one."""
+    x0, ids = batch()
+    with pytest.raises(ContractError, match="'sigma_x1000' fits the data worse.*'sigma'"):
+        probe_convention(VelocityModel(SigmaOracle(x0), "sigma_x1000"), x0, ids)
+    model = VelocityModel(SigmaOracle(x0), "sigma")
+    assert probe_convention(model, x0, ids).conclusive
+    assert model.convention.name == "sigma"  # the refit leaves the declaration in place
