@@ -38,6 +38,14 @@ FAMILIES = {
         "WanPipeline",
         ["model.resolution=32", "model.frames=9"],
     ),
+    # the omni families: one flat (video + audio) latent per sample
+    "minimax_h3": ("diffrl.models.families.minimax_h3", "h3-tiny", "MiniMaxH3ModularPipeline", []),
+    "ltx2": (
+        "diffrl.models.families.ltx2",
+        "ltx2-tiny",
+        "LTX2Pipeline",
+        ["model.resolution=32", "model.frames=9", "model.max_text_len=16"],
+    ),
 }
 ALGORITHMS = {
     "diffusion_nft": ["algorithm.name=diffusion_nft", "algorithm.old_every=1"],
