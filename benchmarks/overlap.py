@@ -21,9 +21,9 @@ import time
 
 from diffrl.channel import Channel
 from diffrl.config import load_config
-from diffrl.controller.build import build
+from diffrl.controller.engines import build
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import rollout_and_score, sync_rollout
+from diffrl.controller.sync import rollout_and_score
 from diffrl.reward.scorer import register_scorer
 from diffrl.reward.scorers.shapes import ShapesScorer
 
@@ -55,7 +55,8 @@ async def main(args) -> None:
         [f"reward.scorers={scorer}", f"rollout.max_batch={args.max_batch}", "model.probe=false"],
     )
     parts = build(cfg)
-    sync_rollout(parts)
+    adapter = parts.algorithm.weight_plan(1, cfg.algorithm).rollout_adapter
+    parts.rollout.load_weights(parts.actor.export_weights(adapter))
     await rollout_and_score(parts, 999)  # warm-up
     times = {"sequential": [], "overlapped": []}
     for step in range(args.steps):
