@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 
 import torch
-from diffrl.controller.build import build
+from diffrl.controller.engines import build
 
 from diffrl.config import load_config
 from diffrl.data.shapes import parse_prompt, score_batch
