@@ -17,9 +17,9 @@ import argparse
 import dataclasses
 
 import torch
-from diffrl.controller.engines import build
 
 from diffrl.config import load_config
+from diffrl.controller.engines import build
 from diffrl.data.shapes import parse_prompt, score_batch
 from diffrl.rollout.engine import RolloutEngine, sample_seeds
 from diffrl.rollout.samplers import coarse_tail, sde_window, sigma_schedule
