@@ -9,13 +9,12 @@ verify that (e.g. trainer vs. rollout workers) instead of assuming it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from diffrl.data.shapes import all_prompts
+from diffrl.models.family import hash_rows
 
 PAD_TOKEN = "<pad>"
 NULL_TOKEN = "<null>"
@@ -98,16 +97,6 @@ class WordTokenizer:
 
 
 def hash_ids(ids: torch.Tensor) -> list[str]:
-    """Per-row stable fingerprint of token ids (first 16 hex chars of sha256).
-
-    Hashing little-endian int64 bytes makes the value independent of the tensor's dtype,
-    device and platform, so two processes can compare fingerprints to detect tokenizer drift.
-    """
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
-    if ids.ndim != 2:
-        raise ValueError(f"ids must have shape (B, L), got {tuple(ids.shape)}")
-    if ids.is_floating_point() or ids.is_complex():
-        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
-    rows = ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
-    return [hashlib.sha256(np.ascontiguousarray(row).tobytes()).hexdigest()[:16] for row in rows]
+    """Per-row stable fingerprint of token ids (``diffrl.models.family.hash_rows``, the one
+    the token-drift check uses)."""
+    return list(hash_rows(ids))

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -37,14 +38,22 @@ class TokenBatch:
     hashes: tuple[str, ...]  # (B,) ``hash_row`` of each row of input_ids
 
 
-def hash_row(row: Tensor) -> str:
-    """Stable hash of one (L,) id row: the token-drift check compares these."""
-    data = row.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def hash_rows(ids: Tensor) -> tuple[str, ...]:
-    return tuple(hash_row(r) for r in ids)
+    """Per-row stable fingerprint of (B, L) token ids (the first 16 hex digits of sha256): the
+    token-drift check compares these. Little-endian int64 bytes make it independent of the
+    tensor's dtype, device and platform, so two processes can compare them."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.ndim != 2:
+        raise ValueError(f"ids must have shape (B, L), got {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+    rows = ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
+    return tuple(hashlib.sha256(np.ascontiguousarray(r).tobytes()).hexdigest()[:16] for r in rows)
+
+
+def hash_row(row: Tensor) -> str:
+    return hash_rows(row[None])[0]
 
 
 @runtime_checkable
