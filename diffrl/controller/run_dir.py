@@ -1,5 +1,5 @@
-"""The run directory: runs/<name>/ with metrics.jsonl, TensorBoard events, sample grids,
-the reward / accuracy curve and the resolved config.
+"""The run directory: runs/<name>/ with metrics.jsonl, TensorBoard events, sample grids (and
+sample clips for video+audio tasks), the reward / accuracy curve and the resolved config.
 
 metrics.jsonl is strict JSON, one row per logged step: a value that is not finite (a reward
 mean that overflowed, a NaN loss) is written as ``null``, never as ``Infinity`` / ``NaN``. Each
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from diffrl.controller import media
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class RunDir:
         small = images.shape[1] < tile  # upscale pixel art sharply, downscale real images smoothly
         for i in range(n):
             x, y = (i % cols) * cell_w, (i // cols) * cell_h
-            border = {True: (30, 170, 60), False: (210, 40, 40)}.get(ok[i], (150, 150, 150))
+            border = media.VERDICT_COLOURS.get(ok[i], media.NO_VERDICT)
             draw.rectangle([x + 1, y + 1, x + tile + 6, y + tile + 6], fill=border)
             resample = Image.NEAREST if small else Image.LANCZOS
             canvas.paste(Image.fromarray(images[i]).resize((tile, tile), resample), (x + 4, y + 4))
@@ -113,6 +115,39 @@ class RunDir:
         path = self.root / "samples" / f"step_{step:06d}.png"
         canvas.save(path)
         return path
+
+    def save_clips(
+        self,
+        step: int,
+        video: np.ndarray,
+        audio: np.ndarray,
+        fps: np.ndarray,
+        sample_rate: np.ndarray,
+        captions: list[str],
+        ok: list[bool | None],
+    ) -> Path:
+        """One held-out clip per prompt -> samples/clips/step_XXXXXX/clip_KK.{gif,wav,png}, and
+        .mp4 with sound where ffmpeg is on the PATH. video (N, T, H, W, 3) uint8, audio (N, S)
+        float in [-1, 1], fps (N,), sample_rate (N,); the PNG is the frames over the
+        spectrogram, captioned, with the grid's pass/fail border."""
+        n = len(captions)
+        ok = list(ok) or [None] * n  # no verdicts: grey borders
+        if np.ndim(audio) != 2 or len(video) != n or len(audio) != n or len(ok) != n:
+            raise ValueError(
+                f"clips: video {np.shape(video)}, audio {np.shape(audio)} (want (N, S)), "
+                f"{len(captions)} captions and {len(ok)} verdicts must agree on N"
+            )
+        fps, sample_rate = np.broadcast_to(fps, (n,)), np.broadcast_to(sample_rate, (n,))
+        out = self.root / "samples" / "clips" / f"step_{step:06d}"
+        out.mkdir(parents=True, exist_ok=True)
+        for k in range(n):
+            stem = out / f"clip_{k:02d}"
+            media.write_gif(stem.with_suffix(".gif"), video[k], fps[k])
+            media.write_wav(stem.with_suffix(".wav"), audio[k], sample_rate[k])
+            png = stem.with_suffix(".png")
+            media.strip_png(png, video[k], audio[k], sample_rate[k], captions[k], ok[k])
+            media.write_mp4(stem.with_suffix(".mp4"), video[k], audio[k], fps[k], sample_rate[k])
+        return out
 
     def save_curves(self) -> Path:
         import matplotlib
@@ -145,12 +180,8 @@ class RunDir:
 
 def _replace_atomically(path: Path, text: str) -> None:
     """Write ``path`` so that a kill leaves either the old file or the new one, whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with media.replacing(path) as tmp:
+        tmp.write_text(text)
 
 
 def _num(v):

@@ -17,6 +17,7 @@ model family by name.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 
@@ -61,11 +62,18 @@ async def rollout_and_score(parts: Engines, step: int):
 
 async def run_eval(parts: Engines, run: RunDir, step: int) -> dict[str, float]:
     """Held-out eval of the policy the run ships (the EMA one with ``actor.ema_decay``) as
-    ``eval/*``, and its sample grid; with ``run.eval_live`` and an EMA, also the live weights
-    as ``eval_live/*``."""
+    ``eval/*``, its sample grid and, for video+audio tasks, its sample clips; with
+    ``run.eval_live`` and an EMA, also the live weights as ``eval_live/*``."""
     adapter = parts.actor.eval_adapter
     result = await evaluate_adapter(parts, adapter)
     run.save_grid(step, result.images, result.captions, result.ok)
+    if result.clips is not None:
+        c = result.clips
+        try:  # sample clips are for people to look at: a bad one must not stop training
+            clips = c["video"], c["audio"], c["fps"], c["sample_rate"]
+            run.save_clips(step, *clips, result.captions, result.ok)
+        except (OSError, ValueError) as e:
+            print(f"diffrl: step {step}: sample clips not written: {e}", file=sys.stderr)
     metrics = dict(result.metrics)
     if parts.cfg.run.eval_live and adapter != "default":
         live = (await evaluate_adapter(parts, "default")).metrics

@@ -60,6 +60,9 @@ class EvalResult:
     images: np.ndarray  # (N, H, W, 3) uint8: one sample per held-out prompt, for the grid
     captions: list[str]  # (N,)
     ok: list[bool | None] = field(default_factory=list)  # (N,) pass/fail border; None = none
+    # video+audio tasks: the same N rows as clips, {"video": (N, T, H, W, 3) uint8, "audio":
+    # (N, S) float32 in [-1, 1], "fps": (N,), "sample_rate": (N,)}; None for image tasks
+    clips: dict[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)

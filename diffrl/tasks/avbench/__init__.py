@@ -83,7 +83,8 @@ class AVBenchTask:
 
     async def evaluate(self, traj: Trajectory, rewards=None) -> EvalResult:
         """eval/<check> and eval/<verifier> accuracies, eval/overall (all checks pass); the
-        grid shows the middle frame of the first clip of each prompt."""
+        grid shows the middle frame of the first clip of each prompt, and ``clips`` carries
+        those clips whole (video, mono audio, fps, sample rate) for the run's sample clips."""
         checks = trajectory_checks(traj, self.fl2va, self.condition_seed)
         metrics = {f"eval/{k}": float(v.mean()) for k, v in checks.passed.items()}
         for verifier, names in VERIFIERS.items():
@@ -94,11 +95,21 @@ class AVBenchTask:
         metrics["eval/overall"] = float(overall.mean())
         rows = first_of_each_prompt(traj)
         video = traj.extra_fields["video"].detach().cpu().numpy()
+        audio = traj.extra_fields["audio"].detach().cpu().float().numpy()
+        if audio.ndim == 3:  # (B, C, S): the clips are mono, as the verifiers hear them
+            audio = audio.mean(axis=1)
+        clips = {
+            "video": video[rows],
+            "audio": audio[rows],
+            "fps": _rates(traj, "fps", FPS)[rows],
+            "sample_rate": _rates(traj, "sample_rate", SAMPLE_RATE)[rows],
+        }
         return EvalResult(
             metrics,
             video[rows, video.shape[1] // 2],
             [traj.prompts.texts[i] for i in rows],
             [bool(overall[i]) for i in rows],
+            clips,
         )
 
     def probe_data(self, n: int = 16) -> None:
