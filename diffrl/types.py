@@ -75,6 +75,9 @@ class PromptBatch:
     input_ids: Tensor = rows()  # (B, L) int64, right-padded
     ids_hash: tuple[str, ...] = rows()  # (B,) stable per-row hash of input_ids (token drift)
     prompt_ids: Tensor = rows()  # (B,) int64 index of each prompt in its prompt set
+    # (B, ...) float conditions beyond the text, encoded once in the data stage with the
+    # tokens (FL2VA: first/last keyframe latents, (B, 2, C, 1, h, w)); None = text only
+    cond: Tensor | None = rows()
 
     def __post_init__(self) -> None:
         n = len(self.texts)
@@ -82,6 +85,8 @@ class PromptBatch:
             raise ValueError(f"input_ids must be (B={n}, L), got {tuple(self.input_ids.shape)}")
         if len(self.ids_hash) != n or self.prompt_ids.shape != (n,):
             raise ValueError("ids_hash and prompt_ids must have one entry per prompt")
+        if self.cond is not None and self.cond.shape[0] != n:
+            raise ValueError(f"cond must have one row per prompt ({n}), got {self.cond.shape[0]}")
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -93,6 +98,7 @@ class PromptBatch:
             input_ids=self.input_ids.repeat_interleave(g, dim=0),
             ids_hash=tuple(h for h in self.ids_hash for _ in range(g)),
             prompt_ids=self.prompt_ids.repeat_interleave(g),
+            cond=None if self.cond is None else self.cond.repeat_interleave(g, dim=0),
         )
 
     def select(self, index: Tensor) -> PromptBatch:
@@ -180,6 +186,7 @@ class TrainBatch:
     input_ids: Tensor = rows()  # (B, L) int64, the same tensor the rollout saw
     ids_hash: tuple[str, ...] = rows()  # (B,) hashes from the data stage
     x0: Tensor = rows()  # (B, *S) clean samples
+    cond: Tensor | None = rows()  # (B, ...) the data stage's conditions beyond the text
     seeds: Tensor = rows()  # (B,) for reproducible training noise
     group: Tensor | None = rows()  # (B,) group id
     optimality: Tensor | None = rows()  # (B,) DiffusionNFT's r in [0, 1]
@@ -221,6 +228,7 @@ def train_batch(scored: ScoredBatch, **fields: Tensor) -> TrainBatch:
         input_ids=t.prompts.input_ids,
         ids_hash=t.prompts.ids_hash,
         x0=t.x0,
+        cond=t.prompts.cond,
         seeds=t.seeds,
         group=t.group,
         latents=t.latents,

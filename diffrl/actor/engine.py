@@ -178,16 +178,22 @@ class ActorEngine:
 
     # --- the Policy the algorithms see -------------------------------------------------
     def velocity(
-        self, x: Tensor, sigma: Tensor, input_ids: Tensor, adapter: str | None = "default"
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        input_ids: Tensor,
+        adapter: str | None = "default",
+        cond: Tensor | None = None,
     ) -> Tensor:
+        """``cond``: the batch's per-row conditions beyond the text (``TrainBatch.cond``)."""
         if adapter is None:
             with self.model.disable_adapter():
-                return self.model(x, sigma, input_ids)
+                return self.model(x, sigma, input_ids, cond)
         if adapter == "default":
-            return self.model(x, sigma, input_ids)
+            return self.model(x, sigma, input_ids, cond)
         self._activate(adapter)
         try:
-            return self.model(x, sigma, input_ids)
+            return self.model(x, sigma, input_ids, cond)
         finally:
             self._activate("default")
 

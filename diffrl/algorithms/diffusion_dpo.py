@@ -114,10 +114,11 @@ def _pair_terms(
     sigma = sigma.to(x0)
     eps = torch.randn((n_pairs, *x0.shape[1:]), generator=gen).repeat_interleave(2, 0).to(x0)
     x, v = noised(x0, sigma, eps), eps - x0
-    m = (policy.velocity(x, sigma, batch.input_ids) - v).pow(2).flatten(1).mean(1)
+    ids, cond = batch.input_ids, batch.cond
+    m = (policy.velocity(x, sigma, ids, cond=cond) - v).pow(2).flatten(1).mean(1)
     with torch.no_grad():
         ref = "old" if cfg.mode == "online" else None
-        r = (policy.velocity(x, sigma, batch.input_ids, adapter=ref) - v).pow(2).flatten(1).mean(1)
+        r = (policy.velocity(x, sigma, ids, adapter=ref, cond=cond) - v).pow(2).flatten(1).mean(1)
     per_pair = dpo_loss(m[0::2], m[1::2], r[0::2], r[1::2], cfg.beta)
     # share of pairs the policy prefers the winner in, relative to the reference; a tie (as
     # right after a reference refresh, when policy == reference) counts as a coin flip

@@ -138,20 +138,21 @@ def loss(
     policy: Policy, batch: TrainBatch, cfg: NFTConfig, gen: torch.Generator
 ) -> tuple[Tensor, dict[str, float]]:
     x0, ids, r = batch.x0, batch.input_ids, batch.optimality.to(batch.x0)
+    cond = batch.cond
     total, metrics = x0.new_zeros(()), {"nft/r_mean": float(r.mean())}
     for j in range(cfg.timesteps_per_sample):
         sigma, eps = training_noise(batch, cfg, gen, j)
         x, v = noised(x0, sigma, eps), eps - x0
         with torch.no_grad():
-            v_old = policy.velocity(x, sigma, ids, adapter="old")
-        v_theta = policy.velocity(x, sigma, ids, adapter="default")
+            v_old = policy.velocity(x, sigma, ids, adapter="old", cond=cond)
+        v_theta = policy.velocity(x, sigma, ids, adapter="default", cond=cond)
         v_pos, v_neg = implicit_policies(v_theta, v_old, cfg.beta)
         l_pos = _per_sample_error(v_pos, v, x, x0, sigma, cfg.weighting)
         l_neg = _per_sample_error(v_neg, v, x, x0, sigma, cfg.weighting)
         step_loss = ((r * l_pos + (1 - r) * l_neg) / cfg.beta).mean()
         if cfg.kl_coef > 0:
             with torch.no_grad():
-                v_ref = policy.velocity(x, sigma, ids, adapter=None)
+                v_ref = policy.velocity(x, sigma, ids, adapter=None, cond=cond)
             kl = (v_theta - v_ref).pow(2).mean()
             step_loss = step_loss + cfg.kl_coef * kl
             metrics["nft/kl"] = (

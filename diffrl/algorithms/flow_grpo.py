@@ -111,13 +111,15 @@ def step_logprob(
     x_t, x_next = x[rows, j], x[rows, j + 1]
     sigma, sigma_next = sig[j], sig[j + 1]
 
-    def velocity(x_, s_, ids_):
-        return policy.velocity(x_, s_, ids_, adapter=adapter)
+    def velocity(x_, s_, ids_, cond_=None):
+        return policy.velocity(x_, s_, ids_, adapter=adapter, cond=cond_)
 
     ids = batch.input_ids[rows]
-    shared = shared_rows(x_t, ids, j)  # the input alone decides; no group ids needed
+    cond = None if batch.cond is None else batch.cond[rows]
+    # the input alone decides (no group ids needed); rows with conditions are not merged
+    shared = shared_rows(x_t, ids, j) if cond is None else None
     if shared is None:
-        v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_ids)
+        v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_ids, cond)
     else:  # one forward per distinct input; the gradient sums back over the copies
         first, inverse = shared
         v = guided_velocity(

@@ -58,10 +58,15 @@ def check_training_draws(draws_key: str, draws: int, sigma_min: float, sigma_max
 
 class Policy(Protocol):
     """What a loss may call: the canonical velocity under an adapter (None = reference,
-    i.e. adapters disabled)."""
+    i.e. adapters disabled); ``cond`` is the batch's ``TrainBatch.cond`` for those rows."""
 
     def velocity(
-        self, x: Tensor, sigma: Tensor, input_ids: Tensor, adapter: str | None = "default"
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        input_ids: Tensor,
+        adapter: str | None = "default",
+        cond: Tensor | None = None,
     ) -> Tensor: ...
 
 

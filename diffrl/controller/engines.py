@@ -87,6 +87,28 @@ def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
     return report
 
 
+def prompt_set(task: Task, model: FamilyModel, prompts) -> PromptSet:
+    """The data stage: prompts tokenized once (contract 3) and, for a task with conditions
+    beyond the text (FL2VA's first/last frames), those encoded once beside the tokens."""
+    fam = model.family
+    conds = None
+    if hasattr(task, "prompt_conditions") and hasattr(fam, "media_geometry"):
+        conds = task.prompt_conditions(prompts, fam.media_geometry())
+    elif getattr(task, "needs_conditions", False):
+        raise ConfigError(
+            f"task {task.name!r} conditions each prompt on frames, and model family "
+            f"{fam.name!r} takes no conditions beyond the text"
+        )
+    if conds is None:
+        return PromptSet(prompts, fam.tokenize)
+    if not getattr(fam, "takes_conditions", False):
+        raise ConfigError(
+            f"task {task.name!r} conditions each prompt on {sorted(conds[0])}, and model family "
+            f"{fam.name!r} takes no conditions beyond the text"
+        )
+    return PromptSet(prompts, fam.tokenize, fam.encode_conditions(conds))
+
+
 def build(cfg: Config) -> Engines:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -94,12 +116,11 @@ def build(cfg: Config) -> Engines:
     device = pick_device(cfg.run.device)
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
-    tokenize = base.family.tokenize  # the data stage's one tokenization (contract 3)
-    train = PromptSet(task.prompts("train"), tokenize)
+    train = prompt_set(task, base, task.prompts("train"))
     test_prompts = task.prompts("test")
     if cfg.data.eval_prompts:
         test_prompts = test_prompts[: cfg.data.eval_prompts]
-    eval_set = PromptSet(test_prompts, tokenize)
+    eval_set = prompt_set(task, base, test_prompts)
     probe = run_probe(task, base) if cfg.model.probe else None
     targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model))
     algorithm = get_algorithm(cfg.algorithm.name)

@@ -147,7 +147,11 @@ class FamilyModel(nn.Module):
     def family(self) -> ModelFamily:
         return self._family.family
 
-    def forward(self, x: Tensor, sigma: Tensor, input_ids: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, sigma: Tensor, input_ids: Tensor, cond: Tensor | None = None
+    ) -> Tensor:
+        """The canonical velocity eps - x0 at ``sigma``; ``cond`` (B, ...) are per-row
+        conditions beyond the text (FL2VA keyframe latents), for families that take them."""
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
         if x.shape[1:] != self.family.latent_shape():
@@ -159,5 +163,14 @@ class FamilyModel(nn.Module):
         # (latents, noise, log-prob maths) stay in theirs, so cast at this one boundary
         dtype = next(self.net.parameters()).dtype
         t = self.convention.to_native(sigma)
-        native = self.net(x.to(dtype), t.to(dtype) if t.is_floating_point() else t, input_ids)
+        t = t.to(dtype) if t.is_floating_point() else t
+        if cond is None:
+            native = self.net(x.to(dtype), t, input_ids)
+        elif not getattr(self.family, "takes_conditions", False):
+            raise ContractError(
+                f"{self.family.name}: this family takes no conditions beyond the text, but the "
+                f"batch carries some of shape {tuple(cond.shape)} (an FL2VA task on a T2V model?)"
+            )
+        else:
+            native = self.net(x.to(dtype), t, input_ids, cond=cond.to(dtype))
         return (native * self.convention.velocity_sign).to(x.dtype)

@@ -64,8 +64,16 @@ class PretrainConfig:
     # "" = the tiny DiT (the fields above set its size); else a diffusers-family preset built with
     # seeded random weights and pre-trained through that family's adapter, e.g. sd3-shapes
     preset: str = ""
+    # "shapes" (the tiny DiT or `preset` on ShapesBench) | "avbench" (the AVBench base: preset
+    # h3-avbench unless set, written to builtin:avbench_h3; diffrl/models/pretrain_av.py)
+    task: str = "shapes"
+    cond_prob: float = 0.5  # avbench: share of chunks conditioned on their first/last frames
+    chunk: int = 32  # avbench: clips per transformer call (one sigma each)
 
     def validate(self) -> None:
+        check(self.task in ("shapes", "avbench"), "task", self.task, "shapes | avbench")
+        check(0 <= self.cond_prob <= 1, "cond_prob", self.cond_prob, "in [0, 1]")
+        check(self.chunk >= 1, "chunk", self.chunk, "must be >= 1")
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         check(self.batch >= 1, "batch", self.batch, "must be >= 1")
         check(0 <= self.text_dropout < 1, "text_dropout", self.text_dropout, "in [0, 1)")
@@ -134,6 +142,11 @@ def render_bank(
 
 def pretrain(cfg: PretrainConfig) -> Path:
     from diffrl.controller.engines import pick_device
+
+    if cfg.task == "avbench":
+        from diffrl.models.pretrain_av import pretrain_avbench
+
+        return pretrain_avbench(cfg)
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -33,7 +33,15 @@ FAMILY_MODULES = {
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # model.weights shipped inside the package (written by `diffrl pretrain preset=...`)
-BUILTIN_WEIGHTS = {"builtin:shapes_sd3": ASSETS / "shapes_sd3.safetensors"}
+BUILTIN_WEIGHTS = {
+    "builtin:shapes_sd3": ASSETS / "shapes_sd3.safetensors",
+    "builtin:avbench_h3": ASSETS / "avbench_h3.safetensors",  # preset h3-avbench, AVBench base
+}
+# the command that writes each built-in file
+BUILTIN_SOURCE = {
+    "builtin:shapes_sd3": "diffrl pretrain preset=sd3-shapes",
+    "builtin:avbench_h3": "diffrl pretrain task=avbench",
+}
 
 # preset -> family (kept here so a config validates without importing the family's module)
 PRESET_FAMILY = {
@@ -48,6 +56,7 @@ PRESET_FAMILY = {
     "wan-tiny": "wan",
     "minimax-h3": "minimax_h3",
     "h3-tiny": "minimax_h3",
+    "h3-avbench": "minimax_h3",
     "ltx2": "ltx2",
     "ltx2-tiny": "ltx2",
 }
@@ -134,11 +143,7 @@ def save_weights(model: FamilyModel, path: Path, meta: dict[str, str]) -> None:
 def load_weights(model: FamilyModel, spec: str) -> None:
     path = BUILTIN_WEIGHTS.get(spec, Path(spec))
     if not path.is_file():
-        hint = (
-            " (run `diffrl pretrain preset=sd3-shapes` to create it)"
-            if spec in BUILTIN_WEIGHTS
-            else ""
-        )
+        hint = f" (run `{BUILTIN_SOURCE[spec]}` to create it)" if spec in BUILTIN_SOURCE else ""
         raise ConfigError(f"model.weights {spec!r}: no file at {path}{hint}")
     state = load_file(str(path))
     want = weights_state(model)

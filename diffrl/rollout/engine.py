@@ -184,11 +184,19 @@ class RolloutEngine:
         lora_targets: list[str],
         device: torch.device,
         serving_layout: bool = True,
+        share_model: bool = False,
     ) -> None:
         """Holds its own copy of ``model`` (the family's frozen encoders are shared, not
         copied), re-laid out for serving by the family (fused QKV, sharded FCs; contract 2)
-        unless ``serving_layout`` is False; ``lora_targets`` are the actor's trained modules."""
-        self.model = copy.deepcopy(model).to(device).eval().requires_grad_(False)
+        unless ``serving_layout`` is False; ``lora_targets`` are the actor's trained modules.
+        ``share_model`` samples with ``model`` itself instead (no copy, no serving layout, no
+        weight sync): for a GPU that holds one copy of a model only, e.g. the real-size
+        MiniMax-H3 benchmark, where the actor then trains the same weights."""
+        if share_model and (serving_layout or lora_targets):
+            raise ValueError("share_model samples with the model as given: no layout, no sync")
+        self.shared = share_model
+        self.model = model if share_model else copy.deepcopy(model).to(device)
+        self.model.eval().requires_grad_(False)
         self.family = model.family
         self.cfg = cfg
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
@@ -204,6 +212,8 @@ class RolloutEngine:
         return frozenset(self.family.media)
 
     def load_weights(self, update: WeightUpdate) -> SyncReport:
+        if self.shared:
+            raise SyncError("this rollout engine shares the actor's model: it has no copy to sync")
         if update.version < self.version:
             raise SyncError(f"stale weight update v{update.version} < current v{self.version}")
         report = self.target.apply(update)
@@ -284,7 +294,7 @@ class RolloutEngine:
         mask: Tensor,
     ) -> Trajectory:
         batch = prompts.repeat(g)
-        x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, mask, g)
+        x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, mask, g, batch.cond)
         group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
         return Trajectory(
             prompts=batch,
@@ -302,10 +312,18 @@ class RolloutEngine:
             extra_fields=self.family.decode(x0),
         )
 
-    def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor) -> Tensor:
-        return guided_velocity(self.model, x, sigma, ids, self.cfg.cfg_scale, self.null_ids)
+    def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor, cond: Tensor | None = None) -> Tensor:
+        return guided_velocity(self.model, x, sigma, ids, self.cfg.cfg_scale, self.null_ids, cond)
 
-    def _sample(self, ids: Tensor, seeds: Tensor, sigmas: Tensor, mask: Tensor, g: int):
+    def _sample(
+        self,
+        ids: Tensor,
+        seeds: Tensor,
+        sigmas: Tensor,
+        mask: Tensor,
+        g: int,
+        cond: Tensor | None = None,
+    ):
         """One micro-batch: returns x0 (b, *S), latents (b, T+1, *S), log_probs (b, T)."""
         shape = tuple(self.family.latent_shape())
         t_steps = len(sigmas) - 1
@@ -328,6 +346,7 @@ class RolloutEngine:
                 after[i] = run
         first = row - member if self.cfg.shared_init_noise else slice(None)
         x, ids = noise[first, 0], ids.to(self.device)
+        cond = None if cond is None else cond.to(self.device, dtype)
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs = [x], []
         copies = g if self.cfg.shared_init_noise else 1  # x is bitwise copies in runs of this
@@ -337,10 +356,11 @@ class RolloutEngine:
             sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
             with torch.autocast(self.device.type, torch.bfloat16, enabled=low and not mask[i]):
                 if copies > 1:  # one forward per run of copies, copied to its members
-                    v = self.velocity(x[::copies], sigma[::copies], ids[::copies])
+                    c = None if cond is None else cond[::copies]
+                    v = self.velocity(x[::copies], sigma[::copies], ids[::copies], c)
                     v = v.repeat_interleave(copies, 0)
                 else:
-                    v = self.velocity(x, sigma, ids)
+                    v = self.velocity(x, sigma, ids, cond)
             v = v.to(dtype)
             if mask[i]:
                 copies = min(copies, after[i])  # the SDE noise splits the runs of copies

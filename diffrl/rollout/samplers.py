@@ -172,24 +172,32 @@ def tree_noise_blocks(mask: Tensor, group_size: int) -> list[int]:
 
 
 def guided_velocity(
-    velocity: Callable[[Tensor, Tensor, Tensor], Tensor],
+    velocity: Callable[..., Tensor],
     x: Tensor,
     sigma: Tensor,
     ids: Tensor,
     scale: float,
     null_ids: Sequence[int] | Tensor,
+    cond: Tensor | None = None,
 ) -> Tensor:
     """Classifier-free guidance v_u + scale (v_c - v_u), the unconditional branch on the empty
-    prompt's ids ``null_ids`` (L,), both branches in one batched call; scale 1 = one call."""
+    prompt's ids ``null_ids`` (L,), both branches in one batched call; scale 1 = one call.
+    ``cond`` (per-row conditions beyond the text, e.g. FL2VA keyframes) goes to both branches:
+    guidance is on the text."""
+
+    def call(x_, s_, ids_, c_):
+        return velocity(x_, s_, ids_) if c_ is None else velocity(x_, s_, ids_, c_)
+
     if scale == 1.0:
-        return velocity(x, sigma, ids)
+        return call(x, sigma, ids, cond)
     null = torch.as_tensor(null_ids, dtype=ids.dtype, device=ids.device)
     if null.shape != ids.shape[1:]:
         raise ValueError(f"null prompt ids {tuple(null.shape)} do not fit ids {tuple(ids.shape)}")
     null = null.expand_as(ids)
-    v_c, v_u = velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([ids, null])).chunk(
-        2
-    )
+    both = None if cond is None else torch.cat([cond, cond])
+    v_c, v_u = call(
+        torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([ids, null]), both
+    ).chunk(2)
     return v_u + scale * (v_c - v_u)
 
 

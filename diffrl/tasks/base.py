@@ -85,13 +85,18 @@ class Task(Protocol):
 class PromptSet:
     """A fixed list of prompts with their token ids computed once (the only tokenization)."""
 
-    def __init__(self, prompts: list[Prompt], tokenize) -> None:
+    def __init__(self, prompts: list[Prompt], tokenize, cond: Tensor | None = None) -> None:
+        """``cond``: (N, ...) per-prompt conditions beyond the text, encoded once here beside
+        the tokens (FL2VA keyframe latents; ``controller.engines.prompt_set``)."""
         if not prompts:
             raise ValueError("a prompt set needs at least one prompt")
         self.prompts = prompts
         self.texts = tuple(p.text for p in prompts)
         tokens = tokenize(list(self.texts))
         self.input_ids, self.hashes = tokens.input_ids, tuple(tokens.hashes)  # (N, L), (N,)
+        if cond is not None and cond.shape[0] != len(prompts):
+            raise ValueError(f"{cond.shape[0]} conditions for {len(prompts)} prompts")
+        self.cond = cond
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -103,6 +108,7 @@ class PromptSet:
             input_ids=self.input_ids[idx],
             ids_hash=tuple(self.hashes[i] for i in idx.tolist()),
             prompt_ids=idx,
+            cond=None if self.cond is None else self.cond[idx],
         )
 
     def all(self) -> PromptBatch:

@@ -65,7 +65,7 @@ class _RecordingPolicy:
     def __init__(self) -> None:
         self.sigmas: list[torch.Tensor] = []
 
-    def velocity(self, x, sigma, ids, adapter="default"):
+    def velocity(self, x, sigma, ids, adapter="default", cond=None):
         self.sigmas.append(sigma.detach().clone())
         return x * (0.5 if adapter == "default" else 0.3)
 

@@ -24,7 +24,12 @@ class FakePolicy:
         self.calls: list[tuple[str | None, Tensor, Tensor]] = []
 
     def velocity(
-        self, x: Tensor, sigma: Tensor, input_ids: Tensor, adapter: str | None = "default"
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        input_ids: Tensor,
+        adapter: str | None = "default",
+        cond: Tensor | None = None,
     ) -> Tensor:
         assert input_ids.shape == (x.shape[0], 5)
         self.calls.append((adapter, x.detach().clone(), sigma.detach().clone()))

@@ -56,7 +56,7 @@ class LinearPolicy:
     def __init__(self, w: float) -> None:
         self.w = torch.tensor(w, requires_grad=True)
 
-    def velocity(self, x, sigma, ids, adapter="default"):
+    def velocity(self, x, sigma, ids, adapter="default", cond=None):
         return (self.w if adapter is not None else torch.tensor(0.5)) * x
 
 
@@ -224,7 +224,7 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
     sizes = []
     forward = actor.velocity
 
-    def counted(x, sigma, ids, adapter="default"):
+    def counted(x, sigma, ids, adapter="default", cond=None):
         sizes.append(len(x))
         return forward(x, sigma, ids, adapter=adapter)
 

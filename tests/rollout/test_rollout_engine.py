@@ -239,7 +239,7 @@ def test_shared_prefix_runs_once_per_group(tiny_model, prompt_set) -> None:
     kw.update(sde_window_mode="fixed", sde_window_start=2)
     eng = engine(tiny_model, shared_init_noise=True, **kw)
     sizes, velocity = [], eng.velocity
-    eng.velocity = lambda x, s, ids: sizes.append(len(x)) or velocity(x, s, ids)
+    eng.velocity = lambda x, s, ids, c=None: sizes.append(len(x)) or velocity(x, s, ids, c)
     traj = gen(eng, prompt_set.batch([0, 1]))
     assert sizes == [2, 2, 2, 6, 6]  # steps 0-2 (x still shared) once per group, then per sample
     lat = traj.latents
@@ -254,7 +254,7 @@ def test_tree_noise_branches_each_group_in_two_per_window_step(tiny_model, promp
     kw.update(sde_window_start=1, shared_init_noise=True)
     eng = engine(tiny_model, tree_noise=True, **kw)
     sizes, velocity = [], eng.velocity
-    eng.velocity = lambda x, s, ids: sizes.append(len(x)) or velocity(x, s, ids)
+    eng.velocity = lambda x, s, ids, c=None: sizes.append(len(x)) or velocity(x, s, ids, c)
     traj = gen(eng, prompt_set.batch([0, 1]))
     # steps 0-1 once per group, step 2 once per half-group, step 3 per quarter, then per sample
     assert sizes == [2, 2, 4, 8, 16, 16]

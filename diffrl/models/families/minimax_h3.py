@@ -49,11 +49,12 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from diffrl.errors import ConfigError
+from diffrl.errors import ConfigError, ContractError
 from diffrl.models.families._diffusers import (
     TINY_WORDS,
     DiffusersNet,
@@ -64,6 +65,7 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
     word_tokenizer,
 )
+from diffrl.models.families.h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
 from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
@@ -90,7 +92,7 @@ COMPONENTS = {
 }
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # the AdaLN table's modality rows (a checkpoint fact)
 KEYFRAME_T = 0.999  # the pipeline's keyframe_noise_aug: conditioning rows sit just short of clean
-PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # the video VAE's pixels
+ANCHORS = ("first", "last")  # FL2VA: the two keyframes' places in the clip
 TEXT_LAYER = 50  # hidden_states[50] of Qwen3-VL-32B conditions the DiT
 
 _QWEN3_VL_32B = dict(
@@ -221,6 +223,67 @@ PRESETS: dict[str, dict] = {
         max_text_len=16,
         offload_text_encoder=False,
     ),
+    # the built-in AVBench base (docs/avbench.md): the real transformer class, ~1.8 M
+    # parameters, over AVBench's own clips, 12 frames of 16 x 16 px at 16 fps (pixel latents,
+    # 4 x 4 patches: 192 video rows of 48 values) and 0.75 s of 8 kHz mono audio (60 DCT frames
+    # of 100 samples: 60 audio rows); a 2-layer Qwen3-VL text encoder over AVBench's words. A
+    # row's values must fit through the hidden width (128): 8 x 8 patches of 32 px frames (192
+    # values) capped the velocity loss at ~0.4. The shift ratio 0.5 keeps H3's per-modality
+    # sigma map in play (audio noised less than video)
+    "h3-avbench": dict(
+        transformer=dict(
+            num_attention_heads=4,
+            attention_head_dim=32,
+            hidden_size=128,
+            num_layers=4,
+            num_refiner_layers=1,
+            ffn_dim=384,
+            in_channels=3,
+            audio_in_channels=100,
+            patch_size=(1, 4, 4),
+            text_dim=64,
+            freq_dim=64,
+            time_embed_hidden_dim=128,
+            time_embed_dim=64,
+            rope_freq_dim=4,
+        ),
+        vae=None,
+        audio_vae=None,
+        audio_dct=dict(sample_rate=8000, hop=100, scale=0.5),
+        text_encoder=dict(
+            text_config=dict(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 2, 4]},
+                tie_word_embeddings=False,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=16,
+                intermediate_size=32,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                deepstack_visual_indexes=[0],
+            ),
+        ),
+        words="avbench",
+        text_layer=2,
+        video_shift=2.0,
+        audio_shift=1.0,
+        audio_channels=1,
+        fps=16.0,
+        resolution=16,
+        frames=12,
+        max_text_len=12,
+        offload_text_encoder=False,
+    ),
 }
 DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN = 768, 124, 512
 
@@ -278,6 +341,7 @@ class MiniMaxH3Net(DiffusersNet):
         self.k = float(audio_shift_ratio)
         self.offload = offload_text_encoder
         self.keyframes: tuple[Tensor, tuple[str, ...]] | None = None  # set by conditioned()
+        self._layouts: dict[tuple, dict[str, Tensor]] = {}  # layout() per (n_text, anchors)
         n_layers = text_encoder.config.text_config.num_hidden_layers
         if not 0 < text_layer <= n_layers:
             raise ConfigError(
@@ -311,7 +375,14 @@ class MiniMaxH3Net(DiffusersNet):
 
     # --- the packed sequence ------------------------------------------------------------
     def layout(self, n_text: int, anchors: tuple[str, ...], device) -> dict[str, Tensor]:
-        """position_ids, token_tags and the three index tensors of one request's sequence."""
+        """position_ids, token_tags and the three index tensors of one request's sequence,
+        built once per (text length, anchors, device)."""
+        key = (n_text, tuple(anchors), str(device))
+        if key not in self._layouts:
+            self._layouts[key] = self._build_layout(n_text, anchors, device)
+        return self._layouts[key]
+
+    def _build_layout(self, n_text: int, anchors: tuple[str, ...], device) -> dict[str, Tensor]:
         from diffusers.modular_pipelines.minimax_h3.before_denoise import (
             MiniMaxH3PrepareLayoutStep,
         )
@@ -378,10 +449,22 @@ class MiniMaxH3Net(DiffusersNet):
         canon = (1 - 1 / self.k) * y - ((1 - sigma_a) + sigma_a / self.k) * u  # eps - b0
         return torch.cat([v_video.to(x.dtype), (-canon).to(x.dtype)], dim=1)
 
-    def forward(self, x: Tensor, t: Tensor, input_ids: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor | None = None
+    ) -> Tensor:
+        """``cond``: (B, 2, C, 1, h, w) first/last keyframe latents per row (FL2VA), as the
+        data stage encoded them; else the ones ``family.conditioned`` set, else none (T2VA)."""
         (txt,) = self.conditions(input_ids, dtype=x.dtype)
         lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
-        cond, anchors = self.keyframes if self.keyframes is not None else (None, ())
+        if cond is not None:
+            anchors = ANCHORS
+            if cond.shape[0] != x.shape[0] or cond.shape[1] != len(anchors):
+                raise ContractError(
+                    f"minimax_h3: conditions of shape {tuple(cond.shape)} for {x.shape[0]} rows; "
+                    f"expected (B, {len(anchors)}, C, 1, h, w) keyframe latents"
+                )
+        else:
+            cond, anchors = self.keyframes if self.keyframes is not None else (None, ())
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         groups: dict[tuple[int, float], list[int]] = {}
         for i, (n, ti) in enumerate(zip(lengths, t.float().tolist(), strict=True)):
@@ -398,9 +481,20 @@ class MiniMaxH3Family:
     native_convention = "data_progress"
     lora_targets = LORA_TARGETS
     media = frozenset({"video", "fps", "image", "audio", "sample_rate"})
+    takes_conditions = True  # FL2VA keyframes, as PromptBatch.cond (encode_conditions)
 
-    def __init__(self, tokenizer, net: MiniMaxH3Net, resolution: int, frames: int, fps: float):
+    def __init__(
+        self,
+        tokenizer,
+        net: MiniMaxH3Net,
+        resolution: int,
+        frames: int,
+        fps: float,
+        video_codec,
+        audio_codec,
+    ) -> None:
         self.tokenizer, self.net = tokenizer, net
+        self.video_codec, self.audio_codec = video_codec, audio_codec
         self.resolution, self.frames, self.fps = resolution, frames, fps
         self.max_text_len = tokenizer.model_max_length
 
@@ -426,44 +520,64 @@ class MiniMaxH3Family:
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> dict[str, Tensor]:
-        vae, avae = self.net.frozen.vae, self.net.frozen.audio_vae
         video, audio = self.split(latents.float())
-        cfg = vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1).to(video)
-        std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1).to(video)
-        clip = vae.decode((video * std + mean).to(next(vae.parameters())), return_dict=False)[0]
-        pm = torch.tensor(PIXEL_MEAN).view(1, 3, 1, 1, 1)
-        ps = torch.tensor(PIXEL_STD).view(1, 3, 1, 1, 1)
-        clip = (clip.float().cpu() * ps + pm).clamp(0, 1)[:, :, : self.frames]
+        clip = self.video_codec.decode(video)[:, :, : self.frames]  # (B, 3, T, H, W) in [0, 1]
         frames = (clip * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # (B, T, H, W, 3)
-        acfg = avae.config
-        b, ch, n, ca = audio.shape
-        amean = torch.tensor(acfg.latents_mean or [0.0] * ca).view(1, 1, 1, -1).to(audio)
-        astd = torch.tensor(acfg.latents_std or [1.0] * ca).view(1, 1, 1, -1).to(audio)
-        z = (audio * astd + amean).reshape(b * ch, n, ca).transpose(1, 2)  # (B*ch, Ca, N)
-        wave = avae.decode(z.to(next(avae.parameters())), return_dict=False)[0]
-        wave = wave.float().cpu().reshape(b, ch, -1).mean(1)  # stereo mixed down to (B, samples)
+        wave = self.audio_codec.decode(audio)  # (B, samples)
+        b = frames.shape[0]
         return {
             "video": frames,
             "fps": torch.full((b,), float(self.fps)),
             "image": frames[:, frames.shape[1] // 2],
             "audio": wave,
-            "sample_rate": torch.full((b,), float(acfg.sampling_rate)),
+            "sample_rate": torch.full((b,), float(self.audio_codec.sample_rate)),
         }
 
     @torch.no_grad()
     def encode_video(self, pixels: Tensor) -> Tensor:
-        """(B, 3, T, H, W) in [-1, 1] -> normalised video latents (B, C, F', h, w): ImageNet
-        pixels, the posterior's mode (the pipeline samples keyframes under seed 42)."""
-        vae = self.net.frozen.vae
-        pm = torch.tensor(PIXEL_MEAN).view(1, 3, 1, 1, 1).to(pixels)
-        ps = torch.tensor(PIXEL_STD).view(1, 3, 1, 1, 1).to(pixels)
-        pix = ((pixels + 1) / 2 - pm) / ps
-        z = vae.encode(pix.to(next(vae.parameters())), return_dict=False)[0].mode()
-        cfg = vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1).to(z)
-        std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1).to(z)
-        return (z - mean) / std
+        """(B, 3, T, H, W) in [-1, 1] -> video latents (B, C, F', h, w)."""
+        return self.video_codec.encode(pixels)
+
+    @torch.no_grad()
+    def encode_clip(self, video: Tensor, audio: Tensor) -> Tensor:
+        """Ground-truth clips, video (B, T, H, W, 3) uint8 and audio (B, samples) float, ->
+        (B, D) canonical latents (the audio part is H3's audio latent divided by k)."""
+        if video.dtype != torch.uint8 or video.ndim != 5 or audio.ndim != 2:
+            raise ValueError(
+                f"encode_clip takes video (B, T, H, W, 3) uint8 and audio (B, samples); got "
+                f"{tuple(video.shape)} {video.dtype} and {tuple(audio.shape)}"
+            )
+        pixels = video.permute(0, 4, 1, 2, 3).float() / 127.5 - 1  # (B, 3, T, H, W)
+        z_v = self.encode_video(self._resize(pixels)).flatten(1)
+        z_a = self.audio_codec.encode(audio, self.net.audio_shape) / self.net.k
+        return torch.cat([z_v, z_a.flatten(1).to(z_v)], dim=1)
+
+    def media_geometry(self) -> dict[str, float]:
+        """What a task renders conditions at: frames, size (px), fps and sample rate."""
+        return dict(
+            frames=self.frames,
+            size=self.resolution,
+            fps=self.fps,
+            sample_rate=self.audio_codec.sample_rate,
+        )
+
+    @torch.no_grad()
+    def encode_conditions(self, conditions: Sequence[dict]) -> Tensor:
+        """Per-prompt FL2VA conditions, {"first_frame", "last_frame"} (H, W, 3) uint8 each, ->
+        (N, 2, C, 1, h, w) keyframe latents, encoded once in the data stage."""
+        missing = [k for k in ("first_frame", "last_frame") if k not in (conditions or [{}])[0]]
+        if not conditions or missing:
+            raise ConfigError(f"minimax_h3: FL2VA conditions need {missing or 'some rows'}")
+        first = torch.from_numpy(np.stack([c["first_frame"] for c in conditions]))
+        last = torch.from_numpy(np.stack([c["last_frame"] for c in conditions]))
+        if first.dtype != torch.uint8 or first.ndim != 4 or first.shape != last.shape:
+            raise ValueError(
+                f"FL2VA frames must be (H, W, 3) uint8 of one size; got {tuple(first.shape)} "
+                f"{first.dtype} and {tuple(last.shape)}"
+            )
+        pixels = torch.stack([first, last], 1).permute(0, 1, 4, 2, 3).float() / 127.5 - 1
+        device = next(self.net.transformer.parameters()).device
+        return self.encode_keyframes(pixels.to(device)).float().cpu()
 
     def _resize(self, pixels: Tensor) -> Tensor:
         if pixels.shape[-1] == self.resolution and pixels.shape[-2] == self.resolution:
@@ -492,7 +606,7 @@ class MiniMaxH3Family:
 
     @contextlib.contextmanager
     def conditioned(
-        self, model: FamilyModel, keyframes: Tensor, anchors: tuple[str, ...] = ("first", "last")
+        self, model: FamilyModel, keyframes: Tensor, anchors: tuple[str, ...] = ANCHORS
     ) -> Iterator[FamilyModel]:
         """FL2VA: within the block, ``model`` packs ``keyframes`` (B, K, C, 1, h, w) as frozen
         conditioning rows anchored at ``anchors`` (no gradient, cut from the output)."""
@@ -544,22 +658,25 @@ class MiniMaxH3Family:
 # --- building ---------------------------------------------------------------------------------
 
 
-def _latent_frames(vae, frames: int) -> int:
-    """The video VAE's latent frame count: ``clip_length * n + tokens_chunk_size`` pixel frames
-    (17n+5 for the release) -> ``tokens_chunk_size * n + 2`` latents (5n+2)."""
-    clip, chunk = vae.config.clip_length, vae.tokens_chunk_size
-    if frames % clip != chunk % clip or frames < clip:
-        raise ConfigError(
-            f"minimax_h3: frames {frames} must be {clip} * n + {chunk} (n >= 1) for this video VAE"
-        )
-    return (frames - chunk) // clip * chunk + 2
+def codecs(vae, audio_vae, spec: dict) -> tuple:
+    """The (video, audio) codecs: the autoencoders when there are modules, else the
+    weightless pixel / DCT transforms that ``spec`` (a preset) describes."""
+    video = VAEVideo(vae) if vae is not None else PixelVideo()
+    if audio_vae is not None:
+        audio = VAEAudio(audio_vae)
+    else:
+        dct = spec.get("audio_dct") or {}
+        if not dct:
+            raise ConfigError("minimax_h3: no audio VAE and no DCT audio codec in the preset")
+        audio = DCTAudio(dct["sample_rate"], dct["hop"], dct["scale"])
+    return video, audio
 
 
 def build(
     transformer,
     text_encoder,
-    vae,
-    audio_vae,
+    video_codec,
+    audio_codec,
     tokenizer,
     *,
     resolution: int,
@@ -577,29 +694,18 @@ def build(
     if tokenizer.pad_token_id is None:
         raise ConfigError("minimax_h3: the tokenizer has no pad token")
     cfg = transformer.config
-    ratio = vae.spatial_compression_ratio
-    if resolution % (ratio * cfg.patch_size[1]):
-        raise ConfigError(
-            f"minimax_h3: resolution {resolution} must be a multiple of "
-            f"{ratio * cfg.patch_size[1]} (VAE x{ratio}, patch {cfg.patch_size[1]})"
-        )
-    side = resolution // ratio
-    if resolution <= vae.tile_sample_min_height:
-        vae.disable_tiling()  # one tile is the whole frame (the release tiles 768 px frames)
-    video_shape = (vae.config.latent_channels, _latent_frames(vae, frames), side, side)
-    latents_per_second = audio_vae.config.sampling_rate / audio_vae.hop_length
-    n_audio = int(round(frames / fps * latents_per_second))
-    audio_shape = (audio_channels, n_audio, audio_vae.config.latent_channels)
+    video_shape = video_codec.latent_shape(frames, resolution, tuple(cfg.patch_size))
+    audio_shape = audio_codec.latent_shape(frames / fps, audio_channels)
     if cfg.in_channels != video_shape[0] or cfg.audio_in_channels != audio_shape[-1]:
         raise ConfigError(
             f"minimax_h3: transformer takes {cfg.in_channels} video / {cfg.audio_in_channels} "
-            f"audio channels, the VAEs give {video_shape[0]} / {audio_shape[-1]}"
+            f"audio channels, the codecs give {video_shape[0]} / {audio_shape[-1]}"
         )
     net = MiniMaxH3Net(
         transformer,
         text_encoder,
-        vae,
-        audio_vae,
+        getattr(video_codec, "vae", None),
+        getattr(audio_codec, "vae", None),
         pad_id=tokenizer.pad_token_id,
         video_shape=video_shape,
         audio_shape=audio_shape,
@@ -607,12 +713,19 @@ def build(
         text_layer=text_layer,
         offload_text_encoder=offload_text_encoder,
     )
-    family = MiniMaxH3Family(tokenizer, net, resolution, frames, fps)
+    family = MiniMaxH3Family(tokenizer, net, resolution, frames, fps, video_codec, audio_codec)
     return FamilyModel(net, family, convention)
 
 
-def tiny_tokenizer(max_len: int):
-    return word_tokenizer(TINY_WORDS, "qwen", max_len)
+def tiny_tokenizer(max_len: int, words: str = "tiny"):
+    """A word-level Qwen-style tokenizer: over the tiny presets' words, or with
+    ``words="avbench"`` over AVBench's prompt words as well."""
+    vocab = set(TINY_WORDS)
+    if words == "avbench":
+        from diffrl.tasks.avbench.prompts import vocabulary
+
+        vocab |= set(vocabulary())
+    return word_tokenizer(sorted(vocab), "qwen", max_len)
 
 
 def _random(preset: str, dtype: torch.dtype, device: torch.device) -> dict:
@@ -624,7 +737,7 @@ def _random(preset: str, dtype: torch.dtype, device: torch.device) -> dict:
     from transformers import Qwen3VLForConditionalGeneration
 
     spec = PRESETS[preset]
-    tok = tiny_tokenizer(spec["max_text_len"])
+    tok = tiny_tokenizer(spec["max_text_len"], spec.get("words", "tiny"))
     te_cfg = {k: dict(v) for k, v in spec["text_encoder"].items()}
     if preset != "minimax-h3":
         te_cfg["text_config"]["vocab_size"] = len(tok)
@@ -633,8 +746,12 @@ def _random(preset: str, dtype: torch.dtype, device: torch.device) -> dict:
     return dict(
         transformer=tr,
         text_encoder=random_component(Qwen3VLForConditionalGeneration, te_cfg, dtype, te_device),
-        vae=random_component(AutoencoderKLMiniMaxH3, spec["vae"], dtype, device),
-        audio_vae=random_component(AutoencoderKLMiniMaxH3Audio, spec["audio_vae"], dtype, device),
+        vae=None
+        if spec["vae"] is None
+        else random_component(AutoencoderKLMiniMaxH3, spec["vae"], dtype, device),
+        audio_vae=None
+        if spec["audio_vae"] is None
+        else random_component(AutoencoderKLMiniMaxH3Audio, spec["audio_vae"], dtype, device),
         tokenizer=tok,
     )
 
@@ -703,8 +820,11 @@ def load(cfg, device: torch.device) -> FamilyModel:
             f"model family 'minimax_h3' needs model.path (a diffusers directory) or model.preset "
             f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
         )
+    video_codec, audio_codec = codecs(parts.pop("vae"), parts.pop("audio_vae"), spec)
     return build(
         **parts,
+        video_codec=video_codec,
+        audio_codec=audio_codec,
         resolution=cfg.resolution or spec["resolution"],
         frames=cfg.frames or spec["frames"],
         max_text_len=cfg.max_text_len or spec["max_text_len"],

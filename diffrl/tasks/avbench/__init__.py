@@ -53,8 +53,10 @@ def trajectory_checks(traj: Trajectory, fl2va: bool = False, condition_seed: int
         if "first_frame" in traj.extra_fields and "last_frame" in traj.extra_fields:
             first = traj.extra_fields["first_frame"].detach().cpu().numpy()
             last = traj.extra_fields["last_frame"].detach().cpu().numpy()
-        else:
-            conds = [conditions(p, condition_seed) for p in prompts]
+        else:  # the canonical conditions, rendered at the clip's own geometry
+            fps, sr = _rates(traj, "fps", FPS), _rates(traj, "sample_rate", SAMPLE_RATE)
+            spec = ClipSpec(video.shape[1], video.shape[2], float(fps[0]), int(sr[0]))
+            conds = [conditions(p, condition_seed, spec) for p in prompts]
             first = np.stack([c["first_frame"] for c in conds])
             last = np.stack([c["last_frame"] for c in conds])
     fps, sample_rate = _rates(traj, "fps", FPS), _rates(traj, "sample_rate", SAMPLE_RATE)
@@ -69,10 +71,24 @@ class AVBenchTask:
             raise ValueError(f"AVBench task {cfg.task!r}: must be one of {sorted(MODES)}")
         self.cfg, self.name = cfg, cfg.task
         self.fl2va = MODES[cfg.task] == "fl2va"
+        self.needs_conditions = self.fl2va  # first/last frames per prompt (prompt_conditions)
         self.condition_seed = 0  # the seed of each prompt's canonical FL2VA conditions
 
     def prompts(self, split: str) -> list[Prompt]:
         return [Prompt(p.text) for p in split_prompts(split)]
+
+    def prompt_conditions(self, prompts: list[Prompt], geometry: dict) -> list[dict] | None:
+        """FL2VA: each prompt's canonical first/last frames (seed ``condition_seed``) at the
+        model's ``geometry`` (frames, size, fps, sample_rate); None for T2VA (text only)."""
+        if not self.fl2va:
+            return None
+        spec = ClipSpec(
+            int(geometry["frames"]),
+            int(geometry["size"]),
+            float(geometry["fps"]),
+            int(geometry["sample_rate"]),
+        )
+        return [conditions(p.text, self.condition_seed, spec) for p in prompts]
 
     def conditions(
         self, prompt_text: str, seed: int = 0, spec: ClipSpec = DEFAULT_SPEC

@@ -110,3 +110,9 @@ def parse_prompt(text: str) -> AVPrompt:
         return _index()[text]
     except (KeyError, TypeError):
         raise ValueError(f"prompt is outside the AVBench grammar: {text!r}") from None
+
+
+def vocabulary() -> tuple[str, ...]:
+    """Every word of every AVBench prompt (lowercase, punctuation split off), sorted."""
+    words = {w for p in all_prompts() for w in p.text.replace(",", " , ").split()}
+    return tuple(sorted(words))

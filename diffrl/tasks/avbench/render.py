@@ -9,7 +9,7 @@ Audio: ``FRAMES / FPS`` = 0.75 s of mono ``SAMPLE_RATE`` audio: a Hann-windowed 
 the prompt's pitch centred on each contact time (frame / FPS), light noise elsewhere.
 
 The seed sets only what the prompt leaves open (start side and position, background shade,
-beep loudness and phase, noise), so a clip is a deterministic function of (prompt, seed).
+beep loudness, noise), so a clip is a deterministic function of (prompt, seed).
 """
 
 from __future__ import annotations
@@ -122,8 +122,11 @@ def render_audio(
         centre = frame / spec.fps
         near = np.abs(t - centre) < half
         window = 0.5 + 0.5 * np.cos(np.pi * (t[near] - centre) / half)  # Hann, peak at centre
-        amp, phase = rng.uniform(0.4, 0.6), rng.uniform(0, 2 * np.pi)
-        audio[near] += amp * window * np.sin(2 * np.pi * p.frequency * t[near] + phase)
+        # a cosine in phase with the contact: the waveform is the prompt's, only its loudness is
+        # left open. (A random phase made every waveform sample's mean over seeds zero, so a
+        # flow model's loss barely saw the beeps: the AVBench base learned the video, not them.)
+        amp = rng.uniform(0.4, 0.6)
+        audio[near] += amp * window * np.cos(2 * np.pi * p.frequency * (t[near] - centre))
     return np.clip(audio, -1.0, 1.0).astype(np.float32)
 
 

@@ -1,0 +1,165 @@
+"""The omni families at real size on one GPU, random weights in bf16: one FL2VA (MiniMax-H3) or
+T2VA (LTX-2) rollout of a few steps and one LoRA DiffusionNFT step, with peak memory and times.
+
+    python benchmarks/real_size_omni.py --presets minimax-h3 ltx2
+
+MiniMax-H3's DiT alone is 61.9 GB in bf16, so one H200 holds one copy of it: the rollout
+samples with the model itself (``RolloutEngine(share_model=True)``: no serving copy, hence no
+weight sync), and the actor then trains LoRA on the same weights. Its 32 B Qwen3-VL encoder
+lives in host memory and visits the GPU once per prompt (the family's ``offload``), outside
+the DiT's training step. FL2VA's first/last frames are random pixels encoded by the video VAE
+in the data stage (``encode_conditions``), exactly as a task's conditions are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+
+import numpy as np
+import torch
+
+from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
+from diffrl.algorithms.diffusion_nft import NFTConfig
+from diffrl.algorithms.registry import get_algorithm
+from diffrl.models.registry import ModelConfig, load_model, lora_targets
+from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
+from diffrl.rollout.engine import RolloutConfig, RolloutEngine
+from diffrl.tasks import Prompt, PromptSet
+
+PROMPTS = ["a red ball bounces twice on a wooden floor, each bounce a sharp knock",
+           "waves roll onto a pebble beach at dusk, gulls calling"]  # fmt: skip
+SHAPE = {"minimax-h3": (352, 124), "ltx2": (512, 121)}  # preset -> (square px, frames)
+# --smoke: the tiny presets on the CPU, to check the script before a GPU call
+SMOKE = {"h3-tiny": (32, 8), "ltx2-tiny": (32, 9)}
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def gib(n: float) -> float:
+    return round(n / 2**30, 2)
+
+
+def sync() -> float:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def peak() -> int:
+    return torch.cuda.max_memory_allocated() if DEV.type == "cuda" else 0
+
+
+def reset_peak() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_one(preset: str, args) -> dict:
+    dev = DEV
+    reset_peak()
+    res, frames = {**SHAPE, **SMOKE}[preset]
+    t = time.perf_counter()
+    mcfg = ModelConfig(preset=preset, dtype="bfloat16", resolution=res, frames=frames, probe=False)
+    torch.manual_seed(0)
+    base = load_model(mcfg, dev)
+    build_s = sync() - t
+    fam = base.family
+    dit_params = sum(p.numel() for p in base.net.transformer.parameters())
+    cond, mode = None, "t2va"
+    if getattr(fam, "takes_conditions", False):  # FL2VA: first and last frames
+        rng = np.random.default_rng(0)
+        frames_u8 = rng.integers(0, 256, (len(PROMPTS), 2, res, res, 3), dtype=np.uint8)
+        conds = [{"first_frame": f[0], "last_frame": f[1]} for f in frames_u8]
+        t = time.perf_counter()
+        cond = fam.encode_conditions(conds)
+        cond_s, mode = sync() - t, "fl2va"
+    prompts = PromptSet([Prompt(p) for p in PROMPTS], fam.tokenize, cond).all()
+    rcfg = RolloutConfig(group_size=1, num_steps=args.steps, sampler="ode", max_batch=8)
+    rollout = RolloutEngine(base, rcfg, [], dev, serving_layout=False, share_model=True)
+    t = time.perf_counter()
+    base.net.conditions(prompts.input_ids.to(dev))  # the text encoder's one visit per prompt
+    encode_s = sync() - t
+    peak_encode = peak()
+    reset_peak()
+    t = time.perf_counter()
+    traj = asyncio.run(rollout.generate(prompts, seed=1))
+    rollout_s = sync() - t
+    peak_rollout = peak()
+    pool = RewardPool(RewardConfig([ScorerConfig(name="jpeg_incompressibility")]))
+    scored, _ = asyncio.run(pool.score(traj))
+    algo = get_algorithm("diffusion_nft")
+    acfg = NFTConfig(timesteps_per_sample=1)
+    reset_peak()
+    actor = ActorEngine(
+        base,
+        ActorConfig(lr=1e-4, micro_batch=1, activation_checkpointing=True,
+                    lora=AdapterConfig(rank=32)),
+        list(lora_targets(mcfg)), algo, acfg, dev,
+    )  # fmt: skip
+    batch = algo.prepare(scored, acfg)
+    t = time.perf_counter()
+    metrics = actor.train_step(batch)
+    train_s = sync() - t
+    t = time.perf_counter()
+    actor.train_step(batch)
+    train2_s = sync() - t
+    out = {
+        "preset": preset,
+        "mode": mode,
+        "dit_params_b": round(dit_params / 1e9, 2),
+        "resolution": res,
+        "frames": frames,
+        "latent_dim": int(fam.latent_shape()[0]),
+        "samples": len(traj),
+        "steps": args.steps,
+        "build_s": round(build_s, 1),
+        "conditions_s": round(cond_s, 2) if cond is not None else None,
+        "text_encode_s": round(encode_s, 2),
+        "rollout_s": round(rollout_s, 2),
+        "train_step_s": round(train_s, 2),
+        "train_step2_s": round(train2_s, 2),
+        "train_samples": len(batch),
+        "peak_gib_encode": gib(peak_encode),
+        "peak_gib_rollout": gib(peak_rollout),
+        "peak_gib_train": gib(peak()),
+        "text_encoder_device": str(next(base.net.frozen.text_encoder.parameters()).device),
+        "loss": metrics.get("actor/loss"),
+        "finite": bool(np.isfinite(metrics.get("actor/loss", float("nan")))),
+        "media": {k: tuple(v.shape) for k, v in traj.extra_fields.items()},
+    }
+    del rollout, actor, base, traj, scored, batch
+    gc.collect()
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--presets", nargs="+", default=list(SHAPE))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", default="")
+    p.add_argument("--smoke", action="store_true", help="the tiny presets, to test the script")
+    args = p.parse_args()
+    if args.smoke:
+        args.presets = list(SMOKE)
+    torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention's backward failed on torch 2.11
+    rows = []
+    for preset in args.presets:
+        try:
+            row = run_one(preset, args)
+        except Exception as e:  # one preset's failure must not hide the other's figures
+            row = {"preset": preset, "error": f"{type(e).__name__}: {e}"[:600]}
+            gc.collect()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
