@@ -66,6 +66,19 @@ def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
         log.warning("time-convention probe skipped: task %r has no ground-truth samples", task.name)
         return None
     param, fam = next(model.parameters()), model.family
+    ids = fam.tokenize(data.texts).input_ids.to(param.device)
+    if data.video is not None:  # clips: the joint video+audio latent space
+        if not hasattr(fam, "encode_clip"):
+            log.warning(
+                "time-convention probe skipped: task %r's ground truth is video+audio clips and "
+                "family %r encodes no clips", task.name, fam.name,
+            )  # fmt: skip
+            return None
+        x0 = fam.encode_clip(data.video.to(param.device), data.audio.to(param.device))
+        report = probe_convention(model, x0.to(param.dtype), ids)
+        if not report.conclusive:
+            log.warning("time-convention probe inconclusive: %s", report.reason)
+        return report
     pixels = data.pixels.to(param.device, param.dtype)
     x0 = fam.encode_pixels(pixels)
     want = tuple(fam.latent_shape())
@@ -80,7 +93,6 @@ def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
             task.name, tuple(x0.shape[1:]), want,
         )  # fmt: skip
         return None
-    ids = fam.tokenize(data.texts).input_ids.to(param.device)
     report = probe_convention(model, x0, ids)
     if not report.conclusive:
         log.warning("time-convention probe inconclusive: %s", report.reason)

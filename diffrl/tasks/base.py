@@ -67,8 +67,12 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class ProbeData:
-    pixels: Tensor  # (n, 3, H, W) in [-1, 1]: known-good samples for the prompts below
+    pixels: Tensor | None  # (n, 3, H, W) in [-1, 1]: known-good samples for the prompts below
     texts: list[str]
+    # video+audio tasks: known-good clips instead, (n, T, H, W, 3) uint8 and (n, samples) float,
+    # for families with ``encode_clip`` (the probe then runs in the joint latent space)
+    video: Tensor | None = None
+    audio: Tensor | None = None
 
 
 @runtime_checkable

@@ -219,7 +219,9 @@ def test_task_splits_and_modes(name) -> None:
     assert task.name == name and task.fl2va == (name == "avbench_fl2va")
     assert task.prompts("train") == [Prompt(p.text) for p in split_prompts("train")]
     assert task.prompts("test") == [Prompt(p.text) for p in split_prompts("test")]
-    assert task.probe_data() is None
+    probe = task.probe_data(n=3)  # ground-truth clips for the joint-latent probe
+    assert probe.pixels is None and probe.texts == [p.text for p in split_prompts("train")[:3]]
+    assert probe.video.shape == (3, 12, 32, 32, 3) and probe.audio.shape == (3, 6000)
     conds = task.conditions(RED_TWICE_HIGH.text, seed=5)
     video, _ = render(RED_TWICE_HIGH, seed=5)
     np.testing.assert_array_equal(conds["first_frame"], video[0])

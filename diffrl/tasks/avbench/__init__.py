@@ -15,6 +15,7 @@ Two registered tasks share this module; ``cfg.task`` picks the mode:
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from diffrl.tasks.avbench.prompts import AVPrompt, parse_prompt, split_prompts
 from diffrl.tasks.avbench.render import (
@@ -27,7 +28,7 @@ from diffrl.tasks.avbench.render import (
     render_batch,
 )
 from diffrl.tasks.avbench.verify import VERIFIERS, Checks, verify_clips
-from diffrl.tasks.base import EvalResult, Prompt, TaskConfig, first_of_each_prompt
+from diffrl.tasks.base import EvalResult, ProbeData, Prompt, TaskConfig, first_of_each_prompt
 from diffrl.types import Trajectory
 
 MODES = {"avbench": "t2va", "avbench_fl2va": "fl2va"}
@@ -128,12 +129,12 @@ class AVBenchTask:
             clips,
         )
 
-    def probe_data(self, n: int = 16) -> None:
-        # The time-convention probe encodes (n, 3, H, W) images with the family's
-        # encode_pixels; an omni family's latent is a joint video+audio one, so image pixels
-        # would probe the wrong space. Without ground truth in that space the probe is
-        # skipped, and says so.
-        return None
+    def probe_data(self, n: int = 16) -> ProbeData:
+        """Ground-truth clips of the train prompts (seed k for the k-th): the probe encodes
+        them into the family's joint video+audio latent (``encode_clip``)."""
+        prompts = [p.text for p in split_prompts("train")[:n]]
+        video, audio = render_batch(prompts, list(range(len(prompts))))
+        return ProbeData(None, prompts, torch.from_numpy(video), torch.from_numpy(audio))
 
 
 def build(cfg: TaskConfig) -> AVBenchTask:
