@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffrl.errors import DiffrlError, check
-from diffrl.reward.scorer import Scorer, build_scorer, check_fields, missing_fields
+from diffrl.reward.scorer import Scorer, build_scorer, check_fields, missing_fields, producers_of
 from diffrl.types import ScoredBatch, Trajectory
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,9 @@ class RewardPool:
             missing = missing_fields(scorer.needs, produced)
             if missing:
                 raise DiffrlError(
-                    f"scorer {scorer.name!r} needs {missing}, which the rollout "
-                    f"does not produce (it produces {sorted(produced)})"
+                    f"scorer {scorer.name!r} needs {missing}, which the rollout does not "
+                    f"produce ({producers_of(missing)}, for a model family that outputs it; "
+                    f"this run's family produces {sorted(produced)})"
                 )
 
     async def _run(self, sc: ScorerConfig, scorer: Scorer, traj: Trajectory):

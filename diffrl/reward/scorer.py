@@ -20,8 +20,37 @@ from diffrl.types import Trajectory
 PRODUCERS = {
     "image": "the rollout engine (decoded x0)",
     "video": "the rollout engine (omni)",
+    "fps": "the rollout engine (omni, with video)",
     "audio": "the rollout engine (omni audio decoder)",
+    "sample_rate": "the rollout engine (omni, with audio)",
 }
+
+
+def audio_rate(traj: Trajectory, configured: int) -> int:
+    """The rate of ``traj``'s audio: its ``extra_fields["sample_rate"]`` (one rate per batch),
+    which a configured rate may only repeat; ``configured`` (0 = none) where it has none."""
+    if "sample_rate" not in traj.extra_fields:
+        if not configured:
+            raise KeyError(
+                "the trajectory's audio has no 'sample_rate' field and the scorer no "
+                "sample_rate param: set one of them (the rollout of an omni family sets it)"
+            )
+        return configured
+    rates = {int(r) for r in traj.extra_fields["sample_rate"].reshape(-1).tolist()}
+    if len(rates) != 1:
+        raise ValueError(f"one audio rate per batch expected, got {sorted(rates)}")
+    rate = rates.pop()
+    if configured and configured != rate:
+        raise ValueError(
+            f"the scorer's sample_rate param is {configured} Hz but the trajectory's audio is "
+            f"{rate} Hz; drop the param (the trajectory's rate is used) or fix it"
+        )
+    return rate
+
+
+def producers_of(missing: list[str]) -> str:
+    """ "'audio' is set by the rollout engine (...); ..." for an error message."""
+    return "; ".join(f"{m!r} is set by {PRODUCERS.get(m, 'an unknown producer')}" for m in missing)
 
 
 @dataclass(frozen=True)
@@ -53,9 +82,7 @@ def missing_fields(needs: frozenset[str], available: set[str]) -> list[str]:
 def check_fields(scorer: Scorer, traj: Trajectory) -> None:
     missing = missing_fields(scorer.needs, set(traj.extra_fields))
     if missing:
-        who = "; ".join(
-            f"{m!r} is set by {PRODUCERS.get(m, 'an unknown producer')}" for m in missing
-        )
+        who = producers_of(missing)
         raise KeyError(
             f"scorer {scorer.name!r} needs extra_fields {missing} that the trajectory "
             f"lacks ({who}); present: {sorted(traj.extra_fields)}"

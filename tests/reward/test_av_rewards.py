@@ -152,11 +152,6 @@ def test_the_per_batch_check_names_the_producer(
         asyncio.run(depth.score(image_only))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RewardPool.check_inputs names the missing field but not its producer; only the "
-    "per-batch check_fields does (scorer.PRODUCERS)",
-)
 def test_start_up_check_names_the_producer(clap_dir: Path) -> None:  # noqa: F811
     pool = RewardPool(RewardConfig(scorers=[ScorerConfig("clap", params={"path": str(clap_dir)})]))
     with pytest.raises(DiffrlError, match="omni audio decoder"):

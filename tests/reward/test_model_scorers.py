@@ -356,7 +356,13 @@ def test_imagebind_av_accepts_any_embedder_object(media_traj) -> None:
 
     scorer = build_scorer("imagebind_av", {"embedder": Same(), "scale": 3.0})
     traj = media_traj(["x"] * 2, audio=torch.zeros(2, 10), video=torch.zeros(2, 1, 2, 2, 3))
+    with pytest.raises(KeyError, match="no 'sample_rate' field"):  # no rate anywhere
+        run(scorer, traj)
+    traj = traj.with_fields(sample_rate=torch.full((2,), 8000.0))  # as an omni rollout sets it
     assert run(scorer, traj).scores.tolist() == pytest.approx([3.0, 3.0])
+    wrong = build_scorer("imagebind_av", {"embedder": Same(), "sample_rate": 16000})
+    with pytest.raises(ValueError, match="16000 Hz but the trajectory's audio is 8000 Hz"):
+        run(wrong, traj)
     with pytest.raises(ValueError, match="exactly one of"):
         build_scorer("imagebind_av", {})
 

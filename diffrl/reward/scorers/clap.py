@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffrl.reward.scorer import ScoreResult, register_scorer
+from diffrl.reward.scorer import ScoreResult, audio_rate, register_scorer
 from diffrl.reward.scorers.clip import pooled, require_local_dir, resolve_dtype, unique_index
 from diffrl.types import Trajectory
 
@@ -47,7 +47,8 @@ class ClapScorer:
     """``cos(CLAP(audio), CLAP(prompt))`` with a local transformers CLAP checkpoint.
 
     Params: ``path`` (required, a ``save_pretrained`` directory with ``ClapModel`` and
-    ``ClapProcessor``), ``sample_rate`` (the rollout's audio rate), ``device``, ``dtype``,
+    ``ClapProcessor``), ``sample_rate`` (0 = the
+    trajectory's ``extra_fields["sample_rate"]``; else it must match), ``device``, ``dtype``,
     ``batch_size``, ``crop`` (True: keep the first window of a long clip, deterministically;
     False: hand the whole clip to the extractor and accept its random long-clip handling).
     Rows with a non-finite audio sample are marked invalid, never scored.
@@ -58,7 +59,7 @@ class ClapScorer:
     def __init__(
         self,
         path: str | None = None,
-        sample_rate: int = 48000,
+        sample_rate: int = 0,  # 0 = the trajectory's extra_fields['sample_rate']
         device: str = "cpu",
         dtype: str = "float32",
         batch_size: int = 16,
@@ -70,8 +71,10 @@ class ClapScorer:
         self.name = name
         model_dir = require_local_dir(path, name)
         torch_dtype = resolve_dtype(dtype)
-        if sample_rate <= 0 or batch_size < 1:
-            raise ValueError(f"sample_rate={sample_rate}, batch_size={batch_size}: must be > 0")
+        if sample_rate < 0 or batch_size < 1:
+            raise ValueError(
+                f"sample_rate={sample_rate} (>= 0), batch_size={batch_size} (>= 1): out of range"
+            )
         self.sample_rate = int(sample_rate)
         self.device = torch.device(device)
         self.batch_size = batch_size
@@ -91,7 +94,8 @@ class ClapScorer:
         audio = mono(traj.extra_fields["audio"])
         finite = torch.isfinite(audio).all(dim=1)
         audio = torch.where(finite[:, None], audio, torch.zeros_like(audio)).clamp(-1, 1)
-        wav = resample(audio.cpu().numpy(), self.sample_rate, self.model_rate)
+        rate = audio_rate(traj, self.sample_rate)
+        wav = resample(audio.cpu().numpy(), rate, self.model_rate)
         if self.crop:
             wav = wav[:, : self.window]
         texts, idx = unique_index(traj.prompts.texts)

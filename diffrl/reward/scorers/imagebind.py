@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffrl.reward.scorer import ScoreResult, register_scorer
+from diffrl.reward.scorer import ScoreResult, audio_rate, register_scorer
 from diffrl.types import Trajectory
 
 
@@ -68,7 +68,8 @@ class ImageBindAVScorer:
     """``scale * cos(embed_audio(audio), embed_video(video))``: does the sound fit the picture.
 
     Params: ``path`` (a TorchScript file, see ``TorchScriptAVEmbedder``) or ``embedder`` (any
-    ``AVEmbedder``, for use from Python), ``sample_rate`` (the rollout's audio rate),
+    ``AVEmbedder``, for use from Python), ``sample_rate`` (0 = the
+    trajectory's ``extra_fields["sample_rate"]``; else it must match),
     ``device``, ``scale``, ``batch_size``. Rows whose audio holds a non-finite sample, or whose
     embedding is not finite, are marked invalid, never scored 0.
     """
@@ -78,7 +79,7 @@ class ImageBindAVScorer:
     def __init__(
         self,
         path: str | None = None,
-        sample_rate: int = 16000,
+        sample_rate: int = 0,  # 0 = the trajectory's extra_fields['sample_rate']
         device: str = "cpu",
         scale: float = 1.0,
         batch_size: int = 8,
@@ -91,8 +92,10 @@ class ImageBindAVScorer:
                 f"scorer {name!r} needs exactly one of params.path (a local TorchScript "
                 "file; diffrl never downloads weights) or embedder"
             )
-        if sample_rate <= 0 or batch_size < 1:
-            raise ValueError(f"sample_rate={sample_rate}, batch_size={batch_size}: must be > 0")
+        if sample_rate < 0 or batch_size < 1:
+            raise ValueError(
+                f"sample_rate={sample_rate} (>= 0), batch_size={batch_size} (>= 1): out of range"
+            )
         self.embedder: AVEmbedder = embedder or TorchScriptAVEmbedder(path, device)  # type: ignore[arg-type]
         self.sample_rate = int(sample_rate)
         self.scale = float(scale)
@@ -109,9 +112,9 @@ class ImageBindAVScorer:
             raise ValueError(f"audio has {audio.shape[0]} rows but video {video.shape[0]}")
         finite = torch.isfinite(audio.flatten(1)).all(dim=1)
         audio = torch.where(finite.view(-1, *[1] * (audio.ndim - 1)), audio, 0.0)
-        parts = []
+        parts, rate = [], audio_rate(traj, self.sample_rate)
         for i in range(0, len(audio), self.batch_size):
-            a = self.embedder.embed_audio(audio[i : i + self.batch_size], self.sample_rate)
+            a = self.embedder.embed_audio(audio[i : i + self.batch_size], rate)
             v = self.embedder.embed_video(video[i : i + self.batch_size])
             if a.shape != v.shape or a.ndim != 2:
                 raise ValueError(
