@@ -101,6 +101,17 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def optimizer_step(opt, sched, params: list, ema_params: list, step: int, ema: float) -> None:
+    """Clip the gradient to norm 1, step optimizer and schedule, and move the EMA copy
+    (decay warmed up as min(ema, (1 + step) / (10 + step)))."""
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    decay = min(ema, (1 + step) / (10 + step))
+    with torch.no_grad():
+        torch._foreach_lerp_(ema_params, params, 1 - decay)
+
+
 def near_misses(prompt: ShapesPrompt) -> list[ShapesPrompt]:
     """Prompts of the same category whose text differs from ``prompt`` in exactly one word."""
     words = prompt.text.split()
@@ -190,12 +201,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         loss = (model(noised(x0, sigma, eps), sigma, ids.to(device)) - (eps - x0)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        decay = min(cfg.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, params, 1 - decay)
+        optimizer_step(opt, sched, params, ema_params, step, cfg.ema)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if step + 1 in cfg.snapshots and step + 1 != cfg.steps:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from diffrl.models.convention import noised
 from diffrl.models.family import FamilyModel
 from diffrl.models.registry import BUILTIN_WEIGHTS, ModelConfig, load_model, save_weights
 
@@ -47,7 +48,7 @@ def clip_bank(model: FamilyModel, per_prompt: int, seed: int, device) -> tuple:
 
 def pretrain_avbench(cfg) -> Path:
     from diffrl.controller.engines import pick_device
-    from diffrl.models.pretrain import warmup_cosine
+    from diffrl.models.pretrain import optimizer_step, warmup_cosine
     from diffrl.tasks import Prompt, PromptSet
     from diffrl.tasks.avbench import split_prompts
 
@@ -87,16 +88,11 @@ def pretrain_avbench(cfg) -> Path:
             cond = keys[idx, pick] if rng.random() < cfg.cond_prob else None
             sigma = torch.sigmoid(torch.randn(())).expand(n).to(device)  # one per chunk
             eps = torch.randn_like(x0)
-            x = (1 - sigma[:, None]) * x0 + sigma[:, None] * eps
-            loss = (model(x, sigma, ids, cond) - (eps - x0)).pow(2).mean() * (n / cfg.batch)
+            v = model(noised(x0, sigma, eps), sigma, ids, cond)
+            loss = (v - (eps - x0)).pow(2).mean() * (n / cfg.batch)
             loss.backward()
             total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        decay = min(cfg.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, params, 1 - decay)
+        optimizer_step(opt, sched, params, ema_params, step, cfg.ema)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{total:.4f}")
         if step + 1 in cfg.snapshots and step + 1 != cfg.steps:

@@ -121,6 +121,34 @@ _QWEN3_VL_32B = dict(
     ),
 )
 
+
+def tiny_qwen3_vl(hidden: int, head_dim: int, mrope: list[int]) -> dict:
+    """A 2-layer Qwen3-VL config (4 heads, 2 KV heads, a 1-block vision tower)."""
+    return dict(
+        text_config=dict(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            rope_scaling={"rope_type": "default", "mrope_section": mrope},
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            deepstack_visual_indexes=[0],
+        ),
+    )
+
+
 PRESETS: dict[str, dict] = {
     # the released DiT: the class defaults (50 layers, hidden 5376, 56 x 128 heads, 33 B);
     # video VAE x16 spatial, 17n+5 -> 5n+2 frames, 24 channels; audio VAE 32 kHz, hop 800,
@@ -190,29 +218,7 @@ PRESETS: dict[str, dict] = {
             latents_mean=[0.0] * 4,
             latents_std=[1.0] * 4,
         ),
-        text_encoder=dict(
-            text_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=8,
-                rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
-                tie_word_embeddings=False,
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=32,
-                num_heads=2,
-                out_hidden_size=32,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                deepstack_visual_indexes=[0],
-            ),
-        ),
+        text_encoder=tiny_qwen3_vl(32, 8, [1, 1, 2]),
         text_layer=2,
         video_shift=12.0,
         audio_shift=3.0,
@@ -250,29 +256,7 @@ PRESETS: dict[str, dict] = {
         vae=None,
         audio_vae=None,
         audio_dct=dict(sample_rate=8000, hop=100, scale=0.5),
-        text_encoder=dict(
-            text_config=dict(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                rope_scaling={"rope_type": "default", "mrope_section": [2, 2, 4]},
-                tie_word_embeddings=False,
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=32,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                deepstack_visual_indexes=[0],
-            ),
-        ),
+        text_encoder=tiny_qwen3_vl(64, 16, [2, 2, 4]),
         words="avbench",
         text_layer=2,
         video_shift=2.0,
