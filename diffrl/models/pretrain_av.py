@@ -72,6 +72,9 @@ def pretrain_avbench(cfg) -> Path:
     null = model.family.null_ids()[None].to(device)
     ids_all = train.input_ids.to(device)
     chunk = max(1, min(cfg.chunk, cfg.batch))
+    dv, da = model.net.dims
+    weight = torch.cat([torch.ones(dv), torch.full((da,), float(cfg.audio_weight))]).to(device)
+    weight = weight / weight.mean()  # audio_weight 1: the plain mean over all dims
     t0 = time.time()
     out = output_path(cfg)
     bar = tqdm(range(cfg.steps), desc="pretrain avbench")
@@ -89,7 +92,7 @@ def pretrain_avbench(cfg) -> Path:
             sigma = torch.sigmoid(torch.randn(())).expand(n).to(device)  # one per chunk
             eps = torch.randn_like(x0)
             v = model(noised(x0, sigma, eps), sigma, ids, cond)
-            loss = (v - (eps - x0)).pow(2).mean() * (n / cfg.batch)
+            loss = ((v - (eps - x0)).pow(2) * weight).mean() * (n / cfg.batch)
             loss.backward()
             total += float(loss.detach())
         optimizer_step(opt, sched, params, ema_params, step, cfg.ema)
@@ -114,6 +117,7 @@ def save_and_score(model, out: Path, cfg, preset: str, steps: int, seconds: floa
         "pretrain_s": f"{seconds:.0f}",
         "pretrain_batch": str(cfg.batch),
         "cond_prob": str(cfg.cond_prob),
+        "audio_weight": str(cfg.audio_weight),
     }
     save_weights(model, out, meta)
     scores = {}
