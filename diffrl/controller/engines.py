@@ -75,11 +75,20 @@ def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
             )  # fmt: skip
             return None
         x0 = fam.encode_clip(data.video.to(param.device), data.audio.to(param.device))
-        report = probe_convention(model, x0.to(param.dtype), ids)
-        if not report.conclusive:
-            log.warning("time-convention probe inconclusive: %s", report.reason)
-        return report
-    pixels = data.pixels.to(param.device, param.dtype)
+        x0 = x0.to(param.dtype)
+    else:
+        x0 = image_latents(task, fam, data.pixels.to(param.device, param.dtype))
+        if x0 is None:
+            return None
+    report = probe_convention(model, x0, ids)
+    if not report.conclusive:
+        log.warning("time-convention probe inconclusive: %s", report.reason)
+    return report
+
+
+def image_latents(task: Task, fam, pixels):
+    """The probe's images encoded at the model's size; None (with a warning) when they do not
+    fit its latent."""
     x0 = fam.encode_pixels(pixels)
     want = tuple(fam.latent_shape())
     if tuple(x0.shape[1:]) != want and x0.shape[-1] != want[-1]:  # resize to the model's size
@@ -93,31 +102,21 @@ def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
             task.name, tuple(x0.shape[1:]), want,
         )  # fmt: skip
         return None
-    report = probe_convention(model, x0, ids)
-    if not report.conclusive:
-        log.warning("time-convention probe inconclusive: %s", report.reason)
-    return report
+    return x0
 
 
 def prompt_set(task: Task, model: FamilyModel, prompts) -> PromptSet:
     """The data stage: prompts tokenized once (contract 3) and, for a task with conditions
     beyond the text (FL2VA's first/last frames), those encoded once beside the tokens."""
     fam = model.family
-    conds = None
-    if hasattr(task, "prompt_conditions") and hasattr(fam, "media_geometry"):
-        conds = task.prompt_conditions(prompts, fam.media_geometry())
-    elif getattr(task, "needs_conditions", False):
+    if not getattr(task, "needs_conditions", False):
+        return PromptSet(prompts, fam.tokenize)
+    if not getattr(fam, "takes_conditions", False):
         raise ConfigError(
             f"task {task.name!r} conditions each prompt on frames, and model family "
             f"{fam.name!r} takes no conditions beyond the text"
         )
-    if conds is None:
-        return PromptSet(prompts, fam.tokenize)
-    if not getattr(fam, "takes_conditions", False):
-        raise ConfigError(
-            f"task {task.name!r} conditions each prompt on {sorted(conds[0])}, and model family "
-            f"{fam.name!r} takes no conditions beyond the text"
-        )
+    conds = task.prompt_conditions(prompts, fam.media_geometry())
     return PromptSet(prompts, fam.tokenize, fam.encode_conditions(conds))
 
 

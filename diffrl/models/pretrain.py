@@ -260,8 +260,6 @@ def evaluate_checkpoint(
     """Held-out ShapesBench accuracy of a base checkpoint (no adapters): a tiny-DiT file, or
     with ``preset`` a ``model.weights`` file of that preset."""
     from diffrl.controller.engines import pick_device
-    from diffrl.rollout.engine import RolloutConfig, RolloutEngine
-    from diffrl.tasks import TaskConfig, build_task
 
     dev = pick_device(device)
     mcfg = (
@@ -269,10 +267,22 @@ def evaluate_checkpoint(
         if preset
         else ModelConfig(checkpoint=checkpoint)
     )
-    model = load_model(mcfg, dev)
-    engine = RolloutEngine(model, RolloutConfig(), [], dev)
-    task = build_task(TaskConfig(task="shapes"))
-    eval_set = PromptSet(task.prompts("test"), model.family.tokenize)
+    return held_out_metrics(load_model(mcfg, dev), "shapes", samples_per_prompt, num_steps, seed)
+
+
+def held_out_metrics(
+    model: FamilyModel, task_name: str, samples_per_prompt: int, num_steps: int, seed: int
+) -> dict[str, float]:
+    """A base model's (no adapters) held-out metrics on ``task_name``, sampled by the rollout
+    engine with ODE steps from the data stage's prompt set, as a run's eval samples them."""
+    from diffrl.controller.engines import prompt_set
+    from diffrl.rollout.engine import RolloutConfig, RolloutEngine
+    from diffrl.tasks import TaskConfig, build_task
+
+    device = next(model.parameters()).device
+    engine = RolloutEngine(model, RolloutConfig(), [], device)
+    task = build_task(TaskConfig(task=task_name))
+    eval_set = prompt_set(task, model, task.prompts("test"))
 
     async def run():
         traj = await engine.generate(

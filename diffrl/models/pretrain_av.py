@@ -11,7 +11,6 @@ Only the train split is seen; the budget leaves the base clearly imperfect on he
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import time
 from pathlib import Path
@@ -41,8 +40,7 @@ def clip_bank(model: FamilyModel, per_prompt: int, seed: int, device) -> tuple:
         video, audio = render_batch([p.text] * per_prompt, seeds, spec)
         v, a = torch.from_numpy(video).to(device), torch.from_numpy(audio).to(device)
         latents.append(fam.encode_clip(v, a))
-        frames = torch.stack([v[:, 0], v[:, -1]], 1).permute(0, 1, 4, 2, 3).float() / 127.5 - 1
-        keys.append(fam.encode_keyframes(frames))
+        keys.append(fam.keyframe_latents(v[:, 0], v[:, -1]))
     return torch.stack(latents), torch.stack(keys)
 
 
@@ -62,13 +60,11 @@ def pretrain_avbench(cfg) -> Path:
     train = PromptSet([Prompt(p.text) for p in split_prompts("train")], model.family.tokenize)
     bank, keys = clip_bank(model, cfg.bank_per_prompt, cfg.seed, device)
     ema = copy.deepcopy(model).requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
+    ema_params, params = list(ema.parameters()), list(model.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.schedule_steps or cfg.steps)
     )
-    ema_named = dict(ema.named_parameters())
-    ema_params = [ema_named[n] for n, p in model.named_parameters() if p.requires_grad]
     null = model.family.null_ids()[None].to(device)
     ids_all = train.input_ids.to(device)
     chunk = max(1, min(cfg.chunk, cfg.batch))
@@ -140,20 +136,9 @@ def evaluate_av(
 ) -> dict[str, float]:
     """Held-out AVBench metrics of a base (no adapters) in one mode, sampled by the rollout
     engine with the data stage's conditions, exactly as a run's eval."""
-    from diffrl.controller.engines import pick_device, prompt_set
-    from diffrl.rollout.engine import RolloutConfig, RolloutEngine
-    from diffrl.tasks import TaskConfig, build_task
+    from diffrl.controller.engines import pick_device
+    from diffrl.models.pretrain import held_out_metrics
 
     dev = pick_device(device)
     model = load_model(ModelConfig(family="minimax_h3", preset=preset, weights=weights), dev)
-    engine = RolloutEngine(model, RolloutConfig(), [], dev)
-    task = build_task(TaskConfig(task=task_name))
-    eval_set = prompt_set(task, model, task.prompts("test"))
-
-    async def run():
-        traj = await engine.generate(
-            eval_set.all(), seed, group_size=samples_per_prompt, sampler="ode", num_steps=num_steps
-        )
-        return (await task.evaluate(traj)).metrics
-
-    return asyncio.run(run())
+    return held_out_metrics(model, task_name, samples_per_prompt, num_steps, seed)

@@ -69,6 +69,7 @@ from diffrl.models.families.h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAE
 from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
+from diffrl.types import images_from_uint8
 
 # suffixes: the transformer blocks' and the token refiner's attention and SwiGLU FFN (FC1 is
 # ff.net.0.proj, the fused [hidden | gate] up-projection; FC2 is ff.net.2)
@@ -531,7 +532,8 @@ class MiniMaxH3Family:
                 f"encode_clip takes video (B, T, H, W, 3) uint8 and audio (B, samples); got "
                 f"{tuple(video.shape)} {video.dtype} and {tuple(audio.shape)}"
             )
-        pixels = video.permute(0, 4, 1, 2, 3).float() / 127.5 - 1  # (B, 3, T, H, W)
+        b, t = video.shape[:2]
+        pixels = images_from_uint8(video.flatten(0, 1)).unflatten(0, (b, t)).transpose(1, 2)
         z_v = self.encode_video(self._resize(pixels)).flatten(1)
         z_a = self.audio_codec.encode(audio, self.net.audio_shape) / self.net.k
         return torch.cat([z_v, z_a.flatten(1).to(z_v)], dim=1)
@@ -554,14 +556,18 @@ class MiniMaxH3Family:
             raise ConfigError(f"minimax_h3: FL2VA conditions need {missing or 'some rows'}")
         first = torch.from_numpy(np.stack([c["first_frame"] for c in conditions]))
         last = torch.from_numpy(np.stack([c["last_frame"] for c in conditions]))
+        device = next(self.net.transformer.parameters()).device
+        return self.keyframe_latents(first.to(device), last.to(device)).float().cpu()
+
+    def keyframe_latents(self, first: Tensor, last: Tensor) -> Tensor:
+        """First and last frames, (B, H, W, 3) uint8 each, -> (B, 2, C, 1, h, w) latents."""
         if first.dtype != torch.uint8 or first.ndim != 4 or first.shape != last.shape:
             raise ValueError(
                 f"FL2VA frames must be (H, W, 3) uint8 of one size; got {tuple(first.shape)} "
                 f"{first.dtype} and {tuple(last.shape)}"
             )
-        pixels = torch.stack([first, last], 1).permute(0, 1, 4, 2, 3).float() / 127.5 - 1
-        device = next(self.net.transformer.parameters()).device
-        return self.encode_keyframes(pixels.to(device)).float().cpu()
+        pixels = images_from_uint8(torch.stack([first, last], 1).flatten(0, 1))
+        return self.encode_keyframes(pixels.unflatten(0, (first.shape[0], 2)))
 
     def _resize(self, pixels: Tensor) -> Tensor:
         if pixels.shape[-1] == self.resolution and pixels.shape[-2] == self.resolution:
