@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import gc
 import json
+import sys
 import time
 
 import numpy as np
@@ -57,8 +58,19 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+T0 = time.perf_counter()
+
+
+def stage(preset: str, what: str) -> None:
+    """A progress line on stderr, so a run cut by a time limit still says where it was."""
+    mem = gib(torch.cuda.memory_allocated()) if DEV.type == "cuda" else 0
+    print(f"[{time.perf_counter() - T0:7.1f}s] {preset}: {what} ({mem} GiB)", file=sys.stderr,
+          flush=True)  # fmt: skip
+
+
 def run_one(preset: str, args) -> dict:
     dev = DEV
+    stage(preset, "building")
     reset_peak()
     res, frames = {**SHAPE, **SMOKE}[preset]
     t = time.perf_counter()
@@ -66,6 +78,7 @@ def run_one(preset: str, args) -> dict:
     torch.manual_seed(0)
     base = load_model(mcfg, dev)
     build_s = sync() - t
+    stage(preset, f"built in {build_s:.0f} s")
     fam = base.family
     dit_params = sum(p.numel() for p in base.net.transformer.parameters())
     cond, mode = None, "t2va"
@@ -76,17 +89,20 @@ def run_one(preset: str, args) -> dict:
         t = time.perf_counter()
         cond = fam.encode_conditions(conds)
         cond_s, mode = sync() - t, "fl2va"
+        stage(preset, "conditions encoded")
     prompts = PromptSet([Prompt(p) for p in PROMPTS], fam.tokenize, cond).all()
     rcfg = RolloutConfig(group_size=1, num_steps=args.steps, sampler="ode", max_batch=8)
     rollout = RolloutEngine(base, rcfg, [], dev, serving_layout=False, share_model=True)
     t = time.perf_counter()
     base.net.conditions(prompts.input_ids.to(dev))  # the text encoder's one visit per prompt
     encode_s = sync() - t
+    stage(preset, f"text encoded in {encode_s:.1f} s")
     peak_encode = peak()
     reset_peak()
     t = time.perf_counter()
     traj = asyncio.run(rollout.generate(prompts, seed=1))
     rollout_s = sync() - t
+    stage(preset, f"rollout in {rollout_s:.1f} s")
     peak_rollout = peak()
     pool = RewardPool(RewardConfig([ScorerConfig(name="jpeg_incompressibility")]))
     scored, _ = asyncio.run(pool.score(traj))
@@ -103,6 +119,7 @@ def run_one(preset: str, args) -> dict:
     t = time.perf_counter()
     metrics = actor.train_step(batch)
     train_s = sync() - t
+    stage(preset, f"train step in {train_s:.1f} s")
     t = time.perf_counter()
     actor.train_step(batch)
     train2_s = sync() - t

@@ -683,6 +683,7 @@ def build(
     tokenizer.model_max_length = max_text_len
     if tokenizer.pad_token_id is None:
         raise ConfigError("minimax_h3: the tokenizer has no pad token")
+    text_encoder = trim_text_encoder(text_encoder, text_layer)
     cfg = transformer.config
     video_shape = video_codec.latent_shape(frames, resolution, tuple(cfg.patch_size))
     audio_shape = audio_codec.latent_shape(frames / fps, audio_channels)
@@ -705,6 +706,20 @@ def build(
     )
     family = MiniMaxH3Family(tokenizer, net, resolution, frames, fps, video_codec, audio_codec)
     return FamilyModel(net, family, convention)
+
+
+def trim_text_encoder(text_encoder, text_layer: int):
+    """Drop the decoder layers past ``text_layer + 1`` (13 of the 32 B encoder's 64, ~10 GB in
+    bf16): the DiT reads ``hidden_states[text_layer]``, which no later layer changes. One layer
+    past it stays because transformers returns the last entry after the final norm, and the
+    DiT wants layer ``text_layer``'s raw output. The vision tower stays (unused by text
+    prompts, small)."""
+    layers = text_encoder.model.language_model.layers
+    keep = text_layer + 1
+    if len(layers) > keep:
+        text_encoder.model.language_model.layers = layers[:keep]
+        text_encoder.config.text_config.num_hidden_layers = keep
+    return text_encoder
 
 
 def tiny_tokenizer(max_len: int, words: str = "tiny"):
@@ -732,6 +747,8 @@ def _random(preset: str, dtype: torch.dtype, device: torch.device) -> dict:
     if preset != "minimax-h3":
         te_cfg["text_config"]["vocab_size"] = len(tok)
     te_device = torch.device("cpu") if spec["offload_text_encoder"] else device
+    layers = te_cfg["text_config"].get("num_hidden_layers", 0)  # built as trim_text_encoder keeps
+    te_cfg["text_config"]["num_hidden_layers"] = min(layers, spec["text_layer"] + 1) or layers
     tr = random_component(MiniMaxH3Transformer3DModel, spec["transformer"], dtype, device)
     return dict(
         transformer=tr,

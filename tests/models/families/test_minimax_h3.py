@@ -243,3 +243,29 @@ def test_serving_layout_syncs_exactly(model, family_sync_errors) -> None:
     assert err32 < 1e-3 * moved
     assert err32 < 1e-5, err32
     assert err16 < BF16_REL_TOL, err16
+
+
+def test_text_encoder_trim_keeps_the_conditioning_layer() -> None:
+    """Dropping the layers past text_layer + 1 leaves hidden_states[text_layer] unchanged, and
+    keeping only text_layer layers would not (the last entry comes after the final norm)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from diffrl.models.families._diffusers import random_component
+
+    cfg = minimax_h3.tiny_qwen3_vl(32, 8, [1, 1, 2])
+    cfg["text_config"].update(num_hidden_layers=4, vocab_size=64)
+    torch.manual_seed(0)
+    full = random_component(Qwen3VLForConditionalGeneration, cfg, torch.float32, "cpu")
+    ids = torch.randint(0, 64, (2, 7))
+
+    def hidden(te, layer: int) -> Tensor:
+        return te.model(input_ids=ids, output_hidden_states=True).hidden_states[layer]
+
+    want = hidden(full, 2)
+    short = copy.deepcopy(full)
+    short.model.language_model.layers = short.model.language_model.layers[:2]
+    assert not torch.allclose(hidden(short, 2), want)  # why trim keeps one extra layer
+    trimmed = minimax_h3.trim_text_encoder(full, 2)
+    assert len(trimmed.model.language_model.layers) == 3
+    assert trimmed.config.text_config.num_hidden_layers == 3
+    torch.testing.assert_close(hidden(trimmed, 2), want, rtol=0, atol=0)
