@@ -19,6 +19,7 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor
 
 from diffrl.errors import DiffrlError, check, check_choice
+from diffrl.hostmem import release_host_memory
 from diffrl.models.family import FamilyModel, hash_rows
 from diffrl.sync.weights import LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
@@ -228,6 +229,8 @@ class ActorEngine:
             m = self._optimizer_step(batch.select(part))
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v / len(parts)
+        if self.device.type == "cpu":  # the step's activations were host memory
+            release_host_memory()
         return totals
 
     def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -237,8 +240,17 @@ class ActorEngine:
             mb = batch.select(
                 torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
             )
-            loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
-            (loss * len(mb) / n).backward()
+            w = len(mb) / n
+            if self.algorithm.partial_backward:  # one timestep's graph at a time
+
+                def part_backward(part: Tensor, w: float = w) -> None:
+                    (part * w).backward()
+
+                loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen, part_backward)
+            else:
+                loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
+            if loss.requires_grad:
+                (loss * w).backward()
             total += float(loss.detach()) * len(mb) / n
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v * len(mb) / n

@@ -25,8 +25,10 @@ from torch import Tensor
 from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
+    Backward,
     Policy,
     WeightPlan,
+    add_part,
     check_training_draws,
     register_algorithm,
 )
@@ -91,7 +93,11 @@ def dpo_loss(m_w: Tensor, m_l: Tensor, r_w: Tensor, r_l: Tensor, beta: float) ->
 
 
 def loss(
-    policy: Policy, batch: TrainBatch, cfg: DPOConfig, gen: torch.Generator
+    policy: Policy,
+    batch: TrainBatch,
+    cfg: DPOConfig,
+    gen: torch.Generator,
+    backward: Backward | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     x0 = batch.x0  # rows alternate winner, loser (micro-batches keep pairs whole)
     if len(x0) % 2:
@@ -100,7 +106,7 @@ def loss(
     total, acc = x0.new_zeros(()), 0.0
     for _ in range(steps):
         per_pair, implicit_acc = _pair_terms(policy, batch, cfg, gen, n_pairs)
-        total, acc = total + per_pair.mean() / steps, acc + implicit_acc / steps
+        total, acc = add_part(total, per_pair.mean() / steps, backward), acc + implicit_acc / steps
     return total, {"dpo/pairs": float(n_pairs), "dpo/implicit_acc": acc}
 
 
@@ -142,5 +148,6 @@ ALGORITHM = register_algorithm(
         loss=loss,
         weight_plan=weight_plan,
         needs_logprobs=False,
+        partial_backward=True,
     )
 )

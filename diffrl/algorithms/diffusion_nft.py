@@ -26,8 +26,10 @@ from diffrl.algorithms.advantage import group_advantages
 from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
+    Backward,
     Policy,
     WeightPlan,
+    add_part,
     check_training_draws,
     register_algorithm,
 )
@@ -135,7 +137,11 @@ def _per_sample_error(
 
 
 def loss(
-    policy: Policy, batch: TrainBatch, cfg: NFTConfig, gen: torch.Generator
+    policy: Policy,
+    batch: TrainBatch,
+    cfg: NFTConfig,
+    gen: torch.Generator,
+    backward: Backward | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     x0, ids, r = batch.x0, batch.input_ids, batch.optimality.to(batch.x0)
     cond = batch.cond
@@ -158,7 +164,7 @@ def loss(
             metrics["nft/kl"] = (
                 metrics.get("nft/kl", 0.0) + float(kl.detach()) / cfg.timesteps_per_sample
             )
-        total = total + step_loss / cfg.timesteps_per_sample
+        total = add_part(total, step_loss / cfg.timesteps_per_sample, backward)
         for key, value in (("nft/loss_pos", l_pos), ("nft/loss_neg", l_neg)):
             metrics[key] = (
                 metrics.get(key, 0.0) + float(value.detach().mean()) / cfg.timesteps_per_sample
@@ -192,5 +198,6 @@ ALGORITHM = register_algorithm(
         loss=loss,
         weight_plan=weight_plan,
         needs_logprobs=False,
+        partial_backward=True,
     )
 )

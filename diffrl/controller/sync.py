@@ -30,6 +30,7 @@ from diffrl.config import Config, to_yaml
 from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.signals import StopSignals
+from diffrl.hostmem import peak_rss_bytes
 from diffrl.reward.pool import RewardPool, close_pool, reward_summary
 from diffrl.types import ScoredBatch
 
@@ -159,6 +160,7 @@ async def train(cfg: Config) -> Path:
                 {
                     "perf/samples_per_s": samples / (time.time() - t_rate),
                     "perf/wall_s": time.time() - t0,
+                    "perf/host_peak_gb": peak_rss_bytes() / 1e9,
                 }
             )
             out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
