@@ -37,6 +37,20 @@ SHAPE = {  # preset -> (resolution, frames)
 }
 
 
+def matmul_rate(n: int = 8192, reps: int = 20) -> float:
+    """The bf16 matmul rate this GPU reaches in this process (FLOP/s): the MFU denominator."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
 def gib(n: float) -> float:
     return round(n / 2**30, 2)
 
@@ -56,10 +70,11 @@ def run_one(preset: str, args) -> dict:
     targets = list(lora_targets(mcfg))
     rcfg = RolloutConfig(
         group_size=args.group, num_steps=args.steps, sampler="ode", cfg_scale=args.cfg,
-        max_batch=args.group * len(PROMPTS), base_copy=args.base_copy,
+        max_batch=args.group * args.prompts, base_copy=args.base_copy,
     )  # fmt: skip
     rollout = RolloutEngine(base, rcfg, expanded_targets(base, targets), dev)
-    prompts = PromptSet([Prompt(p) for p in PROMPTS], base.family.tokenize).all()
+    texts = PROMPTS[: args.prompts]
+    prompts = PromptSet([Prompt(p) for p in texts], base.family.tokenize).all()
     asyncio.run(rollout.generate(prompts, seed=0, num_steps=1))  # warm-up (kernels, allocator)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -90,6 +105,14 @@ def run_one(preset: str, args) -> dict:
     train_s = time.perf_counter() - t
     report = rollout.load_weights(actor.export_weights("default"))
     media = {k: tuple(v.shape) for k, v in traj.extra_fields.items()}
+    # MFU: the transformer's analytic FLOPs over the measured bf16 matmul rate. Rollout: every
+    # forward row (x2 with CFG), over a time that also holds text encoding and VAE decode.
+    # Train (NFT, one timestep per sample): the old policy's forward, the policy's forward, and
+    # its backward through frozen weights (input gradients only: one forward's worth).
+    rate, fwd = matmul_rate(), base.family.flops(1)
+    rows = len(traj) * (2 if args.cfg > 1 else 1)
+    rollout_mfu = rows * args.steps * fwd / rollout_s / rate
+    train_mfu = 3 * len(batch) * fwd / train_s / rate
     out = {
         "preset": preset,
         "params_b": round(n_params / 1e9, 3),
@@ -111,7 +134,11 @@ def run_one(preset: str, args) -> dict:
         "micro_batch": args.micro_batch,
         "sync_applied": report.applied,
         "media": media,
-        "flops_per_forward_t": round(base.family.flops(1) / 1e12, 2),
+        "flops_per_forward_t": round(fwd / 1e12, 2),
+        "matmul_tflops": round(rate / 1e12),
+        "rollout_mfu": round(rollout_mfu, 3),
+        "train_mfu": round(train_mfu, 3),
+        "images_per_s": round(len(traj) / rollout_s, 2),
     }
     del rollout, actor, base, traj, scored, batch
     gc.collect()
@@ -123,6 +150,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--presets", nargs="+", default=list(SHAPE))
     p.add_argument("--group", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--cfg", type=float, default=4.5)
     p.add_argument("--micro-batch", type=int, default=2)

@@ -92,7 +92,7 @@ def mse_algorithm():
         per = (v - batch.x0).pow(2).flatten(1).mean(1) * batch.optimality
         return per.mean(), {"mse/n": float(len(batch))}
 
-    return types.SimpleNamespace(loss=loss, diagnostics=None)
+    return types.SimpleNamespace(loss=loss, diagnostics=None, partial_backward=False)
 
 
 def test_micro_batches_accumulate_to_the_full_batch_gradient(
@@ -184,7 +184,7 @@ def nan_algorithm():
         v = policy.velocity(batch.x0, torch.full((len(batch),), 0.5), batch.input_ids)
         return v.mean() * float("nan"), {}
 
-    return types.SimpleNamespace(loss=loss, diagnostics=None)
+    return types.SimpleNamespace(loss=loss, diagnostics=None, partial_backward=False)
 
 
 def test_nonfinite_steps_are_skipped_then_raise(
