@@ -27,6 +27,7 @@ from diffrl.rollout.samplers import (
     sigma_schedule,
     tree_noise_blocks,
 )
+from diffrl.rollout.scheduler import ContinuousBatcher
 from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncError, SyncReport, WeightUpdate
 from diffrl.types import PromptBatch, StepSpec, Trajectory
 
@@ -310,6 +311,22 @@ class RolloutEngine:
                 self.cfg.sde_step, self.cfg.noise_level, self.cfg.cfg_scale, self.null_ids
             ),
             extra_fields=self.family.decode(x0),
+        )
+
+    def batcher(self, token_budget: int, max_wait_s: float = 0.0) -> ContinuousBatcher:
+        """Request-level continuous batching (``diffrl.rollout.scheduler``) over this engine's
+        weights (serving layout, synced LoRA), guidance and time shift: ODE requests, each
+        with its own latent shape, seeds and step count."""
+        return ContinuousBatcher(
+            self.model,
+            self.device,
+            token_budget=token_budget,
+            max_wait_s=max_wait_s,
+            cfg_scale=self.cfg.cfg_scale,
+            null_ids=self.null_ids,
+            shift=self.cfg.shift,
+            dtype=next(self.model.parameters()).dtype,
+            decode=self.family.decode,
         )
 
     def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor, cond: Tensor | None = None) -> Tensor:
