@@ -86,6 +86,10 @@ class ModelFamily(Protocol):
     def flops(self, batch: int) -> float:  # analytic FLOPs of one forward over `batch` samples
         ...
 
+    # optional: ``accepts_shape(shape) -> bool``, for a family whose network runs at other
+    # latent shapes than ``latent_shape()`` (another resolution): continuous batching of
+    # mixed-resolution requests needs it. Without it, forward takes latent_shape() only.
+
 
 class Shared:
     """Holds frozen modules (text encoders, a VAE) that every copy of a model shares.
@@ -154,7 +158,9 @@ class FamilyModel(nn.Module):
         conditions beyond the text (FL2VA keyframe latents), for families that take them."""
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
-        if x.shape[1:] != self.family.latent_shape():
+        accepts = getattr(self.family, "accepts_shape", None)  # resolution-free families
+        shape = tuple(x.shape[1:])
+        if shape != tuple(self.family.latent_shape()) and not (accepts and accepts(shape)):
             raise ContractError(
                 f"{self.family.name}: x has per-sample shape {tuple(x.shape[1:])}, the family "
                 f"samples {tuple(self.family.latent_shape())}"

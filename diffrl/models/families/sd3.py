@@ -216,6 +216,17 @@ class SD3Family:
     def latent_shape(self) -> tuple[int, ...]:
         return self._latent
 
+    def accepts_shape(self, shape: tuple[int, ...]) -> bool:
+        """Any resolution the transformer's positional table covers: (C, h, w) with h and w
+        multiples of the patch and at most ``pos_embed_max_size`` patches."""
+        c, p = self.tcfg, self.tcfg.patch_size
+        limit = (c.pos_embed_max_size or c.sample_size) * p
+        return (
+            len(shape) == 3
+            and shape[0] == self._latent[0]
+            and all(0 < n <= limit and n % p == 0 for n in shape[1:])
+        )
+
     @torch.no_grad()
     def decode(self, latents: Tensor) -> dict[str, Tensor]:
         if self.vae is None:
