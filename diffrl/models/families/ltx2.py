@@ -436,19 +436,28 @@ class LTX2Family:
 
     def flops(self, batch: int) -> float:
         """One transformer forward (Gemma and the connectors run once per prompt, cached): the
-        Linears at 2 FLOPs per weight per token, attention 4 N_q N_k d per attention."""
+        Linears at 2 FLOPs per weight per token of the stream they read, attention 4 N_q N_k d
+        per attention. Per block, in each stream (width d, or d_a for audio): self-attention's
+        q/k/v/out (4 d^2) and the text cross-attention's q/out (2 d^2) on its own tokens, that
+        cross-attention's k/v (2 d^2) on the text tokens, the 4x MLP (8 d^2); the audio-video
+        pair works at the audio width: a2v's q/out and v2a's k/v on the video tokens (4 d d_a),
+        a2v's k/v and v2a's q/out on the audio tokens (4 d_a^2). Outside the blocks: the patch
+        projections in and out and the caption MLPs (per text token); the per-sample adaLN
+        tables are left out."""
         cfg = self.net.transformer.config
         d = cfg.num_attention_heads * cfg.attention_head_dim
         d_a = cfg.audio_num_attention_heads * cfg.audio_attention_head_dim
-        c, f, h, w = self.geometry.video
+        _, f, h, w = self.geometry.video
         n = f * h * w // (cfg.patch_size**2 * cfg.patch_size_t)
         n_a, n_t = self.geometry.audio[1], self.max_text_len
-        video = 2 * n * (4 * d * d) * 2 + 2 * n * 2 * (4 * d) * d + 2 * n_t * 2 * d * d
-        audio = 2 * n_a * (4 * d_a * d_a) * 2 + 2 * n_a * 2 * (4 * d_a) * d_a
-        audio += 2 * n_t * 2 * d_a * d_a
-        cross = 2 * (n + n_a) * (2 * d * d_a + 2 * d_a * d_a)  # a2v and v2a projections
+        video = 2 * n * (4 + 2 + 8) * d * d + 2 * n_t * 2 * d * d
+        audio = 2 * n_a * (4 + 2 + 8) * d_a * d_a + 2 * n_t * 2 * d_a * d_a
+        cross = 2 * n * 4 * d * d_a + 2 * n_a * 4 * d_a * d_a  # a2v and v2a projections
         attn = 4 * (n * n * d + n * n_t * d + n_a * n_a * d_a + n_a * n_t * d_a + 2 * n * n_a * d_a)
-        io = 2 * n * d * (cfg.in_channels + cfg.out_channels) + 2 * n_a * d_a * 2 * c
+        io = 2 * n * d * (cfg.in_channels + cfg.out_channels)
+        io += 2 * n_a * d_a * (cfg.audio_in_channels + cfg.audio_out_channels)
+        if cfg.use_prompt_embeddings:  # LTX-2.0's caption projections: Linear, GELU, Linear
+            io += 2 * n_t * (cfg.caption_channels * (d + d_a) + d * d + d_a * d_a)
         return float(batch * (cfg.num_layers * (video + audio + cross + attn) + io))
 
 
