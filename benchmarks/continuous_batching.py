@@ -123,6 +123,10 @@ def main() -> None:
                                                   "diffusers"])  # fmt: skip
     p.add_argument("--out", default="")
     p.add_argument("--smoke", action="store_true", help="the tiny preset, to test the script")
+    p.add_argument("--compile", action="store_true", help="rollout.compile: regional compile")
+    p.add_argument(
+        "--warm-passes", type=int, default=0, help="untimed passes first (compile each shape)"
+    )
     args = p.parse_args()
     preset, res, dtype = "sd35-medium", 512, "bfloat16"
     if args.smoke:
@@ -133,13 +137,13 @@ def main() -> None:
     base = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res, probe=False), DEV)
     fam = base.family
     engine = RolloutEngine(
-        base, RolloutConfig(num_steps=args.steps, cfg_scale=args.cfg), [], DEV
+        base, RolloutConfig(num_steps=args.steps, cfg_scale=args.cfg, compile=args.compile), [], DEV
     )  # fused-QKV serving layout, as the rollout runs
     scale = res // fam.latent_shape()[1]
     reqs = make_requests(fam, args.requests, args.resolutions, args.steps, scale, seed=0)
     warm = fresh([next(r for r in reqs if r.shape[1] * scale == px) for px in args.resolutions])
     row = {"requests": len(reqs), "resolutions": args.resolutions, "steps": args.steps,
-           "cfg": args.cfg, "budget": args.budget}  # fmt: skip
+           "cfg": args.cfg, "budget": args.budget, "compile": args.compile}  # fmt: skip
     results = {}
     for mode in args.modes:
         if mode == "diffusers":
@@ -149,13 +153,20 @@ def main() -> None:
             extra = {}
         else:
             budget = 1 if mode == "per-request" else args.budget
+            t = now()
             run_batcher(engine, warm, budget)
+            for _ in range(args.warm_passes):
+                run_batcher(engine, fresh(reqs), budget)
+            warm_s = now() - t
             stream = sorted(fresh(reqs), key=lambda r: r.shape) if mode == "pre-grouped" else None
             secs, extra = run_batcher(engine, stream or fresh(reqs), budget)
+            extra["warmup_s"] = round(warm_s, 1)
             results[mode] = extra.pop("x0")
         row[mode] = {"seconds": round(secs, 2), "images_per_s": round(len(reqs) / secs, 3),
                      **extra}  # fmt: skip
         print(mode, json.dumps(row[mode]), flush=True)
+    if args.compile:
+        row["compiled_blocks"] = engine.compiled
     if "scheduler" in results and "per-request" in results:
         a, b = results["scheduler"], results["per-request"]
         diff = max(float((a[k] - b[k]).abs().max()) for k in a)

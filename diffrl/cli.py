@@ -23,6 +23,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from diffrl.config import load_config
+    from diffrl.controller.bench import bench
+
+    recipe, overrides = _split(args.args)
+    cfg = load_config(recipe or "recipes/shapes_nft.yaml", overrides)
+    result = bench(args.kind, cfg, repeats=args.repeats, baseline=not args.no_baseline)
+    for k, v in result.rows().items():
+        print(f"{k:40s} {v:.4g}")
+    return 0
+
+
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from diffrl.models.pretrain import load_pretrain_config, pretrain
 
@@ -132,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="RL post-training from a recipe (default: shapes_nft)")
     p.add_argument("args", nargs="*", help="[RECIPE.yaml] [key=value ...]")
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser(
+        "bench", help="throughput, step latency and MFU of a recipe's engines (rollout|train|epoch)"
+    )
+    p.add_argument("kind", choices=("rollout", "train", "epoch"))
+    p.add_argument("args", nargs="*", help="[RECIPE.yaml] [key=value ...]")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-baseline", action="store_true", help="skip the plain-loop baseline")
+    p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("pretrain", help="flow-matching pre-training of the built-in tiny DiT")
     p.add_argument("args", nargs="*", help="key=value overrides (steps=, out=, hidden=, ...)")
     p.set_defaults(fn=cmd_pretrain)

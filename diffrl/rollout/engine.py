@@ -79,6 +79,10 @@ class RolloutConfig:
     # guidance for held-out eval sampling; 1 = none, so eval measures the policy itself even
     # when the rollout samples with CFG
     eval_cfg_scale: float = 1.0
+    # regional torch.compile: each block of the transformer's block lists compiled on its own
+    # (identical blocks share one compiled graph, so compile time stays short); the rollout's
+    # copy only. Needs a compiler toolchain (inductor); off by default
+    compile: bool = False
 
     def validate(self) -> None:
         check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
@@ -177,6 +181,23 @@ def noise_from_seeds(seeds: Tensor, shape: tuple[int, ...], device) -> Tensor:
     return torch.stack(rows).to(device)
 
 
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Compile, in place, every block of the transformer's block lists (``nn.ModuleList``
+    children of ``model.net.transformer``, or of the net itself); returns how many. Weight sync
+    changes the blocks' weights in place, which compiled code reads as inputs."""
+    net = model.net
+    root = getattr(net, "transformer", net)
+    n = 0
+    for child in root.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                block.compile(dynamic=None)
+                n += 1
+    if not n:
+        raise ValueError(f"rollout.compile: {type(root).__name__} has no block lists to compile")
+    return n
+
+
 class RolloutEngine:
     def __init__(
         self,
@@ -205,6 +226,7 @@ class RolloutEngine:
         self.version = 0
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
         self.target = MergedLoraTarget(self.model, lora_targets, slot_map, cfg.base_copy)
+        self.compiled = compile_blocks(self.model) if cfg.compile else 0
 
     @property
     def produces(self) -> frozenset[str]:
