@@ -129,6 +129,16 @@ class NonFiniteLoss(DiffrlError):
     """The loss or gradients stayed NaN/inf for too many steps."""
 
 
+def host_floats(metrics: dict) -> dict[str, float]:
+    """Metric values (device tensors or numbers) as Python floats, in one device sync."""
+    keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
+    if not keys:
+        return dict(metrics)
+    dev = metrics[keys[0]].device
+    values = torch.stack([metrics[k].detach().float().reshape(()).to(dev) for k in keys]).tolist()
+    return {**metrics, **dict(zip(keys, values, strict=True))}
+
+
 class ActorEngine:
     def __init__(
         self,
@@ -235,7 +245,10 @@ class ActorEngine:
 
     def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
         self.opt.zero_grad(set_to_none=True)
-        n, metrics, total = len(batch), {}, 0.0
+        # the loss and the metrics stay tensors on the device until the update is decided, so
+        # the micro-batches queue without a host sync; one sync per optimizer step reads the
+        # loss and the gradient norm for the non-finite guard
+        n, metrics, total = len(batch), {}, torch.zeros((), device=self.device)
         for start in range(0, n, self.cfg.micro_batch):
             mb = batch.select(
                 torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
@@ -251,10 +264,12 @@ class ActorEngine:
                 loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
             if loss.requires_grad:
                 (loss * w).backward()
-            total += float(loss.detach()) * len(mb) / n
+            total = total + loss.detach().float() * w
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v * len(mb) / n
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+                metrics[k] = metrics.get(k, 0.0) + v * w
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        total, grad_norm = torch.stack([total, norm.float().to(total.device)]).tolist()
+        metrics = host_floats(metrics)
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self.nonfinite += 1
             self.opt.zero_grad(set_to_none=True)

@@ -112,8 +112,8 @@ def loss(
 
 def _pair_terms(
     policy: Policy, batch: TrainBatch, cfg: DPOConfig, gen: torch.Generator, n_pairs: int
-) -> tuple[Tensor, float]:
-    """One shared (sigma, eps) draw per pair: (per-pair loss (P,), implicit accuracy)."""
+) -> tuple[Tensor, Tensor]:
+    """One shared (sigma, eps) draw per pair: (per-pair loss (P,), implicit accuracy ())."""
     x0 = batch.x0
     span = cfg.sigma_max - cfg.sigma_min
     sigma = (torch.rand(n_pairs, generator=gen) * span + cfg.sigma_min).repeat_interleave(2)
@@ -130,7 +130,7 @@ def _pair_terms(
     # right after a reference refresh, when policy == reference) counts as a coin flip
     gap_w, gap_l = m[0::2] - r[0::2], m[1::2] - r[1::2]
     implicit_acc = ((gap_w < gap_l).float() + 0.5 * (gap_w == gap_l).float()).mean()
-    return per_pair, float(implicit_acc)
+    return per_pair, implicit_acc
 
 
 def weight_plan(step: int, cfg: DPOConfig) -> WeightPlan:

@@ -145,7 +145,7 @@ def loss(
 ) -> tuple[Tensor, dict[str, float]]:
     x0, ids, r = batch.x0, batch.input_ids, batch.optimality.to(batch.x0)
     cond = batch.cond
-    total, metrics = x0.new_zeros(()), {"nft/r_mean": float(r.mean())}
+    total, metrics = x0.new_zeros(()), {"nft/r_mean": r.mean()}
     for j in range(cfg.timesteps_per_sample):
         sigma, eps = training_noise(batch, cfg, gen, j)
         x, v = noised(x0, sigma, eps), eps - x0
@@ -161,14 +161,10 @@ def loss(
                 v_ref = policy.velocity(x, sigma, ids, adapter=None, cond=cond)
             kl = (v_theta - v_ref).pow(2).mean()
             step_loss = step_loss + cfg.kl_coef * kl
-            metrics["nft/kl"] = (
-                metrics.get("nft/kl", 0.0) + float(kl.detach()) / cfg.timesteps_per_sample
-            )
+            metrics["nft/kl"] = metrics.get("nft/kl", 0.0) + kl.detach() / cfg.timesteps_per_sample
         total = add_part(total, step_loss / cfg.timesteps_per_sample, backward)
         for key, value in (("nft/loss_pos", l_pos), ("nft/loss_neg", l_neg)):
-            metrics[key] = (
-                metrics.get(key, 0.0) + float(value.detach().mean()) / cfg.timesteps_per_sample
-            )
+            metrics[key] = metrics.get(key, 0.0) + value.detach().mean() / cfg.timesteps_per_sample
     return total, metrics
 
 

@@ -179,13 +179,11 @@ def loss(
             std_b = broadcast(std, mean)
             kl = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1).mean(1).mean()
             step_loss = step_loss + cfg.kl_coef * kl
-            m["grpo/kl"] += float(kl.detach()) / steps.shape[1]
+            m["grpo/kl"] += kl.detach() / steps.shape[1]
         total = add_part(total, step_loss / steps.shape[1], backward)
         r = ratio.detach()
-        m["grpo/clip_frac"] += (
-            float(((r - 1).abs() > cfg.clip_range).float().mean()) / steps.shape[1]
-        )
-        m["grpo/ratio_dev"] += float((r - 1).abs().mean()) / steps.shape[1]
+        m["grpo/clip_frac"] += ((r - 1).abs() > cfg.clip_range).float().mean() / steps.shape[1]
+        m["grpo/ratio_dev"] += (r - 1).abs().mean() / steps.shape[1]
     return total, m
 
 

@@ -89,10 +89,11 @@ class Algorithm:
     name: str
     config_cls: type
     prepare: Callable[[ScoredBatch, Any], TrainBatch]
-    # loss(policy, batch, cfg, gen[, backward]) -> (total, metrics); an algorithm with
+    # loss(policy, batch, cfg, gen[, backward]) -> (total, metrics); metric values may be
+    # 0-d device tensors (the actor reads them all in one sync per step); an algorithm with
     # ``partial_backward`` takes ``backward`` and hands it each additive part of its loss
     # (``add_part``), returning the total detached
-    loss: Callable[..., tuple[Tensor, dict[str, float]]]
+    loss: Callable[..., tuple[Tensor, dict[str, float | Tensor]]]
     weight_plan: Callable[[int, Any], WeightPlan]
     needs_logprobs: bool = False
     partial_backward: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import sys
 from dataclasses import replace
 
 import pytest
@@ -77,3 +78,32 @@ def test_add_part_hands_each_part_to_backward_and_detaches_it() -> None:
     assert seen == [2.0, 6.0] and float(total) == 8.0 and not total.requires_grad
     assert float(w.grad) == 4.0
     assert add_part(torch.zeros(()), w * 1.0, None).requires_grad
+
+
+def test_host_reads_do_not_grow_with_micro_batches(
+    tiny_model, actor_factory, train_batch_factory, monkeypatch
+) -> None:
+    """diffrl's update reads float values off the device a fixed number of times, however
+    many micro-batches it runs: losses and metrics stay tensors until the step's one sync (what a
+    GPU needs to queue micro-batches without stalling). Counted: reads of floating-point
+    tensors made by diffrl's own code (index lists and torch's optimizer are not device reads)."""
+    reads = {"n": 0}
+    for name in ("item", "tolist", "__float__", "__bool__"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if self.is_floating_point() and caller.startswith("diffrl."):
+                reads["n"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    batch = train_batch_factory(8)
+    counts = []
+    for micro in (8, 2):
+        torch.manual_seed(0)
+        actor = actor_factory(copy.deepcopy(tiny_model), micro_batch=micro)
+        reads["n"] = 0
+        actor.train_step(batch)
+        counts.append(reads["n"])
+    assert counts == [2, 2], counts  # the guard's (loss, grad norm), then the metrics

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from diffrl.actor.engine import host_floats
 from diffrl.algorithms.flow_grpo import (
     GRPOConfig,
     clipped_objective,
@@ -232,7 +233,7 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
         actor.opt.zero_grad(set_to_none=True)
         value, m = loss(actor, batch, cfg, torch.Generator().manual_seed(0))
         value.backward()
-        return value.detach(), m, [p.grad.clone() for p in actor.params]
+        return value.detach(), host_floats(m), [p.grad.clone() for p in actor.params]
 
     monkeypatch.setattr(actor, "velocity", counted)
     once = loss_and_grad()
