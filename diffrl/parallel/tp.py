@@ -1,0 +1,349 @@
+"""Tensor parallelism, applied outside the model from a plan: module-path pattern -> style.
+
+A plan is a plain dict read top to bottom like torchtitan's ``parallelize_llama``: attention's
+Q/K/V projections column-sharded (each rank computes ``heads / tp`` whole heads), the output
+projection row-sharded (one all-reduce per attention), and the MLP up column-, down row-sharded
+(one all-reduce per MLP). Patterns are dotted module paths whose parts may hold ``fnmatch``
+wildcards (``transformer_blocks.*.attn.to_q``), as ``parallelize_module`` reads them; a pattern
+needs to match at least one module, not every block (SD3's last block has no ``to_add_out``,
+only its first 13 have ``attn2``).
+
+Two styles here are not shardings of a weight:
+
+- ``LocalHeads``: after Q/K/V are column-sharded an attention module sees ``heads / tp`` heads,
+  but diffusers' processors reshape with the count they read off the module
+  (``query.unflatten(-1, (attn.heads, -1))``, ``head_dim = inner_dim // attn.heads``), so the
+  plan divides those attributes on each rank's module. qk-norm over ``head_dim`` is per head
+  and unaffected; ``LocalHeads`` also checks counts the module does not read (Qwen3's
+  ``config.num_key_value_heads``) so a mesh that does not divide them fails before any work.
+- ``ShardedRMSNorm``: Wan normalises q and k across all heads (an RMSNorm over ``inner_dim``),
+  so a rank's column shard cannot be normalised alone; the style swaps the norm for one whose
+  mean-square is all-reduced across the mesh (``apply_plan`` puts a style's returned module in
+  place of the old one).
+
+``apply_plan`` resolves every pattern and checks every head count before it shards anything, so
+a plan that does not fit the model (an unmatched pattern, heads that the mesh size does not
+divide) raises a ``ConfigError`` naming what is wrong and leaves the module untouched.
+
+A Linear that computes several projections side by side and is then ``chunk``-ed (the SwiGLU
+of H3's feed-forward: ``[up; gate]``) takes ``FusedColwiseParallel(chunks)``, which gives each
+rank its slice of every chunk. The plans here are for unfused attention: a model after
+diffusers' ``fuse_projections()`` (``to_qkv``) fails ``apply_plan`` on its unmatched ``to_q``.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from diffrl.errors import ConfigError
+
+Plan = dict[str, ParallelStyle]
+
+
+class LocalHeads(ParallelStyle):
+    """Divide the head counts an attention module reads (``attrs``, e.g. ``heads``) by the mesh
+    size, so its reshape sees this rank's ``heads / tp`` heads; ``check`` names counts (dotted,
+    e.g. ``config.num_key_value_heads``) that must divide too but stay as they are (the module
+    reshapes with ``-1``, and the config is shared by every layer)."""
+
+    def __init__(self, *attrs: str, check: tuple[str, ...] = ()) -> None:
+        self.attrs, self.check = attrs, check
+
+    def counts(self, module: nn.Module) -> dict[str, int]:
+        out = {}
+        for name in (*self.attrs, *self.check):
+            value = module
+            for part in name.split("."):
+                value = getattr(value, part)
+            out[name] = int(value)
+        return out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.attrs:
+            setattr(module, name, getattr(module, name) // device_mesh.size())
+        return module
+
+
+class PerHeadNorm(ParallelStyle):
+    """A qk-norm over ``head_dim`` whose input holds this rank's heads along dim ``heads_dim``
+    (SD3: ``(B, H, S, D)`` -> 1; H3: ``(B, S, H, D)`` -> 2). The forward is per head and needs
+    nothing, but the weight is shared by every head and a rank sees ``heads / tp`` of them, so
+    its gradient would be a partial sum. Here the weight is a ``Replicate`` DTensor and the input
+    a ``Shard(heads_dim)`` one, so DTensor sums the weight's gradient over the mesh (and FSDP2
+    composes with it as with any TP parameter)."""
+
+    def __init__(self, heads_dim: int) -> None:
+        self.heads_dim = heads_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                dp = distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                mod.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
+
+        def to_dtensor(mod, inputs, mesh):
+            placement = [Shard(self.heads_dim)]
+            return tuple(DTensor.from_local(x, mesh, placement, run_check=False) for x in inputs)
+
+        def to_local(mod, output, mesh):
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, replicate, to_dtensor, to_local)
+
+
+class ShardedRMSNorm(ParallelStyle):
+    """An ``nn.RMSNorm`` over a dimension that arrives column-sharded (Wan's q/k norm across
+    heads): swapped for a ``ColumnShardedRMSNorm`` holding its weight sharded like the columns.
+    (``torch.nn.RMSNorm`` itself cannot run on a ``Shard(-1)`` DTensor: its in-place ``add_`` of
+    eps on the partial mean-square has no sharding strategy.)"""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return ColumnShardedRMSNorm(module, device_mesh, self.src_data_rank)
+
+
+class ColumnShardedRMSNorm(nn.Module):
+    """``x * rsqrt(mean(x**2) + eps) * weight`` over a last dimension split across ``mesh``:
+    the mean-square is all-reduced (one ``(..., 1)`` tensor per rank), the rest is local.
+    Computed in fp32 and cast back before the weight, as ``nn.RMSNorm``."""
+
+    def __init__(self, norm: nn.RMSNorm, mesh: DeviceMesh, src_data_rank: int | None = 0) -> None:
+        super().__init__()
+        self.mesh, self.eps = mesh, norm.eps
+        self.weight = None
+        if norm.weight is not None:
+            w = distribute_tensor(norm.weight, mesh, [Shard(0)], src_data_rank=src_data_rank)
+            self.weight = nn.Parameter(w, requires_grad=norm.weight.requires_grad)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., D / tp): this rank's columns
+        # All in DTensor, not a local all-reduce: a rank's share of the mean-square's gradient
+        # comes from its own columns only, and DTensor sums those partial gradients.
+        xd = DTensor.from_local(x.float(), self.mesh, [Shard(x.ndim - 1)], run_check=False)
+        eps = torch.finfo(torch.float32).eps if self.eps is None else self.eps
+        # a sum, not a mean: the backward of a Partial(avg) reduction is not supported
+        ss = xd.pow(2).sum(-1, keepdim=True).redistribute(self.mesh, [Replicate()])  # (..., 1)
+        ms = ss / xd.shape[-1]  # the global D
+        y = (xd * torch.rsqrt(ms + eps)).to(x.dtype)
+        return (y if self.weight is None else y * self.weight).to_local()
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for one Linear that computes ``chunks`` projections side by side and
+    whose output the module then splits with ``chunk(chunks, -1)`` (diffusers' SwiGLU: ``[up;
+    gate]``; a fused ``to_qkv``: 3). A contiguous column shard would hand rank 0 all of ``up``;
+    here each rank keeps its slice of every chunk (DTensor's ``_StridedShard(0, split_factor=
+    chunks)``, the placement FSDP2 uses over TP shards; private in torch), so its local output
+    ``[up_r; gate_r]`` splits into matching halves. The Linear's matmul needs no communication
+    (the output is strided-sharded the same way) and the weight's global view stays the
+    checkpoint's."""
+
+    def __init__(self, chunks: int) -> None:
+        super().__init__()
+        self.chunks = chunks
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        placement = [_StridedShard(0, split_factor=self.chunks)]
+        for pname, p in list(module.named_parameters(recurse=False)):
+            dp = distribute_tensor(p, device_mesh, placement, src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # already strided over the chunks: no redistribute
+
+
+# --- the DiTs' plans ---------------------------------------------------------------------------
+
+# SD3 / SD3.5 (SD3Transformer2DModel): joint blocks attend over [image; text] with one head set,
+# the text stream through add_*_proj; SD3.5's dual-attention blocks add an image-only attn2.
+SD3_PLAN: Plan = {
+    "transformer_blocks.*.attn": LocalHeads("heads"),
+    "transformer_blocks.*.attn.to_q": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_k": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_v": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_q_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_k_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_v_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_out.0": RowwiseParallel(),
+    "transformer_blocks.*.attn.to_add_out": RowwiseParallel(),
+    "transformer_blocks.*.attn.norm_q": PerHeadNorm(heads_dim=1),  # on (B, H, S, D)
+    "transformer_blocks.*.attn.norm_k": PerHeadNorm(heads_dim=1),
+    "transformer_blocks.*.attn.norm_added_q": PerHeadNorm(heads_dim=1),
+    "transformer_blocks.*.attn.norm_added_k": PerHeadNorm(heads_dim=1),
+    "transformer_blocks.*.attn2": LocalHeads("heads"),
+    "transformer_blocks.*.attn2.to_q": ColwiseParallel(),
+    "transformer_blocks.*.attn2.to_k": ColwiseParallel(),
+    "transformer_blocks.*.attn2.to_v": ColwiseParallel(),
+    "transformer_blocks.*.attn2.to_out.0": RowwiseParallel(),
+    "transformer_blocks.*.attn2.norm_q": PerHeadNorm(heads_dim=1),
+    "transformer_blocks.*.attn2.norm_k": PerHeadNorm(heads_dim=1),
+    "transformer_blocks.*.ff.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
+    "transformer_blocks.*.ff.net.2": RowwiseParallel(),
+    "transformer_blocks.*.ff_context.net.0.proj": ColwiseParallel(),
+    "transformer_blocks.*.ff_context.net.2": RowwiseParallel(),
+}
+
+# Wan 2.1 / 2.2 (WanTransformer3DModel): self-attention attn1, text cross-attention attn2 (its
+# k/v read the text states; I2V's add_k/v_proj image branch is not in this plan), q/k normed
+# across heads (ShardedRMSNorm), a GELU MLP.
+WAN_PLAN: Plan = {
+    **{
+        f"blocks.*.{attn}{leaf}": style
+        for attn in ("attn1", "attn2")
+        for leaf, style in (
+            ("", LocalHeads("heads")),
+            (".to_q", ColwiseParallel()),
+            (".to_k", ColwiseParallel()),
+            (".to_v", ColwiseParallel()),
+            (".norm_q", ShardedRMSNorm()),
+            (".norm_k", ShardedRMSNorm()),
+            (".to_out.0", RowwiseParallel()),
+        )
+    },
+    "blocks.*.ffn.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
+    "blocks.*.ffn.net.2": RowwiseParallel(),
+}
+
+# MiniMax-H3 (MiniMaxH3Transformer3DModel): self-attention only (one packed sequence), in the
+# text refiner and the main blocks, per-head qk-norm; the feed-forward is a SwiGLU whose one
+# Linear yields [up; gate] (FusedColwiseParallel). A model after fuse_projections() (to_qkv)
+# does not match this plan.
+H3_PLAN: Plan = {
+    f"{blocks}.*.{leaf}": style
+    for blocks in ("token_refiner.refiner_blocks", "transformer_blocks")
+    for leaf, style in (
+        ("attn", LocalHeads("heads")),
+        ("attn.to_q", ColwiseParallel()),
+        ("attn.to_k", ColwiseParallel()),
+        ("attn.to_v", ColwiseParallel()),
+        ("attn.norm_q", PerHeadNorm(heads_dim=2)),  # on (B, S, H, D)
+        ("attn.norm_k", PerHeadNorm(heads_dim=2)),
+        ("attn.to_out.0", RowwiseParallel()),
+        ("ff.net.0.proj", FusedColwiseParallel(chunks=2)),
+        ("ff.net.2", RowwiseParallel()),
+    )
+}
+
+# --- the text encoders' plans (applied on the ETP mesh) ----------------------------------------
+
+# T5 / UMT5 encoders (T5EncoderModel, UMT5EncoderModel): the relative-position bias is an
+# Embedding(buckets, heads), column-sharded so each rank adds its own heads' bias (T5 has it in
+# block 0 and passes it on; UMT5 has one per block). Gated-GELU MLP: wi_0, wi_1 -> wo.
+T5_ENCODER_PLAN: Plan = {
+    "encoder.block.*.layer.0.SelfAttention": LocalHeads("n_heads", "inner_dim"),
+    "encoder.block.*.layer.0.SelfAttention.q": ColwiseParallel(),
+    "encoder.block.*.layer.0.SelfAttention.k": ColwiseParallel(),
+    "encoder.block.*.layer.0.SelfAttention.v": ColwiseParallel(),
+    "encoder.block.*.layer.0.SelfAttention.relative_attention_bias": ColwiseParallel(),
+    "encoder.block.*.layer.0.SelfAttention.o": RowwiseParallel(),
+    "encoder.block.*.layer.1.DenseReluDense.wi*": ColwiseParallel(),  # wi, or wi_0 and wi_1
+    "encoder.block.*.layer.1.DenseReluDense.wo": RowwiseParallel(),
+}
+
+# Qwen3-VL's text model (MiniMax-H3's encoder) and Qwen3: reshapes with -1 heads, so nothing is
+# divided, but query and key/value head counts must both divide by the mesh size (GQA's group
+# size stays num_heads / num_kv_heads on every rank).
+_QWEN3_LAYER = {
+    "self_attn": LocalHeads(check=("config.num_attention_heads", "config.num_key_value_heads")),
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+QWEN3_VL_ENCODER_PLAN: Plan = {
+    f"model.language_model.layers.*.{k}": v for k, v in _QWEN3_LAYER.items()
+}
+QWEN3_ENCODER_PLAN: Plan = {f"model.layers.*.{k}": v for k, v in _QWEN3_LAYER.items()}
+
+FAMILY_TP_PLANS: dict[str, Plan] = {"sd3": SD3_PLAN, "wan": WAN_PLAN, "minimax_h3": H3_PLAN}
+ENCODER_TP_PLANS: dict[str, Plan] = {
+    "t5": T5_ENCODER_PLAN,
+    "umt5": T5_ENCODER_PLAN,
+    "qwen3_vl": QWEN3_VL_ENCODER_PLAN,
+    "qwen3": QWEN3_ENCODER_PLAN,
+}
+
+
+# --- applying a plan ---------------------------------------------------------------------------
+
+
+def resolve(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
+    """Each pattern of ``plan`` -> the module paths it matches (part by part, ``fnmatch``), or
+    a ConfigError naming every pattern that matches nothing."""
+    names = [n for n, _ in module.named_modules() if n]
+    parts = {n: n.split(".") for n in names}
+    out, unmatched = {}, []
+    for pattern in plan:
+        want = pattern.split(".")
+        out[pattern] = [
+            n for n in names if len(parts[n]) == len(want) and all(map(fnmatch, parts[n], want))
+        ]
+        if not out[pattern]:
+            unmatched.append(pattern)
+    if unmatched:
+        raise ConfigError(
+            f"TP plan for {type(module).__name__}: no submodule matches {unmatched} "
+            f"(a fused or renamed projection? first module paths: {names[:8]})"
+        )
+    return out
+
+
+def check_plan(module: nn.Module, tp: int, plan: Plan) -> dict[str, list[str]]:
+    """``resolve``, plus every ``LocalHeads`` count (and each chunk of a ``FusedColwiseParallel``
+    Linear) divisible by ``tp``: a ConfigError names the module, the count and the mesh size.
+    Touches nothing."""
+    paths = resolve(module, plan)
+    bad = []
+    for pattern, style in plan.items():
+        if isinstance(style, FusedColwiseParallel):
+            bad += [
+                f"{path}.out_features={out} (in {style.chunks} fused chunks)"
+                for path in paths[pattern]
+                if (out := module.get_submodule(path).out_features) % (style.chunks * tp)
+            ]
+        if not isinstance(style, LocalHeads):
+            continue
+        for path in paths[pattern]:
+            try:
+                counts = style.counts(module.get_submodule(path))
+            except AttributeError as e:
+                raise ConfigError(f"TP plan: {path} has no head count {e.name!r}") from e
+            bad += [f"{path}.{k}={v}" for k, v in counts.items() if v % tp]
+    if bad:
+        raise ConfigError(
+            f"TP size {tp} must divide every head count and fused chunk; not {', '.join(bad[:4])}"
+            + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
+        )
+    return paths
+
+
+def apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """Shard ``module`` in place over the 1-D ``mesh`` (the TP mesh for a DiT, the ETP mesh for a
+    text encoder) as ``plan`` says; every pattern and head count is checked first, so a plan
+    that does not fit raises a ConfigError before anything is sharded. The weights each rank
+    holds come from rank 0's copy (``parallelize_module``'s ``src_data_rank=0``)."""
+    if mesh.ndim != 1:
+        raise ConfigError(f"apply_plan takes a 1-D mesh (one axis, e.g. mesh['tp']); got {mesh}")
+    paths = check_plan(module, mesh.size(), plan)
+    for pattern, style in plan.items():
+        for path in paths[pattern]:
+            sub = module.get_submodule(path)
+            new = parallelize_module(sub, mesh, style)
+            if new is not sub:  # a style that swaps the module (ShardedRMSNorm)
+                parent, _, leaf = path.rpartition(".")
+                module.get_submodule(parent).register_module(leaf, new)
+    return module

@@ -1,0 +1,348 @@
+"""Tensor parallelism on CPU over gloo: each family's TP plan (and its text encoder's, on an ETP
+mesh of its own) gives the unsharded forward on every rank, and a plan that does not fit the
+model fails before anything is sharded.
+
+Each parity test spawns 2 ranks (``spawn``, a free TCP port on 127.0.0.1). Every rank builds the
+tiny preset's components from ``torch.manual_seed(0)`` (the same random weights everywhere),
+runs the unsharded forward on fixed inputs, applies the plan on a 2-rank mesh, runs again and
+writes the largest difference and what it checked to ``tmp_path``; the parent asserts on it.
+The DiTs' parameter gradients are compared too (the sharded ones gathered): a weight every
+head shares (qk-norm) would get only this rank's heads' share without ``PerHeadNorm``.
+Tolerances, fp32: outputs atol 1e-5, gradients atol 2e-5 (the sharded matmuls only reorder
+sums; diffs seen are ~5e-7 and ~2e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import types
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diffrl.errors import ConfigError
+from diffrl.models.families._diffusers import init_weights
+from diffrl.parallel import tp
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this torch build",
+)
+
+WORLD = 2
+ATOL = 1e-5  # outputs (magnitudes ~1)
+GRAD_ATOL = 2e-5  # gradients (magnitudes up to ~25; seen ~2e-6)
+# The presets' init (std 0.02) leaves a tiny DiT's blocks nearly silent (SD3's attention moves
+# the output by ~1e-5); at 0.1 they move it by O(1), far above ATOL.
+DIT_STD = 0.1
+DEADLINE_S = 60.0  # a hang (a rank stuck in a collective) fails here, not at pytest's timeout
+
+
+# The spawn helpers as in test_fsdp_gloo.py (a copy: a test module should not import another).
+def _free_port() -> int:
+    # Bound to port 0 and released: the OS picked a free port; rank 0 binds it moments later.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, *args) -> None:
+    """Run ``fn(rank, port, *args)`` in WORLD fresh processes; re-raise a rank's failure."""
+    ctx = mp.start_processes(
+        fn, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            pytest.fail(f"{WORLD} ranks still running after {DEADLINE_S:.0f} s (a hang?)")
+
+
+def _meshes(rank: int, port: int):
+    """The TP mesh and a separate ETP mesh (here both over the 2 ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=DEADLINE_S)
+    )
+    ranks = list(range(WORLD))
+    return DeviceMesh("cpu", ranks, mesh_dim_names=("tp",)), DeviceMesh(
+        "cpu", ranks, mesh_dim_names=("etp",)
+    )
+
+
+def _parity(module, mesh, plan, forward, grads: bool = False) -> dict:
+    """The largest |sharded - unsharded| of ``forward(module)`` once ``plan`` is applied (and,
+    with ``grads``, of every parameter's gradient of ``(out * probe).sum()``, the sharded ones
+    gathered), and ``effect``: how far the output moves when every sharded Linear/Embedding
+    outputs zeros (so a tolerance far below it cannot pass with a broken attention or MLP)."""
+    with torch.no_grad():
+        effect = forward_with_sharded_zeroed(module, plan, forward)
+    with torch.set_grad_enabled(grads):
+        ref = forward(module)
+        probe = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+        ref_grads = _grads(module, (ref * probe).sum()) if grads else {}
+        tp.apply_plan(module, mesh, plan)
+        out = forward(module)
+        sharded_grads = _grads(module, (out * probe).sum()) if grads else {}
+    result = dict(
+        diff=(out - ref).abs().max().item(),
+        effect=(effect - ref).abs().max().item(),
+        shape=list(out.shape),
+        dtensors=sum(type(p).__name__ == "DTensor" for p in module.parameters()),
+    )
+    if grads:
+        assert sharded_grads.keys() == ref_grads.keys()
+        result["grad_diff"] = max(
+            (sharded_grads[k] - g).abs().max().item() for k, g in ref_grads.items()
+        )
+        result["grad_scale"] = max(g.abs().max().item() for g in ref_grads.values())
+    return result
+
+
+def _grads(module, loss) -> dict:
+    """Each parameter's gradient of ``loss``, a sharded one gathered to its full shape."""
+    module.zero_grad(set_to_none=True)
+    loss.backward()
+    full = {}
+    for name, p in module.named_parameters():
+        g = p.grad
+        full[name] = g.full_tensor() if type(g).__name__ == "DTensor" else g.clone()
+    module.zero_grad(set_to_none=True)
+    return full
+
+
+def forward_with_sharded_zeroed(module, plan, forward):
+    paths = tp.resolve(module, plan)
+    hooks = [
+        module.get_submodule(path).register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+        for pattern, style in plan.items()
+        if isinstance(style, (tp.ColwiseParallel, tp.RowwiseParallel))
+        for path in paths[pattern]
+    ]
+    try:
+        return forward(module)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _write(out: Path, rank: int, result: dict) -> None:
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # neither rank tears gloo down while the other is still talking
+    dist.destroy_process_group()
+
+
+def _read(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+# --- SD3.5 DiT (TP) + T5 encoder (ETP) --------------------------------------------------------
+
+
+def _sd3_rank(rank: int, port: int, out: Path) -> None:
+    from diffrl.models.families import sd3
+
+    tp_mesh, etp_mesh = _meshes(rank, port)
+    torch.manual_seed(0)
+    parts = sd3.tiny_components()
+    dit, t5 = parts["transformer"], parts["text_encoder_3"]
+    init_weights(dit, std=DIT_STD)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 8, 8, generator=g)  # (B, C, H, W) latents
+    txt = torch.randn(2, 12, 48, generator=g)  # (B, L, joint_attention_dim)
+    pooled = torch.randn(2, 40, generator=g)
+    t = torch.tensor([250.0, 900.0])
+    ids = torch.randint(0, t5.config.vocab_size, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0  # one padded row: the mask goes through the sharded heads' bias too
+
+    def dit_fwd(m):
+        return m(x, txt, pooled, t, return_dict=False)[0]
+
+    def t5_fwd(m):
+        return m(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    result = dict(
+        dit=_parity(dit, tp_mesh, tp.FAMILY_TP_PLANS["sd3"], dit_fwd, grads=True),
+        t5=_parity(t5, etp_mesh, tp.ENCODER_TP_PLANS["t5"], t5_fwd),
+        heads=[dit.transformer_blocks[0].attn.heads, dit.transformer_blocks[0].attn2.heads],
+        t5_heads=t5.encoder.block[0].layer[0].SelfAttention.n_heads,
+        local_q=list(dit.transformer_blocks[0].attn.to_q.weight.to_local().shape),
+    )
+    _write(out, rank, result)
+
+
+def test_sd3_dit_and_t5_encoder_sharded_match_unsharded(tmp_path):
+    _spawn(_sd3_rank, tmp_path)
+    for r in _read(tmp_path):
+        assert r["dit"]["shape"] == [2, 16, 8, 8] and r["t5"]["shape"] == [2, 16, 48]
+        assert r["dit"]["diff"] <= ATOL and r["dit"]["grad_diff"] <= GRAD_ATOL, r
+        assert r["t5"]["diff"] <= ATOL, r
+        assert min(r["dit"]["effect"], r["t5"]["effect"]) > 1000 * ATOL  # the shards matter
+        assert r["heads"] == [1, 1] and r["t5_heads"] == 2  # 2 and 4 heads over 2 ranks
+        assert r["local_q"] == [16, 32]  # each rank holds half of to_q's output columns
+        assert r["dit"]["dtensors"] > 0 and r["t5"]["dtensors"] > 0
+
+
+# --- Wan DiT (TP, q/k normed across heads) + UMT5 encoder (ETP) --------------------------------
+
+
+def _wan_rank(rank: int, port: int, out: Path) -> None:
+    from diffrl.models.families import wan
+
+    tp_mesh, etp_mesh = _meshes(rank, port)
+    torch.manual_seed(0)
+    parts = wan.tiny_components()
+    dit, umt5 = parts["transformer"], parts["text_encoder"]
+    init_weights(dit, std=DIT_STD)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 2, 4, 4, generator=g)  # (B, C, F, H, W): 2 x 2 x 2 = 8 tokens
+    txt = torch.randn(2, 10, 32, generator=g)  # (B, L, text_dim)
+    t = torch.tensor([250.0, 900.0])
+    ids = torch.randint(0, umt5.config.vocab_size, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, 12:] = 0
+
+    def dit_fwd(m):
+        return m(x, t, txt, return_dict=False)[0]
+
+    def umt5_fwd(m):
+        return m(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    result = dict(
+        dit=_parity(dit, tp_mesh, tp.FAMILY_TP_PLANS["wan"], dit_fwd, grads=True),
+        umt5=_parity(umt5, etp_mesh, tp.ENCODER_TP_PLANS["umt5"], umt5_fwd),
+        heads=[dit.blocks[0].attn1.heads, dit.blocks[0].attn2.heads],
+        local_norm_q=list(dit.blocks[0].attn1.norm_q.weight.to_local().shape),
+    )
+    _write(out, rank, result)
+
+
+def test_wan_dit_and_umt5_encoder_sharded_match_unsharded(tmp_path):
+    _spawn(_wan_rank, tmp_path)
+    for r in _read(tmp_path):
+        assert r["dit"]["shape"] == [2, 16, 2, 4, 4] and r["umt5"]["shape"] == [2, 16, 32]
+        assert r["dit"]["diff"] <= ATOL and r["dit"]["grad_diff"] <= GRAD_ATOL, r
+        assert r["umt5"]["diff"] <= ATOL, r
+        assert min(r["dit"]["effect"], r["umt5"]["effect"]) > 1000 * ATOL
+        assert r["heads"] == [1, 1]
+        assert r["local_norm_q"] == [16]  # the across-heads norm's weight, sharded like q
+
+
+# --- MiniMax-H3 DiT (TP, self-attention only) + Qwen3-VL text encoder (ETP) -------------------
+
+
+def _h3_inputs(g: torch.Generator) -> dict:
+    """One packed sequence of 6 text, 8 video and 4 audio rows at two noise levels."""
+    n_txt, n_vid, n_aud = 6, 8, 4
+    seq = n_txt + n_vid + n_aud
+    tags = torch.tensor([1] * n_txt + [0] * n_vid + [2] * n_aud)  # 0 video, 1 text, 2 audio
+    return dict(
+        hidden_states=torch.randn(2, n_vid, 16, generator=g),  # (B, Nv, C * 1 * 2 * 2)
+        audio_hidden_states=torch.randn(2, n_aud, 4, generator=g),  # (B, Na, C_audio)
+        encoder_hidden_states=torch.randn(2, n_txt, 32, generator=g),  # (B, Nt, text_dim)
+        timestep=torch.tensor([0.3, 0.8]),
+        timestep_indices=torch.randint(0, 2, (seq,), generator=g),
+        token_tags=tags,
+        position_ids=torch.randint(0, 8, (seq, 3), generator=g),
+        video_indices=torch.arange(n_txt, n_txt + n_vid),
+        audio_indices=torch.arange(n_txt + n_vid, seq),
+        text_indices=torch.arange(n_txt),
+        return_dict=False,
+    )
+
+
+def _h3_rank(rank: int, port: int, out: Path) -> None:
+    from diffrl.models.families import minimax_h3
+
+    tp_mesh, etp_mesh = _meshes(rank, port)
+    torch.manual_seed(0)
+    parts = minimax_h3.tiny_components()
+    dit, qwen = parts["transformer"], parts["text_encoder"]
+    init_weights(dit, std=DIT_STD)
+    g = torch.Generator().manual_seed(1)
+    inputs = _h3_inputs(g)
+    ids = torch.randint(0, qwen.config.text_config.vocab_size, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+
+    def dit_fwd(m):
+        video, audio = m(**inputs)
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)  # (B, Nv*16 + Na*4)
+
+    def qwen_fwd(m):  # the text path the family reads (no LM head)
+        return m.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    result = dict(
+        dit=_parity(dit, tp_mesh, tp.FAMILY_TP_PLANS["minimax_h3"], dit_fwd, grads=True),
+        qwen=_parity(qwen, etp_mesh, tp.ENCODER_TP_PLANS["qwen3_vl"], qwen_fwd),
+        heads=[
+            dit.token_refiner.refiner_blocks[0].attn.heads,
+            dit.transformer_blocks[0].attn.heads,
+        ],
+        local_q=list(qwen.model.language_model.layers[0].self_attn.q_proj.weight.to_local().shape),
+    )
+    _write(out, rank, result)
+
+
+def test_h3_dit_and_qwen3_vl_encoder_sharded_match_unsharded(tmp_path):
+    _spawn(_h3_rank, tmp_path)
+    for r in _read(tmp_path):
+        assert r["dit"]["shape"] == [2, 8 * 16 + 4 * 4] and r["qwen"]["shape"] == [2, 12, 32]
+        assert r["dit"]["diff"] <= ATOL and r["dit"]["grad_diff"] <= GRAD_ATOL, r
+        assert r["qwen"]["diff"] <= ATOL, r
+        assert min(r["dit"]["effect"], r["qwen"]["effect"]) > 1000 * ATOL
+        assert r["heads"] == [1, 1]
+        assert r["local_q"] == [16, 32]  # 2 of Qwen3-VL's 4 query heads (head_dim 8) per rank
+
+
+# --- the plan checks, in one process --------------------------------------------------------
+
+
+def _mesh_of(size: int):
+    # check_plan runs before parallelize_module touches the mesh, so a stand-in will do
+    return types.SimpleNamespace(ndim=1, size=lambda: size)
+
+
+def test_unmatched_pattern_is_named_and_nothing_is_sharded():
+    from diffrl.models.families import sd3
+
+    torch.manual_seed(0)
+    dit = sd3.tiny_components()["transformer"]
+    plan = {**tp.SD3_PLAN, "transformer_blocks.*.attn.to_qkv": tp.ColwiseParallel()}
+    with pytest.raises(
+        ConfigError, match=r"no submodule matches \['transformer_blocks\.\*\.attn\.to_qkv'\]"
+    ):
+        tp.apply_plan(dit, _mesh_of(2), plan)
+    assert dit.transformer_blocks[0].attn.heads == 2  # untouched
+    assert not any(type(p).__name__ == "DTensor" for p in dit.parameters())
+
+
+def test_heads_not_divisible_is_a_clear_error():
+    from diffrl.models.families import sd3
+
+    torch.manual_seed(0)
+    parts = sd3.tiny_components()
+    with pytest.raises(ConfigError, match=r"TP size 3 must divide every head count.*attn\.heads=2"):
+        tp.apply_plan(parts["transformer"], _mesh_of(3), tp.SD3_PLAN)
+    with pytest.raises(ConfigError, match=r"SelfAttention\.n_heads=4"):
+        tp.check_plan(parts["text_encoder_3"], 3, tp.T5_ENCODER_PLAN)
+    assert parts["transformer"].transformer_blocks[0].attn.heads == 2
+    tp.check_plan(parts["transformer"], 2, tp.SD3_PLAN)  # divides: no error
+
+
+def test_every_registered_plan_has_styles_only():
+    for plan in (*tp.FAMILY_TP_PLANS.values(), *tp.ENCODER_TP_PLANS.values()):
+        assert plan and all(isinstance(s, tp.ParallelStyle) for s in plan.values())
