@@ -35,6 +35,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from diffrl.config import load_config
+    from diffrl.parallel.plan import PlanOptions, plan
+
+    recipe, overrides = _split(args.args)
+    cfg = load_config(recipe or "recipes/shapes_nft.yaml", overrides)
+    opts = PlanOptions(
+        world_size=args.world_size,
+        tp=args.tp,
+        etp=args.etp,
+        dp_shard=args.dp_shard,
+        dp_replicate=args.dp_replicate,
+        sp=args.sp,
+        gpu_gib=args.gpu_gb,
+        share_rollout=args.share_rollout,
+        offload_encoder=args.offload_encoder,
+        train=args.train,
+    )
+    result = plan(cfg, opts)
+    print(result.table())
+    return 0 if result.fits else 1
+
+
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from diffrl.models.pretrain import load_pretrain_config, pretrain
 
@@ -152,6 +175,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-loop baseline")
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser(
+        "plan", help="per-GPU memory of a recipe's layout, by component, and the knob to turn"
+    )
+    p.add_argument("args", nargs="*", help="[RECIPE.yaml] [key=value ...]")
+    # the parallel degrees are plan-only options: the config has no parallel section yet
+    for flag in ("world-size", "tp", "etp", "dp-shard", "dp-replicate", "sp"):
+        p.add_argument(f"--{flag}", type=int, help="parallel degree (default 1; dp-shard: fill)")
+    p.add_argument("--gpu-gb", type=_positive(float), default=141.0, help="GiB per GPU (H200)")
+    p.add_argument(
+        "--share-rollout", action="store_true", help="rollout and eval sample the actor's weights"
+    )
+    p.add_argument(
+        "--offload-encoder",
+        action=argparse.BooleanOptionalAction,
+        help="text encoder in host memory (default: where the family puts it)",
+    )
+    p.add_argument("--train", choices=("lora", "full"), default="lora")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("pretrain", help="flow-matching pre-training of the built-in tiny DiT")
     p.add_argument("args", nargs="*", help="key=value overrides (steps=, out=, hidden=, ...)")
     p.set_defaults(fn=cmd_pretrain)

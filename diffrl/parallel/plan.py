@@ -1,0 +1,749 @@
+"""``diffrl plan``: a recipe's memory per GPU, by component, before any GPU is used, and the knob
+to turn when a layout does not fit.
+
+**Sizes are counted, never typed in.** The family's own ``load`` builds the model from the
+recipe (preset or directory) with every weight-making call (``random_component``,
+``load_component``) swapped for one that builds the same class on the ``meta`` device, so the
+counts are the real diffusers/transformers classes' at the recipe's size, trimmed as the
+family trims them (H3's encoder keeps 51 of its 64 layers), and on the device the family puts
+them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs no memory.
+
+**Where the bytes go, per GPU.** Parallel degrees follow ``ParallelDims`` (``dims.py``):
+
+- *Weights* in the model's dtype. A module the family's TP plan (``tp.FAMILY_TP_PLANS``)
+  shards holds 1/tp of its weight, and of its bias unless it is a row shard; the rest (norms,
+  embeddings, H3's adaLN projections, whatever the plan leaves out) is replicated. FSDP
+  (``dp_shard``) then shards the actor's share, and holds two blocks unsharded at a time (the
+  one running and the prefetched next).
+- *Training state*, sharded as the weights it belongs to. LoRA: peft keeps the adapters in
+  fp32 (``default``, ``old``, and ``ema`` when ``actor.ema_decay`` > 0), plus the default's
+  fp32 gradient and AdamW's two fp32 moments: 4 bytes per adapter, + 4 + 8, per adapter
+  weight. Full weights (``--train full``, plan-only: the actor trains LoRA): fp32 gradients
+  (FSDP's fp32 reduction) and AdamW moments, 12 bytes per weight beside the bf16 weight,
+  ``old`` as a full frozen copy, and the activations as for LoRA (peft's fp32 input copies
+  become the Linears' own bf16 inputs, kept for every Linear, not only the targets).
+- *The rollout's copy*: ``RolloutEngine`` deep-copies the DiT, and the held-out evaluator
+  (``controller/engines.build``) holds another; each keeps a frozen base copy of the
+  LoRA-targeted weights for verified sync (``rollout.base_copy``: "" on the GPU, "cpu" on the
+  host). Copies are TP-sharded, never FSDP-sharded. ``--share-rollout`` samples with the
+  actor's own weights instead (``RolloutEngine(share_model=True)``: no copy, no sync).
+- *Text encoders*: sharded by ``etp`` where ``tp.ENCODER_TP_PLANS`` has a plan for the
+  encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
+  moves the whole encoder onto the GPU for each encode, which the encode phase counts.
+
+**Activations, per block and per token**, for LoRA training in bf16 (what autograd keeps for
+the backward, read off each block's forward; ``tests/parallel/test_plan.py`` checks every
+formula against autograd's saved tensors of the real block on the CPU). With h the residual
+width, a attention's inner width and f the FFN's hidden width, each divided by tp where the
+TP plan shards that part, and r the LoRA rank:
+
+- peft casts each targeted Linear's input to fp32 and keeps it for lora_A's gradient: 4 bytes
+  per input element, the largest single term (a frozen Linear keeps nothing of its own);
+- SDPA (flash) keeps q, k, v and its output in bf16: 8a;
+- an RMSNorm keeps its input: nn.RMSNorm 2 bytes per element on CUDA (aten's fused kernel; 4
+  on the CPU, whose composite path keeps an fp32 copy), diffusers' RMSNorm 6 (an fp32 copy
+  and the bf16 input); a LayerNorm 2;
+- GELU keeps its input (2f); SwiGLU keeps the fused [up; gate] projection and silu(gate) (6f).
+
+That gives per token (on CUDA):
+
+- MiniMax-H3 block: 28h + 16a + 10f (h-terms: the two norms' inputs 4h, four per-row adaLN
+  tables 8h, q/k/v and FFN-up LoRA inputs 16h; a: q/k norms 4a, SDPA 8a, out-LoRA 4a; f:
+  SwiGLU 6f, down-LoRA 4f). Token refiner block (text rows): 20h + 16a + 10f (no adaLN
+  tables).
+- SD3 joint block, image token: 20h + 24a + 6f (+20a in SD3.5's dual-attention blocks);
+  text token: 16h + 24a + 2f (14h + 20a in the last, context_pre_only block; the text FFN
+  is not a LoRA target). SD3.5-M has h = a = 1536, f = 4h: 68h per image token.
+
+plus a few bytes per row (norm statistics, the attention's log-sum-exp, 4r per LoRA module,
+H3's rotary tables). Without checkpointing a micro-batch keeps every block's set; with
+``actor.activation_checkpointing`` it keeps each block's input (2h per token per stream)
+plus one block's set, recomputed in the backward. Either way the backward holds one more
+block's worth of gradient buffers. The rollout's no-grad forward holds one block's largest
+live set (H3: 4h + 8f at the SwiGLU; SD3: the larger of 4h + 4f and 4h + 14a).
+
+Calibrated on one H200 (bf16, LoRA r=32; ``tests/parallel/test_plan.py``): SD3.5-Medium
+512 px, rollout of 8 with CFG and one NFT step of micro-batch 8, no checkpointing, measured
+48.97 GiB; MiniMax-H3, 2 FL2VA samples of 352 x 352 x 124 frames, checkpointing, encoder
+offloaded, one copy, measured 75.75 GiB for the step. Planned: 50.0 (+2%) and 76.6 (+1%).
+
+Not modelled: a video VAE's decode (image VAEs: three tensors of the last upsampling's width
+per output pixel), the CUDA context, NCCL's buffers and the allocator's fragmentation, which
+``HEADROOM`` keeps free of the card.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from transformers import PreTrainedModel
+
+from diffrl.errors import ConfigError
+from diffrl.parallel.dims import KEY, ParallelDims
+from diffrl.parallel.tp import ENCODER_TP_PLANS, FAMILY_TP_PLANS, ShardedRMSNorm, resolve
+
+GIB = 2**30
+H200_GIB = 141.0  # nvidia-smi: 143,771 MiB
+# what a layout leaves free of the card: the totals are allocated bytes, what
+# torch.cuda.max_memory_allocated reports; fragmentation, the CUDA context and NCCL take more
+HEADROOM = 0.08
+PHASES = ("resident", "encode", "rollout", "train")
+WEIGHT_SHARDS = (ColwiseParallel, RowwiseParallel, ShardedRMSNorm)  # TP styles that split weights
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the config cannot say yet: the parallel degrees (there is no ``parallel`` config
+    section; when there is one, its keys are read and these override them where given), and
+    the plan-only switches. ``None`` = take the config's (or the family's) value."""
+
+    world_size: int | None = None
+    tp: int | None = None
+    etp: int | None = None
+    dp_shard: int | None = None  # -1 (default): what the other degrees leave of the world
+    dp_replicate: int | None = None
+    sp: int | None = None
+    gpu_gib: float = H200_GIB
+    share_rollout: bool = False  # rollout and eval sample with the actor's own weights
+    offload_encoder: bool | None = None  # None: where the family puts its encoder
+    train: str = "lora"  # lora (what ActorEngine trains) | full
+    eval_copy: bool = True  # the factory's held-out evaluator holds its own copy of the DiT
+    device: str = "cuda"  # whose kernels the activation formulas assume (cuda | cpu)
+
+    def degrees(self, cfg) -> ParallelDims:
+        section = getattr(cfg, KEY, None)
+        out = {}
+        for name in ("world_size", "tp", "etp", "dp_shard", "dp_replicate", "sp"):
+            given = getattr(self, name)
+            default = getattr(section, name, getattr(ParallelDims, name))
+            out[name] = default if given is None else given
+        return ParallelDims(**out)
+
+
+@dataclass(frozen=True)
+class Row:
+    component: str
+    phase: str  # resident (held throughout) | encode | rollout | train (held in that phase)
+    gib: float  # per GPU
+    note: str
+    host_gib: float = 0.0
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One kind of transformer block, per sample, in bytes: what autograd keeps for the
+    backward (``saved``), the block's inputs (all checkpointing keeps), and the largest set
+    alive at once in a no-grad forward (``live``)."""
+
+    kind: str
+    count: int
+    saved: float
+    inputs: float
+    live: float
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A family's tokens and blocks at the recipe's size."""
+
+    tokens: str  # what one sample is, for the header
+    blocks: list[BlockCost]
+    encoder_tokens: dict[str, int]  # frozen encoder -> tokens per prompt
+    decode: float = 0.0  # bytes per sample of the VAE decode's working set (0 = not modelled)
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Per-token widths on one GPU: h replicated, a and f divided where TP shards them."""
+
+    h: int
+    a: float  # attention inner width (heads x head_dim) / tp
+    f: float  # FFN hidden width / tp where the plan shards the FFN
+    heads: float  # attention heads / tp
+    r: int  # LoRA rank
+    rms: int  # bytes per element nn.RMSNorm keeps (2: CUDA's fused kernel; 4: CPU)
+
+
+# --- the families' activations ----------------------------------------------------------------
+
+
+def sd3_image_token(w: Widths, dual: bool) -> float:
+    """Bytes one SD3 joint block keeps per image token (derivation in the module docstring)."""
+    rows = 2 * 8 + 2 * 4 * w.heads + 4 * w.heads + 6 * 4 * w.r  # LN stats, qk rsqrt, lse, LoRA
+    kept = 20 * w.h + 24 * w.a + 6 * w.f + rows
+    return kept + (20 * w.a + 12 * w.heads if dual else 0)  # attn2: qk-norm, SDPA (no LoRA)
+
+
+def sd3_text_token(w: Widths, pre_only: bool) -> float:
+    """Bytes one SD3 joint block keeps per text token (the context stream)."""
+    if pre_only:  # the last block: attention only, no to_add_out, no text FFN
+        return 14 * w.h + 20 * w.a + 8 + 12 * w.heads + 3 * 4 * w.r
+    return 16 * w.h + 24 * w.a + 2 * w.f + 16 + 12 * w.heads + 4 * 4 * w.r
+
+
+def h3_row(w: Widths, refiner: bool, rot: int) -> float:
+    """Bytes one MiniMax-H3 block keeps per packed row (a token refiner block per text row)."""
+    norms = 2 * w.rms * w.h + 2 * w.rms * w.a  # norm1, norm2; per-head q/k norms
+    lora = 4 * (4 * w.h + w.a + w.f) + 6 * 4 * w.r  # q, k, v, FFN-up; out; FFN-down
+    rows = 2 * 4 + 2 * 4 * w.heads + 4 * w.heads  # rstd of the norms, the attention's lse
+    kept = norms + lora + 8 * w.a + 6 * w.f + rows  # SDPA's q, k, v, out; SwiGLU
+    return kept if refiner else kept + 4 * 2 * w.h + 4 * 2 * rot  # adaLN tables; rope cos/sin
+
+
+def _sd3(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
+    cfg, fam = model.net.transformer.config, model.family
+    _, hl, wl = fam.latent_shape()
+    p = cfg.patch_size
+    n_img, n_txt = (hl // p) * (wl // p), fam.lens[0] + fam.lens[2]  # CLIPs on channels, T5
+    dual = set(cfg.dual_attention_layers or ())
+    live = max(4 * w.h + 4 * w.f, 4 * w.h + 14 * w.a)
+    blocks = []
+    for i in range(cfg.num_layers):
+        pre = i == cfg.num_layers - 1
+        saved = n_img * sd3_image_token(w, i in dual) + n_txt * sd3_text_token(w, pre)
+        kind = "joint" + (", dual" if i in dual else "") + (", last" if pre else "")
+        blocks.append(BlockCost(kind, 1, saved, 2 * w.h * (n_img + n_txt), live * (n_img + n_txt)))
+    decode = 0.0
+    if fam.vae is not None:  # the last upsampling carries block_out_channels[1] to full size
+        widths = fam.vae.config.block_out_channels
+        side = hl * 2 ** (len(widths) - 1)
+        decode = 3 * 2 * side * side * widths[min(1, len(widths) - 1)]
+    encoders = dict(clip_l=fam.lens[0], clip_g=fam.lens[1], t5=fam.lens[2])
+    return Geometry(f"{n_img:,} image + {n_txt} text tokens", _merge(blocks), encoders, decode)
+
+
+def _minimax_h3(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
+    tr, net = model.net.transformer, model.net
+    cfg = tr.config
+    _, f, hv, wv = net.video_shape
+    pt, ph, pw = cfg.patch_size
+    n_video = (f // pt) * (hv // ph) * (wv // pw)
+    n_cond = 2 * (hv // ph) * (wv // pw) if conditioned else 0  # FL2VA: first and last frames
+    n_audio = net.audio_shape[0] * net.audio_shape[1]
+    n_text = model.family.max_text_len  # the longest prompt: a row's real length at most
+    n = n_video + n_cond + n_audio + n_text
+    rot = 6 * cfg.rope_freq_dim  # cos and sin over 3 axes, twice (rotate_half)
+    live = max(4 * w.h + 8 * w.f, 4 * w.h + 12 * w.a)
+    blocks = [
+        BlockCost("H3 block", cfg.num_layers, n * h3_row(w, False, rot), 2 * w.h * n, live * n),
+        BlockCost(
+            "token refiner",
+            cfg.num_refiner_layers,
+            n_text * h3_row(w, True, rot),
+            2 * w.h * n_text,
+            live * n_text,
+        ),
+    ]
+    what = f"{n:,} rows ({n_video:,} video, {n_cond} keyframe, {n_audio} audio, {n_text} text)"
+    return Geometry(what, blocks, {"text_encoder": n_text})
+
+
+# family -> its tokens and blocks: (model, widths, task has conditions) -> Geometry
+GEOMETRY: dict[str, Callable[[nn.Module, Widths, bool], Geometry]] = {
+    "sd3": _sd3,
+    "minimax_h3": _minimax_h3,
+}
+
+
+def _merge(blocks: list[BlockCost]) -> list[BlockCost]:
+    out: dict[str, BlockCost] = {}
+    for b in blocks:
+        if b.kind in out:
+            b = dataclasses.replace(b, count=out[b.kind].count + b.count)
+        out[b.kind] = b
+    return list(out.values())
+
+
+# --- sizes on the meta device -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A recipe's model built on ``meta`` (the real classes, no memory), and where the family
+    put each frozen component."""
+
+    model: nn.Module  # the FamilyModel
+    family: str
+    frozen: dict[str, nn.Module]
+    on_host: frozenset[str]  # frozen components the family keeps in host memory
+    conditioned: bool  # the task feeds conditions beyond the text (FL2VA keyframes)
+
+    @property
+    def encoders(self) -> dict[str, nn.Module]:
+        """The frozen modules that are text encoders (transformers models; the rest: VAEs)."""
+        return {k: m for k, m in self.frozen.items() if isinstance(m, PreTrainedModel)}
+
+
+def _on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
+    with torch.device("meta"):
+        if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
+            model = cls(config if not isinstance(config, dict) else cls.config_class(**config))
+        else:
+            model = cls.from_config(config)
+    return model.to(dtype=dtype).eval()
+
+
+@contextlib.contextmanager
+def _weights_on_meta(module, host: set[int]) -> Iterator[None]:
+    """Within the block, ``module``'s (a family's) weight-making calls build on ``meta``:
+    presets from their config dicts, directories from their ``config.json`` (tokenizers load
+    for real: they are small). ``host`` collects the ids of components asked for on the CPU."""
+
+    def random_component(cls, config, dtype, device):
+        model = _on_meta(cls, config, dtype)
+        if torch.device(device).type == "cpu":
+            host.add(id(model))
+        return model
+
+    def load_component(root, subfolder, cls, dtype, device):
+        path = Path(root) / subfolder
+        if "Tokenizer" in cls.__name__:
+            return cls.from_pretrained(str(path), local_files_only=True)
+        if cls.__module__.startswith("diffusers"):
+            config = cls.load_config(str(path))
+        else:
+            config = cls.config_class.from_pretrained(str(path))
+        return random_component(cls, config, dtype, device)
+
+    patches = [
+        mock.patch.object(module, name, fn)
+        for name, fn in (("random_component", random_component), ("load_component", load_component))
+        if hasattr(module, name)
+    ]
+    import diffusers.utils.logging  # noqa: F401  (configures its logger: before we quiet it)
+
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet = logging.getLogger("diffusers")
+        stack.callback(quiet.setLevel, quiet.level)
+        quiet.setLevel(logging.ERROR)  # "should be kept in float32" notices: sizes only here
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
+def model_facts(cfg, device: str = "cuda") -> ModelFacts:
+    """Build ``cfg.model`` on meta through the family's own ``load``, told the run's device
+    (so it places its components as it would there: H3 offloads its encoder for CUDA runs);
+    nothing is allocated on it, every component maker being the meta one."""
+    from diffrl.models.registry import family_module, frozen_modules
+    from diffrl.tasks import build_task
+
+    name = cfg.model.resolved_family
+    if name not in GEOMETRY:
+        raise ConfigError(
+            f"diffrl plan has no activation model for model family {name!r} yet (it has "
+            f"{sorted(GEOMETRY)}): add its per-block formula to diffrl/parallel/plan.py"
+        )
+    module, host = family_module(name), set()
+    with _weights_on_meta(module, host):
+        model = module.load(cfg.model, torch.device(device))
+    frozen = frozen_modules(model)  # the net's shared encoders (and VAEs); the family's VAE:
+    frozen |= {
+        k: m
+        for k, m in vars(model.family).items()
+        if isinstance(m, nn.Module) and m is not model.net
+    }
+    task = build_task(cfg.data)
+    return ModelFacts(
+        model,
+        name,
+        frozen,
+        frozenset(k for k, m in frozen.items() if id(m) in host),
+        bool(getattr(task, "needs_conditions", False)),
+    )
+
+
+# --- bytes per GPU ----------------------------------------------------------------------------
+
+
+def _tp_styles(module: nn.Module, plan: dict | None, tp: int) -> dict[str, object]:
+    """Module path -> the style ``plan`` shards its weight with (column shards, fused ones
+    included, row shards, ``ShardedRMSNorm``); empty at tp 1 or without a plan. Other styles
+    (``LocalHeads``, ``PerHeadNorm``) shard no weight."""
+    if not plan or tp == 1:
+        return {}
+    out = {}
+    for pattern, paths in resolve(module, plan).items():
+        if isinstance(plan[pattern], WEIGHT_SHARDS):
+            out.update(dict.fromkeys(paths, plan[pattern]))
+    return out
+
+
+def _tensor_bytes(module: nn.Module, styles: dict[str, object], tp: int) -> dict[str, float]:
+    """Parameter or buffer name -> bytes on one rank: a sharded module's weight is split tp
+    ways, and so is its bias unless the shard is a row shard (whose bias is replicated)."""
+    out = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        owner, _, leaf = name.rpartition(".")
+        style = styles.get(owner)
+        split = leaf == "weight" or (leaf == "bias" and not isinstance(style, RowwiseParallel))
+        out[name] = t.numel() * t.element_size() / (tp if style is not None and split else 1)
+    return out
+
+
+def _targets(cfg) -> list[str]:
+    from diffrl.models.registry import lora_targets
+
+    return list(cfg.actor.lora.targets) or list(lora_targets(cfg.model))
+
+
+def _is_target(name: str, targets: list[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _lora_numel(dit: nn.Module, targets: list[str], rank: int, styles, tp: int):
+    """(adapter weights per rank, targeted Linears): A is r x in, B out x r; a column shard
+    splits B, a row shard A."""
+    total, n = 0.0, 0
+    for name, m in dit.named_modules():
+        if isinstance(m, nn.Linear) and _is_target(name, targets):
+            a, b = rank * m.in_features, m.out_features * rank
+            style = styles.get(name)
+            if isinstance(style, RowwiseParallel):
+                a /= tp
+            elif style is not None:  # a column shard (plain or fused)
+                b /= tp
+            total, n = total + a + b, n + 1
+    return total, n
+
+
+def _largest_block(dit: nn.Module, sizes: dict[str, float]) -> float:
+    """Bytes on one rank of the largest entry of the DiT's block lists."""
+    prefixes = [
+        f"{name}.{i}."
+        for name, m in dit.named_modules()
+        if isinstance(m, nn.ModuleList)
+        for i in range(len(m))
+    ]
+    blocks = [sum(v for k, v in sizes.items() if k.startswith(p)) for p in prefixes]
+    return max(blocks, default=0.0)
+
+
+def _encoder_dims(m: nn.Module) -> tuple[int, int, int]:
+    """(hidden, FFN width, layers) of a text encoder's config (CLIP, T5, Qwen3-VL...)."""
+    c = getattr(m.config, "text_config", m.config)
+    hidden = getattr(c, "hidden_size", None) or c.d_model
+    ffn = getattr(c, "intermediate_size", None) or c.d_ff
+    layers = getattr(c, "num_hidden_layers", None) or c.num_layers
+    return hidden, ffn, layers
+
+
+def _encoder_heads(m: nn.Module) -> tuple[int, int]:
+    c = getattr(m.config, "text_config", m.config)
+    heads = getattr(c, "num_attention_heads", None) or c.num_heads
+    return heads, getattr(c, "num_key_value_heads", None) or heads
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: list[Row]
+    dims: ParallelDims  # resolved
+    title: str
+    gpu_gib: float
+    advice: list[str] = dataclasses.field(default_factory=list)
+
+    def phase(self, name: str) -> float:
+        """GiB per GPU held in ``name``: what is resident plus that phase's own rows."""
+        return sum(r.gib for r in self.rows if r.phase in ("resident", name))
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        return max(((p, self.phase(p)) for p in PHASES[1:]), key=lambda x: x[1])
+
+    @property
+    def budget(self) -> float:
+        return self.gpu_gib * (1 - HEADROOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak[1] <= self.budget
+
+    def table(self) -> str:
+        d = self.dims
+        lines = [
+            self.title,
+            f"layout: world {d.world_size} = dp_replicate {d.dp_replicate} x dp_shard "
+            f"{d.dp_shard} x sp {d.sp} x tp {d.tp}; etp {d.etp}",
+            "",
+            f"{'component':34s} {'phase':8s} {'GiB/GPU':>8s}  note",
+        ]
+        for r in self.rows:
+            host = f" [host: {r.host_gib:.2f} GiB]" if r.host_gib else ""
+            lines.append(f"{r.component:34s} {r.phase:8s} {r.gib:8.2f}  {r.note}{host}")
+        totals = " | ".join(f"{p} {self.phase(p):.2f}" for p in PHASES[1:])
+        phase, peak = self.peak
+        spare = self.budget - peak
+        verdict = f"fits: {spare:.1f} GiB to spare" if self.fits else f"OVER by {-spare:.1f} GiB"
+        lines += [
+            "",
+            f"per-GPU totals (GiB): {totals}",
+            f"peak {peak:.2f} GiB ({phase}) against {self.gpu_gib:g} GiB less "
+            f"{HEADROOM:.0%} headroom ({self.budget:.1f} GiB): {verdict}",
+        ]
+        host = sum(r.host_gib for r in self.rows)
+        if host:
+            lines.append(f"host memory per process: {host:.1f} GiB (the [host] rows)")
+        lines += self.advice
+        return "\n".join(lines)
+
+
+def _widths(dit: nn.Module, styles: dict, tp: int, rank: int, device: str) -> Widths:
+    """The DiT's per-token widths on one rank: a and f divided where the TP plan shards the
+    attention's to_q and the FFN's up-projection."""
+    c = dit.config
+    inner = c.num_attention_heads * c.attention_head_dim
+    tp_a = tp if any(p.endswith("attn.to_q") for p in styles) else 1
+    tp_f = tp if any(p.endswith("ff.net.0.proj") for p in styles) else 1
+    return Widths(
+        h=getattr(c, "hidden_size", None) or inner,
+        a=inner / tp_a,
+        f=(getattr(c, "ffn_dim", None) or 4 * inner) / tp_f,  # diffusers' FeedForward: 4x
+        heads=c.num_attention_heads / tp_a,
+        r=rank,
+        rms=2 if device == "cuda" else 4,
+    )
+
+
+def estimate(facts: ModelFacts, cfg, opts: PlanOptions) -> Plan:
+    """The per-GPU rows of ``cfg`` under ``opts`` (without advice; ``plan`` adds it)."""
+    if opts.train not in ("lora", "full"):
+        raise ConfigError(f"plan: --train {opts.train!r}; lora or full")
+    dit = facts.model.net.transformer
+    tp_plan = FAMILY_TP_PLANS.get(facts.family)
+    heads = [_encoder_heads(m) for k, m in facts.encoders.items() if _encoder_plan(m)]
+    dims = opts.degrees(cfg).validate(
+        dit_heads=dit.config.num_attention_heads,
+        encoder_heads=[h for h, _ in heads],
+        kv_heads=[kv for _, kv in heads],
+        family_has_tp_plan=tp_plan is not None,
+    )
+    styles = _tp_styles(dit, tp_plan, dims.tp)
+    sizes = _tensor_bytes(dit, styles, dims.tp)
+    w = _widths(dit, styles, dims.tp, cfg.actor.lora.rank, opts.device)
+    geo = GEOMETRY[facts.family](facts.model, w, facts.conditioned)
+    samples = math.ceil(cfg.data.prompts_per_step * cfg.rollout.group_size / dims.dp)  # a rank's
+    rows = [
+        *_weight_rows(facts, cfg, opts, dims, styles, sizes),
+        *_encoder_rows(facts, cfg, opts, dims, geo, samples),
+        *_activation_rows(cfg, dims, geo, samples),
+    ]
+    name = cfg.model.preset or cfg.model.path
+    return Plan(rows, dims, f"diffrl plan: {facts.family} ({name}), {geo.tokens}", opts.gpu_gib)
+
+
+def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes) -> list[Row]:
+    """The DiT's copies and the actor's training state."""
+    dit, fsdp = facts.model.net.transformer, dims.dp_shard
+    local = sum(sizes.values())
+    whole = sum(t.numel() * t.element_size() for t in [*dit.parameters(), *dit.buffers()])
+    n_params = sum(p.numel() for p in dit.parameters())
+    split = f"{local / whole:.0%} of it per TP rank" if dims.tp > 1 else "whole"
+    split += f", FSDP / {fsdp}" if fsdp > 1 else ""
+    rows = [
+        Row("DiT weights (actor)", "resident", local / fsdp / GIB,
+            f"{n_params / 1e9:.2f} B params in {cfg.model.dtype}; {split}"),
+    ]  # fmt: skip
+    targets = _targets(cfg)
+    if opts.train == "lora":
+        numel, n_mod = _lora_numel(dit, targets, cfg.actor.lora.rank, styles, dims.tp)
+        adapters = 3 if cfg.actor.ema_decay > 0 else 2  # default, old (, ema)
+        per = 4 * adapters + 4 + 8  # bytes per adapter weight: fp32 adapters, grad, m and v
+        rows.append(
+            Row("LoRA adapters + grad + AdamW", "resident", numel * per / fsdp / GIB,
+                f"r={cfg.actor.lora.rank} on {n_mod} Linears ({numel / 1e6:.1f} M per adapter "
+                f"per rank); {adapters} adapters, a grad and 2 moments, fp32")
+        )  # fmt: skip
+    else:
+        rows.append(
+            Row("grads + AdamW (full weights)", "resident", local / 2 * 12 / fsdp / GIB,
+                "fp32 grads (fp32 reduction), AdamW m and v in fp32")
+        )  # fmt: skip
+        rows.append(Row("old policy (full copy)", "resident", local / fsdp / GIB, "frozen"))
+    if fsdp > 1:
+        rows.append(
+            Row("FSDP all-gather (2 blocks)", "resident", 2 * _largest_block(dit, sizes) / GIB,
+                "the running block and the prefetched next, unsharded")
+        )  # fmt: skip
+    if opts.share_rollout or getattr(cfg.rollout, "share_model", False):
+        rows.append(
+            Row("rollout + eval copies", "resident", 0.0, "shared: sample with the actor's")
+        )
+        return rows
+    host = cfg.rollout.base_copy == "cpu"
+    base = sum(v for k, v in sizes.items() if k.endswith(".weight") and _is_target(k[:-7], targets))
+    for name in ("rollout", "eval") if opts.eval_copy else ("rollout",):
+        rows.append(
+            Row(f"{name} copy of the DiT", "resident", local / GIB,
+                "RolloutEngine's deepcopy; TP-sharded, not FSDP")
+        )  # fmt: skip
+        rows.append(
+            Row(f"{name} sync base copy", "resident", 0.0 if host else base / GIB,
+                f"LoRA-targeted weights, frozen (rollout.base_copy={cfg.rollout.base_copy!r})",
+                base / GIB if host else 0.0)
+        )  # fmt: skip
+    return rows
+
+
+def _encoder_plan(m: nn.Module) -> dict | None:
+    return ENCODER_TP_PLANS.get(getattr(m.config, "model_type", ""))
+
+
+def _encoder_rows(facts: ModelFacts, cfg, opts, dims, geo: Geometry, samples: int) -> list[Row]:
+    """The frozen modules: text encoders (ETP, offloaded or replicated) and the VAEs."""
+    offload = _offload(cfg, opts, facts, dims)
+    prompts = max(1, min(cfg.rollout.max_batch // cfg.rollout.group_size, samples))  # per encode
+    rows = []
+    for name, m in facts.frozen.items():
+        whole = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+        if name not in facts.encoders:
+            rows.append(Row(name, "resident", whole / GIB, f"{type(m).__name__}, replicated"))
+            continue
+        plan = _encoder_plan(m)
+        etp = dims.etp if plan and not offload else 1
+        local = sum(_tensor_bytes(m, _tp_styles(m, plan, etp), etp).values())
+        how = f"ETP / {etp}" if etp > 1 else "replicated"
+        if offload:
+            how = "offloaded: host memory, on the GPU only to encode"
+        rows.append(
+            Row(f"text encoder {name}", "resident", 0.0 if offload else local / GIB,
+                f"{type(m).__name__}, {whole / GIB:.2f} GiB whole; {how}",
+                whole / GIB if offload else 0.0)
+        )  # fmt: skip
+        if offload:
+            rows.append(Row(f"{name}, moved in to encode", "encode", whole / GIB, "whole"))
+        hidden, width, layers = _encoder_dims(m)
+        tokens = geo.encoder_tokens[name]
+        act = prompts * tokens * 2 * (hidden * (layers + 1) + 3 * width / etp)
+        rows.append(
+            Row(f"{name} activations", "encode", act / GIB,
+                f"{prompts} prompts x {tokens} tokens: every hidden state kept, one MLP's")
+        )  # fmt: skip
+    return rows
+
+
+def _activation_rows(cfg, dims, geo: Geometry, samples: int) -> list[Row]:
+    """The rollout's no-grad forward and decode; the training step's autograd graph (one
+    micro-batch, one timestep: the losses back-propagate per timestep)."""
+    n = min(cfg.rollout.max_batch, samples)
+    fwd = n * (2 if cfg.rollout.cfg_scale > 1 else 1)  # CFG's two branches in one forward
+    live = max(b.live for b in geo.blocks) / dims.sp
+    rows = [
+        Row("DiT forward (no grad)", "rollout", fwd * live / GIB,
+            f"{fwd} rows, one block's live set at a time"),
+        Row("VAE decode", "rollout", n * geo.decode / GIB,
+            f"{n} samples" if geo.decode else "not modelled for this family"),
+    ]  # fmt: skip
+    mb = min(cfg.actor.micro_batch, samples)
+    one = mb * max(b.saved for b in geo.blocks) / dims.sp
+    n_blocks = sum(b.count for b in geo.blocks)
+    if cfg.actor.activation_checkpointing:
+        kept = mb * sum(b.count * b.inputs for b in geo.blocks) / dims.sp
+        rows.append(Row("block inputs (checkpointing)", "train", kept / GIB,
+                        f"{mb} samples x {n_blocks} blocks' inputs"))  # fmt: skip
+        rows.append(Row("recomputed block", "train", one / GIB, "one block's saved set"))
+    else:
+        kept = mb * sum(b.count * b.saved for b in geo.blocks) / dims.sp
+        rows.append(Row("activations kept for backward", "train", kept / GIB,
+                        f"{mb} samples x {n_blocks} blocks, no checkpointing"))  # fmt: skip
+    rows.append(Row("backward buffers", "train", one / GIB, "one block's worth of gradients"))
+    return rows
+
+
+def _offload(cfg, opts: PlanOptions, facts: ModelFacts, dims: ParallelDims) -> bool:
+    """Is the text encoder offloaded: the option, else a config key where one exists, else
+    where the family puts it; ETP > 1 keeps it on the GPU, sharded."""
+    want = opts.offload_encoder
+    for section, key in ((cfg.rollout, "text_encoder_offload"), (cfg.model, "offload_encoder")):
+        if want is None and getattr(section, key, None) is not None:
+            want = bool(getattr(section, key))
+    if want and not hasattr(facts.model.net, "offload"):
+        raise ConfigError(f"plan: model family {facts.family!r} cannot offload its encoders")
+    if want is None:
+        return dims.etp == 1 and bool(facts.on_host & set(facts.encoders))
+    return want
+
+
+# --- the knobs --------------------------------------------------------------------------------
+
+
+def _knobs(cfg, opts: PlanOptions, dims: ParallelDims, facts: ModelFacts):
+    """(what to change, the config, the options) for each knob that could lower the peak."""
+    rep = dataclasses.replace
+    heads = facts.model.net.transformer.config.num_attention_heads
+    if (
+        heads % (2 * dims.tp) == 0
+        and dims.world_size % (2 * dims.tp * dims.sp * dims.dp_replicate) == 0
+    ):
+        yield f"raise {KEY}.tp to {2 * dims.tp}", cfg, rep(opts, tp=2 * dims.tp, dp_shard=-1)
+    if dims.world_size % (2 * dims.etp) == 0:
+        yield f"raise {KEY}.etp to {2 * dims.etp}", cfg, rep(opts, etp=2 * dims.etp)
+    if hasattr(facts.model.net, "offload"):
+        yield (
+            "offload the text encoder (plan: --offload-encoder)",
+            cfg,
+            rep(opts, offload_encoder=True, etp=1),
+        )
+    if not cfg.actor.activation_checkpointing:
+        actor = rep(cfg.actor, activation_checkpointing=True)
+        yield "turn on actor.activation_checkpointing", rep(cfg, actor=actor), opts
+    world = 2 * dims.world_size
+    yield (
+        f"raise {KEY}.dp_shard to {2 * dims.dp_shard} ({world} GPUs)",
+        cfg,
+        rep(opts, world_size=world, dp_shard=2 * dims.dp_shard),
+    )
+    if not opts.share_rollout:
+        yield "share the rollout copy (plan: --share-rollout)", cfg, rep(opts, share_rollout=True)
+        if cfg.rollout.base_copy != "cpu":
+            rollout = rep(cfg.rollout, base_copy="cpu")
+            yield (
+                "move the sync base copies to the host (rollout.base_copy=cpu)",
+                rep(cfg, rollout=rollout),
+                opts,
+            )
+    if cfg.actor.micro_batch > 1:
+        actor = rep(cfg.actor, micro_batch=cfg.actor.micro_batch // 2)
+        yield f"lower actor.micro_batch to {actor.micro_batch}", rep(cfg, actor=actor), opts
+
+
+def advise(facts: ModelFacts, cfg, opts: PlanOptions, base: Plan) -> list[str]:
+    """What to change when ``base`` does not fit: each knob alone, re-planned, best first."""
+    if base.fits:
+        return []
+    tried = []
+    for what, cfg2, opts2 in _knobs(cfg, opts, base.dims, facts):
+        try:
+            p = estimate(facts, cfg2, opts2)
+        except ConfigError:
+            continue
+        if p.peak[1] < base.peak[1] - 0.05:
+            tried.append((p.peak[1], what, p.fits))
+    tried.sort()
+    if not tried:
+        return ["no single knob lowers the peak; this model needs more GPUs per copy"]
+    out = ["to fit, change one of (re-planned with that knob alone):"]
+    out += [f"  - {w}: peak {g:.1f} GiB{' (fits)' if ok else ''}" for g, w, ok in tried]
+    if not any(ok for _, _, ok in tried):
+        out.append("  none fits alone: combine the first few")
+    return out
+
+
+def plan(cfg, opts: PlanOptions | None = None, facts: ModelFacts | None = None) -> Plan:
+    """The per-GPU memory plan of ``cfg`` (a loaded ``Config``), with the knobs to turn when
+    its peak does not fit ``opts.gpu_gib`` less the headroom."""
+    opts = opts or PlanOptions()
+    facts = facts or model_facts(cfg, opts.device)
+    base = estimate(facts, cfg, opts)
+    return dataclasses.replace(base, advice=advise(facts, cfg, opts, base))

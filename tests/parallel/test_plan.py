@@ -1,0 +1,229 @@
+"""``diffrl plan`` (diffrl/parallel/plan.py): the per-GPU plan against what one H200 measured,
+its activation formulas against autograd's saved tensors of the real blocks, its sizes from
+meta instantiation, and the knob it names when a layout does not fit.
+
+Calibration (one H200, bf16, random weights, LoRA r=32 on the family's targets, one NFT
+timestep per sample; peaks are ``torch.cuda.max_memory_allocated``):
+
+- SD3.5-Medium at 512 px: ``python benchmarks/real_size.py --presets sd35-medium
+  --no-cudnn-sdp --group 4 --micro-batch 8``: 2 prompts x 4 samples, CFG 4.5 batched (16
+  rows), then one update of micro-batch 8 without checkpointing; actor + one rollout copy
+  (no evaluator), text encoders on the GPU. Peak 48.97 GiB (15.46 after build, 25.6 in the
+  rollout). The plan says 50.0 (+2%), its rollout phase 25.6.
+- MiniMax-H3 FL2VA, 352 x 352 x 124 frames: ``python benchmarks/real_size_omni.py --presets
+  minimax-h3``: 2 prompts x 1 sample (their ~15 word-level tokens: max_text_len 16 here), one
+  copy of the DiT (``share_model``), the encoder offloaded, checkpointing, micro-batch 1.
+  Training peak 75.75 GiB (the rollout 67.9, the encode 118.0 with the encoder on the GPU).
+  The plan says 76.6 (+1%) for the step; its encode phase (120.4) is the peak of the layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers")
+
+from diffrl.cli import main  # noqa: E402
+from diffrl.config import load_config  # noqa: E402
+from diffrl.models.families import minimax_h3  # noqa: E402
+from diffrl.parallel.plan import (  # noqa: E402
+    PlanOptions,
+    Widths,
+    h3_row,
+    model_facts,
+    plan,
+    sd3_image_token,
+    sd3_text_token,
+)
+
+RECIPE = "recipes/h3_fl2va_8gpu.yaml"
+LAYOUT_8 = PlanOptions(world_size=8, tp=4, etp=4)
+SD35_MEASURED_GIB, H3_MEASURED_GIB = 48.97, 75.75
+TOLERANCE = 0.15
+
+SD35_CALIBRATION = [
+    'model.path=""',
+    "model.preset=sd35-medium",
+    "model.resolution=512",
+    "data.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_batch=8",  # real_size.py: group x prompts per forward
+    "actor.micro_batch=8",
+    "algorithm.timesteps_per_sample=1",
+    "reward.scorers=[{name: jpeg_incompressibility}]",
+]
+H3_CALIBRATION = [
+    "model.resolution=352",
+    "model.max_text_len=16",
+    "data.prompts_per_step=2",
+    "rollout.group_size=1",
+    "actor.micro_batch=1",
+    "algorithm.timesteps_per_sample=1",
+]
+
+
+@pytest.fixture(scope="module")
+def h3_8gpu():
+    cfg = load_config(RECIPE)
+    return cfg, model_facts(cfg)
+
+
+def test_sd35_medium_plan_matches_the_h200() -> None:
+    cfg = load_config("recipes/sd35_nft.yaml", SD35_CALIBRATION)
+    p = plan(cfg, PlanOptions(eval_copy=False))  # real_size.py builds no held-out evaluator
+    phase, gib = p.peak
+    assert phase == "train"
+    assert abs(gib / SD35_MEASURED_GIB - 1) < TOLERANCE, p.table()
+    assert abs(p.phase("rollout") / 25.6 - 1) < TOLERANCE, p.table()
+
+
+def test_minimax_h3_plan_matches_the_h200() -> None:
+    cfg = load_config(RECIPE, H3_CALIBRATION)
+    p = plan(cfg, PlanOptions(share_rollout=True, eval_copy=False))
+    assert abs(p.phase("train") / H3_MEASURED_GIB - 1) < TOLERANCE, p.table()
+    # the encoder is offloaded (the family keeps it on the host) and visits the GPU whole
+    assert p.peak[0] == "encode" and abs(p.peak[1] / 118.0 - 1) < TOLERANCE, p.table()
+    row = next(r for r in p.rows if r.component == "text encoder text_encoder")
+    assert row.gib == 0 and 45 < row.host_gib < 55
+
+
+def test_the_8gpu_recipe_fits(h3_8gpu) -> None:
+    cfg, facts = h3_8gpu
+    p = plan(cfg, LAYOUT_8, facts)
+    assert (p.dims.tp, p.dims.etp, p.dims.dp_shard) == (4, 4, 2)
+    assert p.fits, p.table()
+    rows = {r.component: r for r in p.rows}
+    whole = facts.model.net.transformer
+    dit_gib = sum(t.numel() * 2 for t in whole.parameters()) / 2**30
+    # FSDP halves the actor's share; TP splits the blocks' projections, not the adaLN tables
+    assert dit_gib / 4 / 2 < rows["DiT weights (actor)"].gib < dit_gib / 2
+    assert 0 < rows["text encoder text_encoder"].gib < 50.33 / 4 * 1.3  # ETP 4, norms replicated
+
+
+def test_an_over_budget_layout_names_the_knob(h3_8gpu) -> None:
+    cfg, facts = h3_8gpu
+    p = plan(cfg, PlanOptions(world_size=8, tp=1, etp=1), facts)  # FSDP 8 alone
+    assert not p.fits
+    text = p.table()
+    assert "OVER by" in text and "raise parallel.tp to 2" in text, text
+    assert "share the rollout copy" in text and "(fits)" in text, text
+    # the same recipe without activation checkpointing: the knob is named
+    no_ckpt = load_config(RECIPE, ["actor.activation_checkpointing=false", "actor.micro_batch=2"])
+    text = plan(no_ckpt, LAYOUT_8, facts).table()
+    assert "turn on actor.activation_checkpointing" in text, text
+    assert "lower actor.micro_batch to 1" in text, text
+
+
+def test_sizes_come_from_meta_instantiation(h3_8gpu, monkeypatch) -> None:
+    """Halving the preset's layer count halves the counted blocks: nothing is typed in."""
+    cfg, facts = h3_8gpu
+    full = plan(cfg, LAYOUT_8, facts)
+    monkeypatch.setitem(minimax_h3.PRESETS["minimax-h3"]["transformer"], "num_layers", 25)
+    half_facts = model_facts(cfg)
+    assert len(half_facts.model.net.transformer.transformer_blocks) == 25
+    assert next(half_facts.model.net.transformer.parameters()).device.type == "meta"
+    half = plan(cfg, LAYOUT_8, half_facts)
+    rows = [{r.component: r.gib for r in p.rows} for p in (full, half)]
+    ratio = rows[1]["DiT weights (actor)"] / rows[0]["DiT weights (actor)"]
+    assert 0.45 < ratio < 0.55, ratio
+    inputs = rows[1]["block inputs (checkpointing)"] / rows[0]["block inputs (checkpointing)"]
+    assert 0.5 < inputs < 0.51  # 25 of 50 blocks over every row; the 2 refiners over the text
+
+
+def test_cli_prints_the_table_and_fails_an_over_budget_layout(capsys) -> None:
+    assert main(["plan", RECIPE, "--world-size", "8", "--tp", "4", "--etp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "text encoder text_encoder" in out and "fits" in out
+    assert main(["plan", RECIPE, "--world-size", "8", "--tp", "4", "--gpu-gb", "40"]) == 1
+    assert "OVER by" in capsys.readouterr().out
+    assert main(["plan", RECIPE, "--world-size", "8", "--tp", "3"]) == 2  # 3 does not divide 8
+    assert "parallel." in capsys.readouterr().err
+
+
+# --- the activation formulas against autograd ----------------------------------------------------
+
+
+class _Wrap(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return self.block(*args)
+
+
+def saved_bytes(block: nn.Module, targets: list[str], rank: int, *args) -> int:
+    """Bytes autograd keeps for the backward of one forward of ``block`` in bf16 under peft
+    LoRA on ``targets`` (fp32 adapters, as the actor has them), weights left out."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        _Wrap(block).to(torch.bfloat16), LoraConfig(r=rank, target_modules=targets)
+    )
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args)
+    return sum(n for ptr, n in kept.items() if ptr not in weights)
+
+
+def test_h3_block_formula_matches_autograd() -> None:
+    """On the CPU nn.RMSNorm keeps an fp32 copy (rms=4; CUDA's fused kernel keeps the bf16
+    input, rms=2); everything else is the same kernels' bookkeeping."""
+    from diffusers.models.transformers.transformer_minimax_h3 import (
+        MiniMaxH3TokenRefinerBlock,
+        MiniMaxH3TransformerBlock,
+    )
+
+    torch.manual_seed(0)
+    h, heads, head_dim, ffn, rank, rows, rot = 64, 4, 32, 192, 4, 256, 12
+    w = Widths(h=h, a=heads * head_dim, f=ffn, heads=heads, r=rank, rms=4)
+    x = torch.randn(1, rows, h, dtype=torch.bfloat16, requires_grad=True)
+    temb = torch.randn(2, 16)
+    rope = (torch.randn(rows, rot), torch.randn(rows, rot))
+    block = MiniMaxH3TransformerBlock(h, heads, head_dim, ffn, 16, 1e-5, 1e-5)
+    got = saved_bytes(block, list(minimax_h3.LORA_TARGETS), rank, x, temb,
+                      torch.randint(0, 6, (rows,)), rope)  # fmt: skip
+    assert got / (rows * h3_row(w, False, rot)) == pytest.approx(1, abs=0.01)
+    refiner = MiniMaxH3TokenRefinerBlock(h, heads, head_dim, ffn, 1e-5, 1e-5)
+    got = saved_bytes(refiner, list(minimax_h3.LORA_TARGETS), rank, x)
+    assert got / (rows * h3_row(w, True, rot)) == pytest.approx(1, abs=0.01)
+
+
+@pytest.mark.parametrize("dual", [False, True])
+@pytest.mark.parametrize("pre_only", [False, True])
+def test_sd3_joint_block_formula_matches_autograd(dual: bool, pre_only: bool) -> None:
+    from diffusers.models.attention import JointTransformerBlock
+
+    from diffrl.models.families import sd3
+
+    torch.manual_seed(0)
+    h, heads, rank, n_img, n_txt = 64, 2, 4, 256, 64
+    w = Widths(h=h, a=h, f=4 * h, heads=heads, r=rank, rms=4)
+    block = JointTransformerBlock(h, heads, h // heads, pre_only, "rms_norm", dual)
+    img = torch.randn(1, n_img, h, dtype=torch.bfloat16, requires_grad=True)
+    txt = torch.randn(1, n_txt, h, dtype=torch.bfloat16, requires_grad=True)
+    got = saved_bytes(block, list(sd3.LORA_TARGETS), rank, img, txt,
+                      torch.randn(1, h, dtype=torch.bfloat16))  # fmt: skip
+    want = n_img * sd3_image_token(w, dual) + n_txt * sd3_text_token(w, pre_only)
+    assert got / want == pytest.approx(1, abs=0.01)
+
+
+def test_a_pipeline_directory_is_sized_from_its_configs(tmp_path) -> None:
+    """model.path: each component's config.json on meta (its weights are never read)."""
+    path = minimax_h3.save_tiny(tmp_path / "h3")
+    for f in path.rglob("*.safetensors"):
+        f.write_bytes(b"not weights")  # the plan must not need them
+    cfg = load_config(RECIPE, ["model.preset=''", f"model.path={path}", "model.resolution=0",
+                               "model.frames=0"])  # fmt: skip
+    p = plan(cfg, PlanOptions())
+    assert p.fits and "h3" in p.title
+    dit = next(r for r in p.rows if r.component == "DiT weights (actor)")
+    assert 0 < dit.gib < 0.01
