@@ -8,27 +8,35 @@ wildcards (``transformer_blocks.*.attn.to_q``), as ``parallelize_module`` reads 
 needs to match at least one module, not every block (SD3's last block has no ``to_add_out``,
 only its first 13 have ``attn2``).
 
-Two styles here are not shardings of a weight:
+Besides torch's ``ColwiseParallel`` / ``RowwiseParallel``, four styles are defined here:
 
 - ``LocalHeads``: after Q/K/V are column-sharded an attention module sees ``heads / tp`` heads,
   but diffusers' processors reshape with the count they read off the module
   (``query.unflatten(-1, (attn.heads, -1))``, ``head_dim = inner_dim // attn.heads``), so the
-  plan divides those attributes on each rank's module. qk-norm over ``head_dim`` is per head
-  and unaffected; ``LocalHeads`` also checks counts the module does not read (Qwen3's
-  ``config.num_key_value_heads``) so a mesh that does not divide them fails before any work.
+  plan divides those attributes on each rank's module. It also checks counts the module does
+  not read (Qwen3's ``config.num_key_value_heads``), so a mesh that does not divide them fails
+  before any work.
+- ``PerHeadNorm``: a qk-norm over ``head_dim`` runs per head, so its forward needs nothing, but
+  its weight is shared by all heads and each rank sees only its own: the weight becomes a
+  ``Replicate`` DTensor so its gradient is summed over the mesh.
 - ``ShardedRMSNorm``: Wan normalises q and k across all heads (an RMSNorm over ``inner_dim``),
   so a rank's column shard cannot be normalised alone; the style swaps the norm for one whose
-  mean-square is all-reduced across the mesh (``apply_plan`` puts a style's returned module in
-  place of the old one).
+  sum of squares is all-reduced across the mesh (``apply_plan`` puts a style's returned module
+  in place of the old one).
+- ``FusedColwiseParallel(chunks)``: a Linear that computes several projections side by side
+  and is then ``chunk``-ed (the SwiGLU of H3's feed-forward: ``[up; gate]``); each rank gets its
+  slice of every chunk, where a plain column shard would pair the wrong halves.
 
-``apply_plan`` resolves every pattern and checks every head count before it shards anything, so
-a plan that does not fit the model (an unmatched pattern, heads that the mesh size does not
-divide) raises a ``ConfigError`` naming what is wrong and leaves the module untouched.
+An entry wrapped in ``optional(...)`` may match nothing: modules only some checkpoints of a
+family have (SD3.5's qk-norm, absent from SD3.0; its dual attention, absent from SD3.0 and the
+``sd3-shapes`` preset). ``apply_plan`` resolves every pattern and checks every head count before
+it shards anything, so a plan that does not fit the model (an unmatched pattern, heads that the
+mesh size does not divide) raises a ``ConfigError`` naming what is wrong and leaves the module
+untouched. The plans are for unfused attention: a model after diffusers' ``fuse_projections()``
+(``to_qkv``) fails ``apply_plan`` on its unmatched ``to_q``.
 
-A Linear that computes several projections side by side and is then ``chunk``-ed (the SwiGLU
-of H3's feed-forward: ``[up; gate]``) takes ``FusedColwiseParallel(chunks)``, which gives each
-rank its slice of every chunk. The plans here are for unfused attention: a model after
-diffusers' ``fuse_projections()`` (``to_qkv``) fails ``apply_plan`` on its unmatched ``to_q``.
+The plans cover each block's attention and MLP, where the compute is; embeddings, AdaLN
+modulation and output heads stay replicated (every rank computes them whole).
 """
 
 from __future__ import annotations
@@ -163,6 +171,12 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local()  # already strided over the chunks: no redistribute
 
 
+def optional(style: ParallelStyle) -> ParallelStyle:
+    """Mark a plan entry whose pattern may match nothing (a module only some checkpoints have)."""
+    style.optional = True
+    return style
+
+
 # --- the DiTs' plans ---------------------------------------------------------------------------
 
 # SD3 / SD3.5 (SD3Transformer2DModel): joint blocks attend over [image; text] with one head set,
@@ -177,17 +191,19 @@ SD3_PLAN: Plan = {
     "transformer_blocks.*.attn.add_v_proj": ColwiseParallel(),
     "transformer_blocks.*.attn.to_out.0": RowwiseParallel(),
     "transformer_blocks.*.attn.to_add_out": RowwiseParallel(),
-    "transformer_blocks.*.attn.norm_q": PerHeadNorm(heads_dim=1),  # on (B, H, S, D)
-    "transformer_blocks.*.attn.norm_k": PerHeadNorm(heads_dim=1),
-    "transformer_blocks.*.attn.norm_added_q": PerHeadNorm(heads_dim=1),
-    "transformer_blocks.*.attn.norm_added_k": PerHeadNorm(heads_dim=1),
-    "transformer_blocks.*.attn2": LocalHeads("heads"),
-    "transformer_blocks.*.attn2.to_q": ColwiseParallel(),
-    "transformer_blocks.*.attn2.to_k": ColwiseParallel(),
-    "transformer_blocks.*.attn2.to_v": ColwiseParallel(),
-    "transformer_blocks.*.attn2.to_out.0": RowwiseParallel(),
-    "transformer_blocks.*.attn2.norm_q": PerHeadNorm(heads_dim=1),
-    "transformer_blocks.*.attn2.norm_k": PerHeadNorm(heads_dim=1),
+    # qk-norm (SD3.5 only), on (B, H, S, D)
+    "transformer_blocks.*.attn.norm_q": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn.norm_k": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn.norm_added_q": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn.norm_added_k": optional(PerHeadNorm(heads_dim=1)),
+    # dual attention (SD3.5's first blocks only)
+    "transformer_blocks.*.attn2": optional(LocalHeads("heads")),
+    "transformer_blocks.*.attn2.to_q": optional(ColwiseParallel()),
+    "transformer_blocks.*.attn2.to_k": optional(ColwiseParallel()),
+    "transformer_blocks.*.attn2.to_v": optional(ColwiseParallel()),
+    "transformer_blocks.*.attn2.to_out.0": optional(RowwiseParallel()),
+    "transformer_blocks.*.attn2.norm_q": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn2.norm_k": optional(PerHeadNorm(heads_dim=1)),
     "transformer_blocks.*.ff.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
     "transformer_blocks.*.ff.net.2": RowwiseParallel(),
     "transformer_blocks.*.ff_context.net.0.proj": ColwiseParallel(),
@@ -253,12 +269,15 @@ T5_ENCODER_PLAN: Plan = {
 
 # Qwen3-VL's text model (MiniMax-H3's encoder) and Qwen3: reshapes with -1 heads, so nothing is
 # divided, but query and key/value head counts must both divide by the mesh size (GQA's group
-# size stays num_heads / num_kv_heads on every rank).
+# size stays num_heads / num_kv_heads on every rank). The encoders are frozen, so PerHeadNorm's
+# gradient sum is moot here; it keeps the plan right should one train.
 _QWEN3_LAYER = {
     "self_attn": LocalHeads(check=("config.num_attention_heads", "config.num_key_value_heads")),
     "self_attn.q_proj": ColwiseParallel(),
     "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.q_norm": PerHeadNorm(heads_dim=2),  # on (B, S, H, D)
+    "self_attn.k_norm": PerHeadNorm(heads_dim=2),
     "self_attn.o_proj": RowwiseParallel(),
     "mlp.gate_proj": ColwiseParallel(),
     "mlp.up_proj": ColwiseParallel(),
@@ -283,17 +302,16 @@ ENCODER_TP_PLANS: dict[str, Plan] = {
 
 def resolve(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
     """Each pattern of ``plan`` -> the module paths it matches (part by part, ``fnmatch``), or
-    a ConfigError naming every pattern that matches nothing."""
+    a ConfigError naming every pattern that matches nothing (bar optional styles')."""
     names = [n for n, _ in module.named_modules() if n]
     parts = {n: n.split(".") for n in names}
-    out, unmatched = {}, []
+    out = {}
     for pattern in plan:
         want = pattern.split(".")
         out[pattern] = [
             n for n in names if len(parts[n]) == len(want) and all(map(fnmatch, parts[n], want))
         ]
-        if not out[pattern]:
-            unmatched.append(pattern)
+    unmatched = [p for p, s in plan.items() if not out[p] and not getattr(s, "optional", False)]
     if unmatched:
         raise ConfigError(
             f"TP plan for {type(module).__name__}: no submodule matches {unmatched} "
@@ -302,31 +320,36 @@ def resolve(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
     return out
 
 
+def _indivisible(module: nn.Module, style: ParallelStyle, tp: int) -> list[str]:
+    """What of ``module`` a mesh of ``tp`` does not divide, as "name=value" strings."""
+    if isinstance(style, FusedColwiseParallel):
+        out = module.out_features
+        return [f"out_features={out} ({style.chunks} fused)"] if out % (style.chunks * tp) else []
+    if isinstance(style, LocalHeads):
+        try:
+            counts = style.counts(module)
+        except AttributeError as e:
+            raise ConfigError(f"TP plan: {type(module).__name__} has no {e.name!r}") from e
+        return [f"{k}={v}" for k, v in counts.items() if v % tp]
+    return []
+
+
 def check_plan(module: nn.Module, tp: int, plan: Plan) -> dict[str, list[str]]:
     """``resolve``, plus every ``LocalHeads`` count (and each chunk of a ``FusedColwiseParallel``
     Linear) divisible by ``tp``: a ConfigError names the module, the count and the mesh size.
-    Touches nothing."""
+    Touches nothing; returns ``resolve``'s paths."""
     paths = resolve(module, plan)
-    bad = []
-    for pattern, style in plan.items():
-        if isinstance(style, FusedColwiseParallel):
-            bad += [
-                f"{path}.out_features={out} (in {style.chunks} fused chunks)"
-                for path in paths[pattern]
-                if (out := module.get_submodule(path).out_features) % (style.chunks * tp)
-            ]
-        if not isinstance(style, LocalHeads):
-            continue
-        for path in paths[pattern]:
-            try:
-                counts = style.counts(module.get_submodule(path))
-            except AttributeError as e:
-                raise ConfigError(f"TP plan: {path} has no head count {e.name!r}") from e
-            bad += [f"{path}.{k}={v}" for k, v in counts.items() if v % tp]
+    bad = [
+        f"{path}.{what}"
+        for pattern, style in plan.items()
+        for path in paths[pattern]
+        for what in _indivisible(module.get_submodule(path), style, tp)
+    ]
     if bad:
+        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
         raise ConfigError(
-            f"TP size {tp} must divide every head count and fused chunk; not {', '.join(bad[:4])}"
-            + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
+            f"TP size {tp} must divide every head count and fused chunk; not "
+            f"{', '.join(bad[:4])}{more}"
         )
     return paths
 
@@ -338,6 +361,11 @@ def apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     holds come from rank 0's copy (``parallelize_module``'s ``src_data_rank=0``)."""
     if mesh.ndim != 1:
         raise ConfigError(f"apply_plan takes a 1-D mesh (one axis, e.g. mesh['tp']); got {mesh}")
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise ConfigError(
+            f"apply_plan: {type(module).__name__} already has DTensor parameters (TP applied "
+            "twice, or FSDP before TP: apply the TP plan first)"
+        )
     paths = check_plan(module, mesh.size(), plan)
     for pattern, style in plan.items():
         for path in paths[pattern]:

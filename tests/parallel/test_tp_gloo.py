@@ -180,8 +180,17 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
         heads=[dit.transformer_blocks[0].attn.heads, dit.transformer_blocks[0].attn2.heads],
         t5_heads=t5.encoder.block[0].layer[0].SelfAttention.n_heads,
         local_q=list(dit.transformer_blocks[0].attn.to_q.weight.to_local().shape),
+        again=_error_of(lambda: tp.apply_plan(dit, tp_mesh, tp.SD3_PLAN)),
     )
     _write(out, rank, result)
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except ConfigError as e:
+        return str(e)
+    return ""
 
 
 def test_sd3_dit_and_t5_encoder_sharded_match_unsharded(tmp_path):
@@ -194,6 +203,7 @@ def test_sd3_dit_and_t5_encoder_sharded_match_unsharded(tmp_path):
         assert r["heads"] == [1, 1] and r["t5_heads"] == 2  # 2 and 4 heads over 2 ranks
         assert r["local_q"] == [16, 32]  # each rank holds half of to_q's output columns
         assert r["dit"]["dtensors"] > 0 and r["t5"]["dtensors"] > 0
+        assert "already has DTensor parameters" in r["again"]  # a second apply_plan refuses
 
 
 # --- Wan DiT (TP, q/k normed across heads) + UMT5 encoder (ETP) --------------------------------
@@ -343,6 +353,40 @@ def test_heads_not_divisible_is_a_clear_error():
     tp.check_plan(parts["transformer"], 2, tp.SD3_PLAN)  # divides: no error
 
 
-def test_every_registered_plan_has_styles_only():
-    for plan in (*tp.FAMILY_TP_PLANS.values(), *tp.ENCODER_TP_PLANS.values()):
-        assert plan and all(isinstance(s, tp.ParallelStyle) for s in plan.values())
+def test_fused_chunks_not_divisible_is_a_clear_error():
+    from diffrl.models.families import minimax_h3
+
+    torch.manual_seed(0)
+    dit = minimax_h3.tiny_components()["transformer"]
+    plan = {"transformer_blocks.*.ff.net.0.proj": tp.FusedColwiseParallel(chunks=2)}
+    with pytest.raises(ConfigError, match=r"ff\.net\.0\.proj\.out_features=128 \(2 fused\)"):
+        tp.check_plan(dit, 3, plan)  # 128 = 2 chunks of 64; 64 rows over 3 ranks
+    tp.check_plan(dit, 2, tp.H3_PLAN)
+
+
+def test_qk_norm_entries_are_optional():
+    # SD3.0 has no qk-norm: the SD3.5 plan's norm_q/norm_k entries match nothing, and that is fine
+    from diffusers import SD3Transformer2DModel
+
+    from diffrl.models.families import sd3
+    from diffrl.models.families._diffusers import random_component
+
+    cfg = {**sd3.PRESETS["sd35-tiny"]["transformer"], "qk_norm": None, "dual_attention_layers": ()}
+    dit = random_component(SD3Transformer2DModel, cfg, torch.float32, torch.device("cpu"))
+    paths = tp.check_plan(dit, 2, tp.SD3_PLAN)
+    assert paths["transformer_blocks.*.attn.norm_q"] == []
+    assert paths["transformer_blocks.*.attn.to_q"] == [
+        "transformer_blocks.0.attn.to_q",
+        "transformer_blocks.1.attn.to_q",
+    ]
+
+
+def test_registries_are_keyed_by_family_and_encoder_model_type():
+    from diffrl.models.registry import FAMILY_MODULES
+
+    assert set(tp.FAMILY_TP_PLANS) <= set(FAMILY_MODULES)
+    # the encoders' config.model_type, which is how a caller finds an encoder's plan
+    from transformers import Qwen3VLConfig, T5Config, UMT5Config
+
+    for cfg in (T5Config, UMT5Config, Qwen3VLConfig):
+        assert cfg.model_type in tp.ENCODER_TP_PLANS
