@@ -154,7 +154,12 @@ class FusedColwiseParallel(ColwiseParallel):
     chunks)``, the placement FSDP2 uses over TP shards; private in torch), so its local output
     ``[up_r; gate_r]`` splits into matching halves. The Linear's matmul needs no communication
     (the output is strided-sharded the same way) and the weight's global view stays the
-    checkpoint's."""
+    checkpoint's.
+
+    Caveat (torch 2.13): ``fully_shard`` over such a weight (dp x tp) keeps the forward exact,
+    but the 2-D placement it records, ``(_StridedShard(0, sf=2), _StridedShard(0, sf=2))``,
+    does not describe the local data: ``full_tensor()`` (and so a gathered state dict) comes
+    back permuted. Plain Colwise/Rowwise weights compose with FSDP2 exactly."""
 
     def __init__(self, chunks: int) -> None:
         super().__init__()
@@ -320,36 +325,40 @@ def resolve(module: nn.Module, plan: Plan) -> dict[str, list[str]]:
     return out
 
 
-def _indivisible(module: nn.Module, style: ParallelStyle, tp: int) -> list[str]:
-    """What of ``module`` a mesh of ``tp`` does not divide, as "name=value" strings."""
+def _problems(module: nn.Module, style: ParallelStyle, tp: int) -> list[str]:
+    """What keeps ``style`` from applying to ``module`` on a mesh of ``tp``: a count the mesh
+    does not divide ("name=value"), or a module torch's Colwise/Rowwise cannot shard."""
+    kinds = (nn.Linear, nn.Embedding) if isinstance(style, ColwiseParallel) else (nn.Linear,)
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(module, kinds):
+        return [f" is a {type(module).__name__}, not a Linear (wrapped, e.g. by LoRA, before TP?)"]
     if isinstance(style, FusedColwiseParallel):
         out = module.out_features
-        return [f"out_features={out} ({style.chunks} fused)"] if out % (style.chunks * tp) else []
+        return [f".out_features={out} ({style.chunks} fused)"] if out % (style.chunks * tp) else []
     if isinstance(style, LocalHeads):
         try:
             counts = style.counts(module)
         except AttributeError as e:
             raise ConfigError(f"TP plan: {type(module).__name__} has no {e.name!r}") from e
-        return [f"{k}={v}" for k, v in counts.items() if v % tp]
+        return [f".{k}={v}" for k, v in counts.items() if v % tp]
     return []
 
 
 def check_plan(module: nn.Module, tp: int, plan: Plan) -> dict[str, list[str]]:
     """``resolve``, plus every ``LocalHeads`` count (and each chunk of a ``FusedColwiseParallel``
-    Linear) divisible by ``tp``: a ConfigError names the module, the count and the mesh size.
-    Touches nothing; returns ``resolve``'s paths."""
+    Linear) divisible by ``tp`` and every Colwise/Rowwise target a module they shard: else a
+    ConfigError naming each module and what is wrong. Touches nothing; returns the paths."""
     paths = resolve(module, plan)
     bad = [
-        f"{path}.{what}"
+        f"{path}{what}"
         for pattern, style in plan.items()
         for path in paths[pattern]
-        for what in _indivisible(module.get_submodule(path), style, tp)
+        for what in _problems(module.get_submodule(path), style, tp)
     ]
     if bad:
         more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
         raise ConfigError(
-            f"TP size {tp} must divide every head count and fused chunk; not "
-            f"{', '.join(bad[:4])}{more}"
+            f"TP plan on a mesh of {tp}: every head count and fused chunk must divide by {tp} "
+            f"and every Colwise/Rowwise target be a Linear; not {', '.join(bad[:4])}{more}"
         )
     return paths
 

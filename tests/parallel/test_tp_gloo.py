@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import init_weights
@@ -40,7 +41,7 @@ WORLD = 2
 ATOL = 1e-5  # outputs (magnitudes ~1)
 GRAD_ATOL = 2e-5  # gradients (magnitudes up to ~25; seen ~2e-6)
 # The presets' init (std 0.02) leaves a tiny DiT's blocks nearly silent (SD3's attention moves
-# the output by ~1e-5); at 0.1 they move it by O(1), far above ATOL.
+# the output by ~1e-5); at 0.1 the sharded layers move it by 0.05-0.2, far above ATOL.
 DIT_STD = 0.1
 DEADLINE_S = 60.0  # a hang (a rank stuck in a collective) fails here, not at pytest's timeout
 
@@ -88,7 +89,7 @@ def _parity(module, mesh, plan, forward, grads: bool = False) -> dict:
     gathered), and ``effect``: how far the output moves when every sharded Linear/Embedding
     outputs zeros (so a tolerance far below it cannot pass with a broken attention or MLP)."""
     with torch.no_grad():
-        effect = forward_with_sharded_zeroed(module, plan, forward)
+        effect = _forward_with_sharded_zeroed(module, plan, forward)
     with torch.set_grad_enabled(grads):
         ref = forward(module)
         probe = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
@@ -100,7 +101,7 @@ def _parity(module, mesh, plan, forward, grads: bool = False) -> dict:
         diff=(out - ref).abs().max().item(),
         effect=(effect - ref).abs().max().item(),
         shape=list(out.shape),
-        dtensors=sum(type(p).__name__ == "DTensor" for p in module.parameters()),
+        dtensors=sum(isinstance(p, DTensor) for p in module.parameters()),
     )
     if grads:
         assert sharded_grads.keys() == ref_grads.keys()
@@ -118,12 +119,13 @@ def _grads(module, loss) -> dict:
     full = {}
     for name, p in module.named_parameters():
         g = p.grad
-        full[name] = g.full_tensor() if type(g).__name__ == "DTensor" else g.clone()
+        full[name] = g.full_tensor() if isinstance(g, DTensor) else g.clone()
     module.zero_grad(set_to_none=True)
     return full
 
 
-def forward_with_sharded_zeroed(module, plan, forward):
+def _forward_with_sharded_zeroed(module, plan, forward):
+    """``forward(module)`` with every Linear/Embedding the plan shards outputting zeros."""
     paths = tp.resolve(module, plan)
     hooks = [
         module.get_submodule(path).register_forward_hook(lambda m, i, o: torch.zeros_like(o))
@@ -337,7 +339,7 @@ def test_unmatched_pattern_is_named_and_nothing_is_sharded():
     ):
         tp.apply_plan(dit, _mesh_of(2), plan)
     assert dit.transformer_blocks[0].attn.heads == 2  # untouched
-    assert not any(type(p).__name__ == "DTensor" for p in dit.parameters())
+    assert not any(isinstance(p, DTensor) for p in dit.parameters())
 
 
 def test_heads_not_divisible_is_a_clear_error():
@@ -345,12 +347,27 @@ def test_heads_not_divisible_is_a_clear_error():
 
     torch.manual_seed(0)
     parts = sd3.tiny_components()
-    with pytest.raises(ConfigError, match=r"TP size 3 must divide every head count.*attn\.heads=2"):
+    with pytest.raises(
+        ConfigError, match=r"mesh of 3: every head count.*transformer_blocks\.0\.attn\.heads=2"
+    ):
         tp.apply_plan(parts["transformer"], _mesh_of(3), tp.SD3_PLAN)
     with pytest.raises(ConfigError, match=r"SelfAttention\.n_heads=4"):
         tp.check_plan(parts["text_encoder_3"], 3, tp.T5_ENCODER_PLAN)
     assert parts["transformer"].transformer_blocks[0].attn.heads == 2
     tp.check_plan(parts["transformer"], 2, tp.SD3_PLAN)  # divides: no error
+
+
+def test_a_wrapped_linear_is_named_before_anything_is_sharded():
+    # peft's LoRA wraps a target Linear; torch's ColwiseParallel would raise NotImplementedError
+    from diffrl.models.families import sd3
+
+    torch.manual_seed(0)
+    dit = sd3.tiny_components()["transformer"]
+    attn = dit.transformer_blocks[1].attn
+    attn.to_q = torch.nn.Sequential(attn.to_q)
+    with pytest.raises(ConfigError, match=r"blocks\.1\.attn\.to_q is a Sequential, not a Linear"):
+        tp.apply_plan(dit, _mesh_of(2), tp.SD3_PLAN)
+    assert dit.transformer_blocks[0].attn.heads == 2
 
 
 def test_fused_chunks_not_divisible_is_a_clear_error():
