@@ -158,8 +158,9 @@ class FusedColwiseParallel(ColwiseParallel):
 
     Caveat (torch 2.13): ``fully_shard`` over such a weight (dp x tp) keeps the forward exact,
     but the 2-D placement it records, ``(_StridedShard(0, sf=2), _StridedShard(0, sf=2))``,
-    does not describe the local data: ``full_tensor()`` (and so a gathered state dict) comes
-    back permuted. Plain Colwise/Rowwise weights compose with FSDP2 exactly."""
+    does not describe the local data: ``full_tensor()`` (and so a gathered state dict or a
+    weight sync) comes back row-permuted, though each rank's shard and its gradient are right.
+    Plain Colwise/Rowwise weights compose with FSDP2 exactly."""
 
     def __init__(self, chunks: int) -> None:
         super().__init__()
