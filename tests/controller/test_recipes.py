@@ -25,16 +25,21 @@ def test_the_algorithm_recipes_ship() -> None:
 
 
 def tiny_family_overrides(recipe: str) -> list[str]:
-    """A recipe for a user's diffusers directory runs on its family's tiny random preset (fp32,
-    so the log-probs agree to 1e-5), a weight-free reward and two held-out prompts; a recipe
-    that names its model (the tiny DiT, or a preset with shipped weights) runs as it is."""
-    model = load_config(recipe).model
-    if model.resolved_family == "tiny_dit" or model.preset:
+    """A recipe for a user's diffusers directory, or for a real-size preset without weights
+    (plan-only), runs on its family's tiny random preset (fp32, so the log-probs agree to 1e-5),
+    a weight-free reward and two held-out prompts; a recipe that names its model (the tiny DiT,
+    or a preset with shipped weights) runs as it is."""
+    cfg = load_config(recipe)
+    model = cfg.model
+    if model.resolved_family == "tiny_dit" or (model.preset and model.weights):
         return []
     pytest.importorskip("diffusers")
     family = model.resolved_family
     preset = next(p for p, f in PRESET_FAMILY.items() if f == family and p.endswith("-tiny"))
+    if cfg.data.task.startswith("avbench"):  # AVBench's clips need the AVBench preset's geometry
+        preset = "h3-avbench"
     return [
+        "run.device=auto",  # a plan-only real-size recipe (e.g. h3_fl2va_8gpu) names cuda
         f"model.preset={preset}",
         "model.resolution=0",
         "model.frames=0",
