@@ -17,8 +17,10 @@ full delta. Before anything is written, every rank checks
 
 - the update's targets are the expected ones, each delta's trained rows are covered once by its
   slots and its input width is the weight's, and the local shard has the shape its indices say;
-- its own shards: the sum of what it wrote equals ``scale * B[rows].sum(0) @ A[:, cols].sum(1)``,
-  the same slice's sum through the factors (float64, a different order of operations);
+- its own shards: a weighted sum of what it wrote, ``u^T (W_new - W_base)[rows, cols] v`` with
+  weights fixed by each entry's trained row and global column, equals ``scale (u^T B[rows])
+  (A[:, cols] v)``, the same slice through the factors (float64, another order of operations;
+  the weights catch a row or column written in the wrong place, which a plain sum would not);
 - across ranks, in one all-reduce over the TP mesh: no rank failed, and the ranks' written sums
   (each divided by how many ranks hold the same entries) add up to the actor's checksum of the
   full delta, so a row held by no rank or by two is caught even where each rank agrees with
@@ -39,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from diffrl.sync.weights import (
+from diffrl.sync.weights import (  # the single-process sync's base copies and dtype bound
     SlotMap,
     SyncError,
     SyncReport,
@@ -203,7 +205,7 @@ class ShardedLoraTarget:
                 err, count, total, rounding = self._apply_one(name, update, new)
                 max_err, written = max(max_err, err), written + count
                 shared[size + i], shared[size + n + i] = total, rounding
-        except SyncError as e:
+        except Exception as e:  # any failure, so that every rank still reaches the all-reduce
             error = e
             shared[rank] = 1.0
         # every rank reaches this, failed or not: no rank waits on one that gave up
@@ -211,7 +213,7 @@ class ShardedLoraTarget:
         shared = shared.cpu()
         failed = [r for r in range(size) if shared[r] > 0]
         if error is not None:
-            raise error
+            raise error  # this rank's own (a SyncError, or a bug as itself)
         if failed:
             raise SyncError(
                 f"weight update v{update.version}: TP rank(s) {failed} failed verification; "
@@ -267,22 +269,35 @@ class ShardedLoraTarget:
             part = (b_rows @ a_cols) * d.scale  # (k, c): this rank's slice only
             rows = slab.local_rows.to(target.device)
             target[rows] += part.to(target)
-            # the slice's sum again, through the factors: (1, r) @ (r, 1)
-            want = float(b_rows.sum(0) @ a_cols.sum(1)) * d.scale
-            written = target[rows].double()
             base = self.base[slab.module]
-            got = float((written - base[rows.to(base.device)].double().to(written)).sum())
-            bound = _rounding_bound(written, target.dtype) if written.numel() else 0.0
-            e, tol = abs(got - want), REL_TOL * max(1.0, abs(want)) + bound
+            applied = target[rows].double() - base[rows.to(base.device)].double().to(target.device)
+            bound = _rounding_bound(target[rows], target.dtype) if rows.numel() else 0.0
+            # The slice again through the factors, weighted by each entry's trained row and
+            # global column (u (k,), v (c,)), so a row or column written in the wrong place
+            # fails where a plain sum would not: u^T (scale B A) v = scale (u^T B)(A v).
+            u = _probe(slab.src_rows).to(applied)
+            v = _probe(torch.arange(a.shape[1]) if slab.cols is None else slab.cols).to(applied)
+            want = float((u @ b_rows.to(applied)) @ (a_cols.to(applied) @ v)) * d.scale
+            got = float(u @ applied @ v)
+            e, tol = abs(got - want), REL_TOL * max(1.0, abs(want)) + _PROBE_MAX * bound
             if e > tol:
                 raise SyncError(
                     f"checksum mismatch for {name} -> {slab.module} on TP rank "
-                    f"{self.mesh.get_local_rank()}: wrote {got:.6g}, its slice of the delta "
-                    f"sums to {want:.6g} (tolerance {tol:.3g})"
+                    f"{self.mesh.get_local_rank()}: wrote {got:.6g} (weighted sum), its slice "
+                    f"of the delta gives {want:.6g} (tolerance {tol:.3g})"
                 )
+            got = float(applied.sum())  # the plain sum, for the actor's checksum across ranks
             err, count = max(err, e), count + part.numel()
             total, rounding = total + got / slab.copies, rounding + bound / slab.copies
         return err, count, total, rounding
+
+
+_PROBE_MAX = 1.5  # the largest weight _probe gives
+
+
+def _probe(index: Tensor) -> Tensor:  # (n,) global indices -> (n,) weights in [0.5, 1.5]
+    """Fixed, position-dependent weights: the same entry gets the same weight on every rank."""
+    return 1.0 + 0.5 * torch.sin(index.double() * 1.6180339887)
 
 
 def _local(weight: Tensor) -> Tensor:

@@ -212,6 +212,24 @@ def _assert_refused(r: dict) -> None:
     assert r["refused"]["unchanged"]  # nothing was committed on any rank
 
 
+def _held_twice(model: nn.Module, mesh, names: list[str], up: WeightUpdate) -> dict:
+    """A target whose index arithmetic is broken (every rank believes it holds rank 0's rows
+    and columns): each rank agrees with itself, so only the check across ranks can fail it."""
+    from diffrl.parallel import tp_sync
+
+    def rank0_rows(weight, dim):
+        held = real(weight, dim)
+        return None if held is None else torch.arange(weight.shape[dim])[: len(held)]
+
+    real, before = tp_sync._held, _local_state(model)
+    tp_sync._held = rank0_rows
+    try:
+        target = tp_sync.ShardedLoraTarget(model, mesh, names)
+    finally:
+        tp_sync._held = real
+    return dict(error=_error_of(lambda: target.apply(up)), unchanged=_unchanged(model, before))
+
+
 # --- SD3.5's tiny DiT under the family's TP plan -------------------------------------------
 
 
@@ -286,6 +304,7 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
     result["v2_vs_accumulated"] = _shard_diff(dit, both, rank)
     result["refused"] = _refusals(target, dit, up, rank)
     result["build_s"] = t_build
+    result["held_twice"] = _held_twice(dit, mesh, names, up)
     _write(out, rank, result)
 
 
@@ -309,6 +328,8 @@ def test_sd3_tp_sync_lands_each_ranks_slice_and_refuses_bad_updates(tmp_path):
         assert r["v2_vs_accumulated"] > 1e-2  # not base + delta1 + delta2
         full_entries += r["v1"]["written"]
         _assert_refused(r)
+        assert "rows held by no rank or by two" in r["held_twice"]["error"], r["held_twice"]
+        assert r["held_twice"]["unchanged"]
     # every entry of every delta was written once in all: no rank wrote all of one
     assert records[0]["v1"]["written"] == records[1]["v1"]["written"] == full_entries // 2
     assert elapsed < DEADLINE_S
