@@ -273,9 +273,7 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
     t_build = time.perf_counter() - t0
 
     result: dict = dict(rank=rank, n_targets=len(names))
-    result["placements"] = sorted(
-        {str(dit.get_submodule(n).weight.placements) for n in names if True}
-    )
+    result["placements"] = sorted({str(dit.get_submodule(n).weight.placements) for n in names})
     assert all(isinstance(dit.get_submodule(n).weight, DTensor) for n in names)
     for version, seed in ((1, 11), (2, 12)):
         up = _update(version, shapes, seed)
