@@ -10,16 +10,13 @@ traceback; ranks still running after ``DEADLINE_S`` are terminated and the test 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, init_gloo, run_ranks
 
 from diffrl.models.families.tiny_dit import build
 from diffrl.models.family import FamilyModel
@@ -34,31 +31,13 @@ pytestmark = pytest.mark.skipif(
 DEADLINE_S = 60.0  # a hang (a rank stuck in a collective) fails here, not at pytest's timeout
 
 
-def _free_port() -> int:
-    # Bound to port 0 and released: the OS picked a free port; rank 0 binds it moments later.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes; re-raise a failure."""
-    ctx = mp.start_processes(
-        fn, args=(world, _free_port(), *args), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail(f"{world} ranks still running after {DEADLINE_S:.0f} s (a hang?)")
+    run_ranks(fn, world, (world, free_port(), *args), DEADLINE_S)
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)  # 2-4 ranks share the machine's cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    init_gloo(rank, world, port, 30)
 
 
 # --- (a) the meshes --------------------------------------------------------------------------

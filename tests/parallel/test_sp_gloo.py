@@ -19,17 +19,14 @@ unsharded output and, summed over ranks, the unsharded parameter gradients.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
 
 from diffrl.errors import ConfigError, DiffrlError
 from diffrl.parallel import sp
@@ -45,40 +42,13 @@ GRAD_ATOL = 2e-5  # gradients
 DEADLINE_S = 40.0  # a hang (a rank stuck in a collective) fails here, not at pytest's timeout
 
 
-# The spawn helpers as in test_tp_gloo.py (a copy: a test module should not import another).
-def _free_port() -> int:
-    # Bound to port 0 and released: the OS picked a free port; rank 0 binds it moments later.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, *args) -> None:
     """Run ``fn(rank, port, *args)`` in WORLD fresh processes; re-raise a rank's failure."""
-    ctx = mp.start_processes(
-        fn, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail(f"{WORLD} ranks still running after {DEADLINE_S:.0f} s (a hang?)")
+    run_ranks(fn, WORLD, (free_port(), *args), DEADLINE_S)
 
 
 def _init(rank: int, port: int) -> None:
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=DEADLINE_S)
-    )
-
-
-def _write(out: Path, rank: int, result: dict) -> None:
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()  # neither rank tears gloo down while the other is still talking
-    dist.destroy_process_group()
+    init_gloo(rank, WORLD, port, DEADLINE_S)
 
 
 def _read(out: Path) -> list[dict]:
@@ -145,7 +115,7 @@ def _attention_rank(rank: int, port: int, out: Path) -> None:
     # 3 heads over 2 ranks: refused before any all-to-all, so no rank hangs.
     x = torch.randn(1, 4, 3, 8)
     results["error"] = _error_of(lambda: sp.ulysses_attention(x, x, x, group))
-    _write(out, rank, results)
+    finish_rank(out, rank, results)
 
 
 def test_ulysses_attention_on_shards_equals_full_attention(tmp_path):
@@ -239,7 +209,7 @@ def _wan_rank(rank: int, port: int, out: Path) -> None:
         grad_scale=max(gr.abs().max().item() for gr in ref_grads.values()),
         same_grads=sorted(got_grads) == sorted(ref_grads),
     )
-    _write(out, rank, result)
+    finish_rank(out, rank, result)
 
 
 def test_wan_with_diffusers_ulysses_over_2_ranks_equals_unsharded(tmp_path):

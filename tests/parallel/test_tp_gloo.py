@@ -15,17 +15,13 @@ sums; diffs seen are ~5e-7 and ~2e-6).
 from __future__ import annotations
 
 import json
-import os
-import socket
-import time
 import types
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
 from torch.distributed.tensor import DTensor
 
 from diffrl.errors import ConfigError
@@ -46,37 +42,16 @@ DIT_STD = 0.1
 DEADLINE_S = 60.0  # a hang (a rank stuck in a collective) fails here, not at pytest's timeout
 
 
-# The spawn helpers as in test_fsdp_gloo.py (a copy: a test module should not import another).
-def _free_port() -> int:
-    # Bound to port 0 and released: the OS picked a free port; rank 0 binds it moments later.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, *args) -> None:
     """Run ``fn(rank, port, *args)`` in WORLD fresh processes; re-raise a rank's failure."""
-    ctx = mp.start_processes(
-        fn, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail(f"{WORLD} ranks still running after {DEADLINE_S:.0f} s (a hang?)")
+    run_ranks(fn, WORLD, (free_port(), *args), DEADLINE_S)
 
 
 def _meshes(rank: int, port: int):
     """The TP mesh and a separate ETP mesh (here both over the 2 ranks)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=DEADLINE_S)
-    )
+    init_gloo(rank, WORLD, port, DEADLINE_S)
     ranks = list(range(WORLD))
     return DeviceMesh("cpu", ranks, mesh_dim_names=("tp",)), DeviceMesh(
         "cpu", ranks, mesh_dim_names=("etp",)
@@ -140,12 +115,6 @@ def _forward_with_sharded_zeroed(module, plan, forward):
             h.remove()
 
 
-def _write(out: Path, rank: int, result: dict) -> None:
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()  # neither rank tears gloo down while the other is still talking
-    dist.destroy_process_group()
-
-
 def _read(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -184,7 +153,7 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
         local_q=list(dit.transformer_blocks[0].attn.to_q.weight.to_local().shape),
         again=_error_of(lambda: tp.apply_plan(dit, tp_mesh, tp.SD3_PLAN)),
     )
-    _write(out, rank, result)
+    finish_rank(out, rank, result)
 
 
 def _error_of(fn) -> str:
@@ -239,7 +208,7 @@ def _wan_rank(rank: int, port: int, out: Path) -> None:
         heads=[dit.blocks[0].attn1.heads, dit.blocks[0].attn2.heads],
         local_norm_q=list(dit.blocks[0].attn1.norm_q.weight.to_local().shape),
     )
-    _write(out, rank, result)
+    finish_rank(out, rank, result)
 
 
 def test_wan_dit_and_umt5_encoder_sharded_match_unsharded(tmp_path):
@@ -306,7 +275,7 @@ def _h3_rank(rank: int, port: int, out: Path) -> None:
         ],
         local_q=list(qwen.model.language_model.layers[0].self_attn.q_proj.weight.to_local().shape),
     )
-    _write(out, rank, result)
+    finish_rank(out, rank, result)
 
 
 def test_h3_dit_and_qwen3_vl_encoder_sharded_match_unsharded(tmp_path):

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
 from torch import nn
 
 from diffrl.sync.weights import LoraDelta, SlotMap, SyncError, WeightUpdate
@@ -51,43 +48,16 @@ RANK = 4
 DEADLINE_S = 40.0  # a hang (a rank stuck in a collective) fails here
 
 
-# The spawn helpers as in test_tp_gloo.py (a copy: a test module should not import another).
-def _free_port() -> int:
-    # Bound to port 0 and released: the OS picked a free port; rank 0 binds it moments later.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, *args) -> None:
     """Run ``fn(rank, port, *args)`` in WORLD fresh processes; re-raise a rank's failure."""
-    ctx = mp.start_processes(
-        fn, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail(f"{WORLD} ranks still running after {DEADLINE_S:.0f} s (a hang?)")
+    run_ranks(fn, WORLD, (free_port(), *args), DEADLINE_S)
 
 
 def _mesh(rank: int, port: int):
     from torch.distributed.device_mesh import DeviceMesh
 
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=DEADLINE_S)
-    )
+    init_gloo(rank, WORLD, port, DEADLINE_S)
     return DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
-
-
-def _write(out: Path, rank: int, result: dict) -> None:
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()  # neither rank tears gloo down while the other is still talking
-    dist.destroy_process_group()
 
 
 def _read(out: Path) -> list[dict]:
@@ -303,7 +273,7 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
     result["refused"] = _refusals(target, dit, up, rank)
     result["build_s"] = t_build
     result["held_twice"] = _held_twice(dit, mesh, names, up)
-    _write(out, rank, result)
+    finish_rank(out, rank, result)
 
 
 def test_sd3_tp_sync_lands_each_ranks_slice_and_refuses_bad_updates(tmp_path):
@@ -407,7 +377,7 @@ def _fused_rank(rank: int, port: int, out: Path) -> None:
             global_err=report.max_global_checksum_err,
         )
     result["refused"] = _refusals(target, model, up, rank)
-    _write(out, rank, result)
+    finish_rank(out, rank, result)
 
 
 def test_fused_qkv_strided_shards_get_their_slice_of_each_of_q_k_v(tmp_path):

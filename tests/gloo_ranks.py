@@ -1,0 +1,52 @@
+"""Running a test's ranks as fresh processes over gloo (shared by the tests/parallel files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A port the OS reports free (bound to port 0 and released; rank 0 binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn, nprocs: int, args: tuple, deadline_s: float) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes; a rank's exception is re-raised here,
+    and ranks still running after ``deadline_s`` (a hang in a collective) fail the test."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            pytest.fail(f"{nprocs} ranks still running after {deadline_s:.0f} s (a hang?)")
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join the gloo group on this machine, one thread per rank (the ranks share its cores)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def finish_rank(out: Path, rank: int, result: dict) -> None:
+    """Write this rank's results as ``out/rank{rank}.json`` (the test reads them in the parent),
+    then leave the group once every rank has written (so none tears gloo down mid-talk)."""
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
