@@ -48,6 +48,7 @@ from diffrl.sync.weights import (  # the single-process sync's base copies and d
     WeightUpdate,
     _copy,
     _rounding_bound,
+    check_targets,
 )
 
 REL_TOL = 1e-4  # as MergedLoraTarget: fp32 rounding of W + delta is far inside it
@@ -238,14 +239,7 @@ class ShardedLoraTarget:
         )
 
     def _check_names(self, update: WeightUpdate) -> None:
-        got, want = sorted(update.deltas), self.expected
-        if got != want:
-            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-            raise SyncError(
-                f"weight update v{update.version} does not match the rollout's "
-                f"targets: missing {missing[:5]}, unexpected {extra[:5]} "
-                f"({len(got)} given, {len(want)} expected)"
-            )
+        check_targets(update, self.expected)
 
     def _apply_one(
         self, name: str, update: WeightUpdate, new: dict[str, Tensor]

@@ -83,6 +83,18 @@ class SyncReport:
         }
 
 
+def check_targets(update: WeightUpdate, expected: list[str]) -> None:
+    """Raise unless the update carries a delta for exactly the ``expected`` (sorted) modules."""
+    got = sorted(update.deltas)
+    if got != expected:
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        raise SyncError(
+            f"weight update v{update.version} does not match the rollout's "
+            f"targets: missing {missing[:5]}, unexpected {extra[:5]} "
+            f"({len(got)} given, {len(expected)} expected)"
+        )
+
+
 class MergedLoraTarget:
     """The rollout side's view of one model: frozen base copies of every slot it may write."""
 
@@ -114,14 +126,8 @@ class MergedLoraTarget:
 
     @torch.no_grad()
     def apply(self, update: WeightUpdate) -> SyncReport:
-        got, want = sorted(update.deltas), self.expected
-        if got != want:
-            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-            raise SyncError(
-                f"weight update v{update.version} does not match the rollout's "
-                f"targets: missing {missing[:5]}, unexpected {extra[:5]} "
-                f"({len(got)} given, {len(want)} expected)"
-            )
+        want = self.expected
+        check_targets(update, want)
         new: dict[str, Tensor] = {}
         max_err = 0.0
         for name in want:
