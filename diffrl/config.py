@@ -45,6 +45,12 @@ class RunConfig:
     # with actor.ema_decay > 0: also evaluate the live (non-EMA) weights, as eval_live/*
     # (doubles the eval time; for comparing the two)
     eval_live: bool = False
+    # sync: roll out with the current weights, then train (on-policy). async: step k+1..'s
+    # rollout runs while update k trains, at most max_staleness policy versions behind the
+    # actor (controller/async_.py); max_staleness=0 gives sync's results exactly
+    mode: str = "sync"  # sync | async
+    max_staleness: int = 1  # async: a trained batch is at most this many updates old
+    stale: str = "drop"  # async: a record past max_staleness is dropped, or kept (and counted)
 
     def validate(self) -> None:
         check(
@@ -65,6 +71,14 @@ class RunConfig:
         check(self.save_every > 0, "save_every", self.save_every, "must be > 0")
         check(self.threads >= 0, "threads", self.threads, "must be >= 0")
         check(self.max_minutes >= 0, "max_minutes", self.max_minutes, "must be >= 0")
+        check_choice("mode", self.mode, ("sync", "async"))
+        check(
+            self.max_staleness >= 0,
+            "max_staleness",
+            self.max_staleness,
+            "must be >= 0 (policy versions a trained batch may lag the actor; 0 = on-policy)",
+        )
+        check_choice("stale", self.stale, ("drop", "keep"))
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,10 @@ def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
 
 
 async def train(cfg: Config) -> Path:
+    if cfg.run.mode == "async":  # imported here: the async loop reuses this module's parts
+        from diffrl.controller.async_ import train_async
+
+        return await train_async(cfg)
     parts = build(cfg)
     run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
     run.write_config(to_yaml(cfg))

@@ -1,0 +1,254 @@
+"""The asynchronous (bounded off-policy) controller: the rollout runs ahead of the actor.
+
+Two loops share one event loop:
+
+- the **rollout loop** (``produce``) rolls out and scores iteration i = start, start+1, ...
+  (prompts ``prompts.at(i)``, seed and SDE window of step i, exactly as sync's step i) and
+  puts each as a ``Rollout`` record into a channel;
+- the **actor loop** (``train_async``) takes one record per update, trains on it, and
+  publishes the algorithm's weight plan for that update.
+
+So while update k trains, the rollout of k+1, k+2, ... runs, at most ``run.max_staleness``
+policy versions ahead. A record's ``version`` is the actor version whose weight plan the
+rollout had applied when it started the record (the weights are those the sync loop would
+sample with after that update; for DiffusionNFT between refreshes of ``old`` they equal an
+older sync's). The bound holds twice:
+
+1. at the source: the rollout does not start iteration i before the actor has done
+   i - max_staleness updates (``Clock.may_start``), so a record is born within the bound;
+2. where records are consumed: the actor measures each record's staleness against its own
+   version and drops one past the bound (``run.stale=keep`` trains on it), counting it in
+   ``async/dropped`` beside ``async/staleness_max`` and ``async/staleness_mean``.
+
+Weights reach the rollout only between its batches: after update k the actor refreshes
+``old`` itself (actor state) and exports the plan's adapter; if the rollout is between
+batches the actor applies it at once (as sync does), otherwise it is left pending and the
+rollout applies the latest pending update before it starts its next batch. The actor never
+waits for the rollout to finish a batch.
+
+With ``max_staleness=0`` this is sync by construction: iteration i starts only after update
+i is published, when the rollout is idle, so the actor applies the sync itself right after
+the update and every rollout samples with the weights, seeds and prompts of sync's step i;
+the actor's generator is used in the same order. The rows equal sync's except timing and the
+``async/*`` keys (``tests/controller/test_async.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from diffrl.channel import Channel
+from diffrl.config import Config, to_yaml
+from diffrl.controller.engines import Engines, build
+from diffrl.controller.run_dir import RunDir
+from diffrl.controller.signals import StopSignals
+from diffrl.controller.sync import checkpoint, resume, rollout_and_score, run_eval
+from diffrl.hostmem import peak_rss_bytes
+from diffrl.reward.pool import RewardPool, close_pool
+from diffrl.sync.weights import WeightUpdate
+from diffrl.types import ScoredBatch
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One iteration's scored rollout, on the edge rollout loop -> actor loop."""
+
+    index: int  # the rollout iteration: its prompts, seed and SDE window are sync's step i
+    scored: ScoredBatch  # B = prompts_per_step * G rows
+    metrics: dict[str, float]  # reward/* and scorer metrics of this rollout
+    version: int  # actor version whose weight plan the rollout followed for this batch
+
+
+@dataclass
+class Clock:
+    """What the two loops share. Written only on the event loop's thread (the actor's update
+    and the rollout's sampling run in worker threads, but neither touches this)."""
+
+    updates: int  # updates the actor has finished (skipped ones included)
+    version: int  # the actor's policy version after them
+    max_staleness: int
+    steps: int  # updates the run makes in all
+    dropped: int = 0  # records the actor dropped as too stale
+    pending: WeightUpdate | None = None  # the latest plan's weights, not yet in the rollout
+    rollout_busy: bool = False  # True while the rollout samples (weights must not change)
+    synced: dict[str, float] = field(default_factory=dict)  # sync/* the rollout applied itself
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def may_start(self, i: int) -> bool:
+        """Iteration i trains update i - dropped + 1: start it when that is within the bound
+        of the updates done, and the run still needs it."""
+        wanted = i - self.dropped  # the updates done when its record is consumed
+        return wanted < self.steps and self.updates >= wanted - self.max_staleness
+
+    def apply_pending(self, parts: Engines) -> dict[str, float]:
+        """Load the pending update into the rollout (it is between batches); its sync/*."""
+        if self.pending is None:
+            return {}
+        update, self.pending = self.pending, None
+        return parts.rollout.load_weights(update).as_metrics()
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+
+async def produce(parts: Engines, clock: Clock, channel: Channel, start: int) -> None:
+    """The rollout loop. Consumes rollout iterations start, start+1, ... (their prompts and
+    seeds); waits at the gate (``Clock.may_start``: the actor's progress, at most
+    ``max_staleness`` updates behind this iteration) and on the rollout and scoring; the
+    channel is unbounded, the gate is its back-pressure. Unblocked by the actor's
+    ``publish`` and by a drop. Runs until cancelled."""
+    i = start
+    while True:
+        async with clock.changed:
+            await clock.changed.wait_for(lambda i=i: clock.may_start(i))
+        clock.synced.update(clock.apply_pending(parts))  # the latest plan, before this batch
+        version = clock.version
+        clock.rollout_busy = True
+        try:
+            scored, metrics = await rollout_and_score(parts, i)
+        finally:
+            clock.rollout_busy = False
+        await channel.put(Rollout(i, scored, metrics, version), version)
+        i += 1
+
+
+async def publish(parts: Engines, clock: Clock, step: int) -> dict[str, float]:
+    """After update ``step`` (from 1): carry out the algorithm's weight plan without waiting
+    for the rollout. ``old`` refreshes now (actor state); the rollout's weights change now if
+    it is between batches (as in sync), else before its next batch. Returns the sync/*
+    metrics of the syncs done since the last row."""
+    plan = parts.algorithm.weight_plan(step, parts.cfg.algorithm)
+    if plan.refresh_old is not None:
+        parts.actor.update_old(plan.refresh_old)
+    if plan.sync:
+        clock.pending = parts.actor.export_weights(plan.rollout_adapter)  # a copy
+    metrics, clock.synced = clock.synced, {}
+    if not clock.rollout_busy:
+        metrics.update(clock.apply_pending(parts))
+    clock.updates, clock.version = step, parts.actor.version
+    await clock.notify()
+    return metrics
+
+
+@dataclass
+class Staleness:
+    """The actor side of the bound: admits or drops records, and keeps their statistics."""
+
+    max_staleness: int
+    keep: bool  # run.stale=keep: train on a record past the bound (still counted)
+    trained: list[int] = field(default_factory=list)  # staleness of each trained record
+    dropped: int = 0
+
+    def admit(self, record: Rollout, actor_version: int) -> bool:
+        lag = actor_version - record.version
+        if lag > self.max_staleness and not self.keep:
+            self.dropped += 1
+            return False
+        self.trained.append(lag)
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "async/staleness": self.trained[-1],  # the batch just trained
+            "async/staleness_max": max(self.trained),  # over the batches trained since start
+            "async/staleness_mean": sum(self.trained) / len(self.trained),
+            "async/dropped": self.dropped,  # records dropped as past the bound, since start
+        }
+
+
+async def take(
+    channel: Channel, producer: asyncio.Task, parts: Engines, clock: Clock, bound: Staleness
+) -> Rollout:
+    """The next record within the bound. Consumes records from the channel; waits on the
+    rollout loop's puts; unblocked by each put, or by the rollout loop failing (its error is
+    raised here). A dropped record frees the gate for one more iteration (``Clock.dropped``)."""
+    while True:
+        get = asyncio.ensure_future(channel.get())
+        await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():  # the rollout loop ended, which it only does by failing
+            get.cancel()
+            producer.result()
+            raise RuntimeError("the rollout loop stopped")
+        record = get.result()
+        assert record.scored.traj.policy_version <= record.version  # weights never run ahead
+        if bound.admit(record, parts.actor.version):
+            return record
+        clock.dropped = bound.dropped
+        await clock.notify()
+
+
+async def train_async(cfg: Config, parts: Engines | None = None) -> Path:
+    """The actor loop. Consumes one ``Rollout`` per update (``take``); waits on the rollout
+    loop's records, the update (in a worker thread, while the rollout runs) and eval; unblocks
+    the rollout loop by publishing each update's weight plan. ``parts`` lets tests pass
+    engines (a slowed actor)."""
+    parts = parts or build(cfg)
+    run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
+    run.write_config(to_yaml(cfg))
+    start, wall0 = resume(parts, run)  # in-flight rollouts are not saved: they are redone
+    first_plan = parts.algorithm.weight_plan(start + 1, cfg.algorithm)
+    parts.rollout.load_weights(parts.actor.export_weights(first_plan.rollout_adapter))
+    clock = Clock(start, parts.actor.version, cfg.run.max_staleness, cfg.run.steps)
+    bound = Staleness(cfg.run.max_staleness, keep=cfg.run.stale == "keep")
+    channel = Channel()  # unbounded: the gate bounds how far the rollout runs ahead
+    producer = asyncio.create_task(produce(parts, clock, channel, start))
+    t0, samples, eval_m = time.time() - wall0, 0, {}
+    try:
+        if start == 0:  # the rollout of iteration 0 runs meanwhile
+            eval_m = await run_eval(parts, run, 0)
+            probe = parts.probe.cosine if parts.probe else float("nan")
+            run.log(0, {**eval_m, "probe/cosine": probe})
+        steps = range(start, cfg.run.steps)
+        bar = tqdm(steps, initial=start, total=cfg.run.steps, desc="diffrl train (async)")
+        t_rate = time.time()
+        with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
+            for step in bar:
+                record = await take(channel, producer, parts, clock, bound)
+                batch = parts.algorithm.prepare(record.scored, cfg.algorithm)
+                # the loop drives the rollout while the update runs in a worker thread
+                metrics = await asyncio.to_thread(parts.actor.train_step, batch)
+                metrics.update(await publish(parts, clock, step + 1))
+                samples += len(record.scored)
+                done = step + 1
+                metrics.update(record.metrics)
+                metrics.update(
+                    {
+                        "perf/samples_per_s": samples / (time.time() - t_rate),
+                        "perf/wall_s": time.time() - t0,
+                        "perf/host_peak_gb": peak_rss_bytes() / 1e9,
+                        "async/policy_version": record.version,
+                        **bound.metrics(),
+                    }
+                )
+                out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
+                if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
+                    eval_m = await run_eval(parts, run, done)
+                    metrics.update(eval_m)
+                run.log(done, metrics)
+                if stop.requested:
+                    checkpoint(parts, run, done, time.time() - t0)
+                    break
+                bar.set_postfix(
+                    reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                    eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+                    staleness=metrics["async/staleness"],
+                )
+                if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
+                    checkpoint(parts, run, done, time.time() - t0)
+                    run.save_curves()
+                if out_of_time:
+                    break
+    finally:  # rollouts past the last update are simply not used
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+    run.save_curves()
+    run.close()
+    if isinstance(parts.rewards, RewardPool):  # a remote or fake engine releases its own
+        await close_pool(parts.rewards)
+    return run.root
