@@ -47,8 +47,13 @@ from diffrl.config import Config, to_yaml
 from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.signals import StopSignals
-from diffrl.controller.sync import checkpoint, resume, rollout_and_score, run_eval
-from diffrl.hostmem import peak_rss_bytes
+from diffrl.controller.sync import (
+    close_step,
+    perf_metrics,
+    resume,
+    rollout_and_score,
+    run_eval,
+)
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.weights import WeightUpdate
 from diffrl.types import ScoredBatch
@@ -217,32 +222,13 @@ async def train_async(cfg: Config, parts: Engines | None = None) -> Path:
                 samples += len(record.scored)
                 done = step + 1
                 metrics.update(record.metrics)
-                metrics.update(
-                    {
-                        "perf/samples_per_s": samples / (time.time() - t_rate),
-                        "perf/wall_s": time.time() - t0,
-                        "perf/host_peak_gb": peak_rss_bytes() / 1e9,
-                        "async/policy_version": record.version,
-                        **bound.metrics(),
-                    }
-                )
-                out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
-                if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
-                    eval_m = await run_eval(parts, run, done)
-                    metrics.update(eval_m)
-                run.log(done, metrics)
-                if stop.requested:
-                    checkpoint(parts, run, done, time.time() - t0)
-                    break
-                bar.set_postfix(
-                    reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                    eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+                metrics.update(perf_metrics(samples, t_rate, t0))
+                metrics.update({"async/policy_version": record.version, **bound.metrics()})
+                last, eval_m = await close_step(
+                    parts, run, stop, bar, done, metrics, t0, eval_m,
                     staleness=metrics["async/staleness"],
-                )
-                if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
-                    checkpoint(parts, run, done, time.time() - t0)
-                    run.save_curves()
-                if out_of_time:
+                )  # fmt: skip
+                if last:
                     break
     finally:  # rollouts past the last update are simply not used
         producer.cancel()

@@ -128,6 +128,48 @@ def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
     return ckpt.step, ckpt.wall_s
 
 
+def perf_metrics(samples: int, t_rate: float, t0: float) -> dict[str, float]:
+    return {
+        "perf/samples_per_s": samples / (time.time() - t_rate),
+        "perf/wall_s": time.time() - t0,
+        "perf/host_peak_gb": peak_rss_bytes() / 1e9,
+    }
+
+
+async def close_step(
+    parts: Engines,
+    run: RunDir,
+    stop,
+    bar,
+    done: int,
+    metrics: dict,
+    t0: float,
+    eval_m: dict,
+    **postfix,
+) -> tuple[bool, dict]:
+    """After update ``done`` (both loops): held-out eval when due, the metrics row, the progress
+    bar, a checkpoint when due or when stopping. Returns (the loop stops here, the latest eval
+    metrics)."""  # fmt: skip
+    cfg = parts.cfg
+    out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
+    if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
+        eval_m = await run_eval(parts, run, done)
+        metrics.update(eval_m)
+    run.log(done, metrics)
+    if stop.requested:
+        checkpoint(parts, run, done, time.time() - t0)
+        return True, eval_m
+    bar.set_postfix(
+        reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+        eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+        **postfix,
+    )
+    if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
+        checkpoint(parts, run, done, time.time() - t0)
+        run.save_curves()
+    return bool(out_of_time), eval_m
+
+
 async def train(cfg: Config) -> Path:
     if cfg.run.mode == "async":  # imported here: the async loop reuses this module's parts
         from diffrl.controller.async_ import train_async
@@ -160,30 +202,12 @@ async def train(cfg: Config) -> Path:
             samples += len(scored)
             done = step + 1
             metrics.update(r_metrics)
-            metrics.update(
-                {
-                    "perf/samples_per_s": samples / (time.time() - t_rate),
-                    "perf/wall_s": time.time() - t0,
-                    "perf/host_peak_gb": peak_rss_bytes() / 1e9,
-                }
-            )
-            out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
-            if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
-                eval_m = await run_eval(parts, run, done)
-                metrics.update(eval_m)
-            run.log(done, metrics)
-            if stop.requested:
-                checkpoint(parts, run, done, time.time() - t0)
-                break
-            bar.set_postfix(
-                reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+            metrics.update(perf_metrics(samples, t_rate, t0))
+            last, eval_m = await close_step(
+                parts, run, stop, bar, done, metrics, t0, eval_m,
                 samples_s=f"{metrics['perf/samples_per_s']:.1f}",
-            )
-            if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
-                checkpoint(parts, run, done, time.time() - t0)
-                run.save_curves()
-            if out_of_time:
+            )  # fmt: skip
+            if last:
                 break
     if prefetch is not None:  # stopped early: the prefetched step is simply not used
         prefetch.cancel()
