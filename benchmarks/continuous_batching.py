@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 
 import torch
 
+from diffrl.controller.bench import sync
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.rollout.scheduler import Request
@@ -39,9 +39,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def now() -> float:
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+    return sync(DEV)
 
 
 def make_requests(fam, n: int, resolutions: list[int], steps: int, scale: int, seed: int):

@@ -22,6 +22,7 @@ import torch
 from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
 from diffrl.algorithms.diffusion_nft import NFTConfig
 from diffrl.algorithms.registry import get_algorithm
+from diffrl.controller.bench import matmul_rate
 from diffrl.controller.engines import expanded_targets
 from diffrl.models.registry import ModelConfig, load_model, lora_targets
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
@@ -35,20 +36,6 @@ SHAPE = {  # preset -> (resolution, frames)
     "qwen-image": (512, 0),
     "wan2.1-1.3b": (480, 33),
 }
-
-
-def matmul_rate(n: int = 8192, reps: int = 20) -> float:
-    """The bf16 matmul rate this GPU reaches in this process (FLOP/s): the MFU denominator."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
 def gib(n: float) -> float:
@@ -109,7 +96,7 @@ def run_one(preset: str, args) -> dict:
     # forward row (x2 with CFG), over a time that also holds text encoding and VAE decode.
     # Train (NFT, one timestep per sample): the old policy's forward, the policy's forward, and
     # its backward through frozen weights (input gradients only: one forward's worth).
-    rate, fwd = matmul_rate(), base.family.flops(1)
+    rate, fwd = matmul_rate(dev, torch.bfloat16, reps=20), base.family.flops(1)
     rows = len(traj) * (2 if args.cfg > 1 else 1)
     rollout_mfu = rows * args.steps * fwd / rollout_s / rate
     train_mfu = 3 * len(batch) * fwd / train_s / rate

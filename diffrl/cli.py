@@ -12,23 +12,27 @@ from collections.abc import Callable
 from diffrl.errors import DiffrlError
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _recipe_config(argv: list[str]):
+    """``[RECIPE] [key=value ...]`` -> the loaded config (the default recipe when none)."""
     from diffrl.config import load_config
+
+    recipe, overrides = _split(argv)
+    return load_config(recipe or "recipes/shapes_nft.yaml", overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
     from diffrl.controller.sync import train
 
-    recipe, overrides = _split(args.args)
-    cfg = load_config(recipe or "recipes/shapes_nft.yaml", overrides)
+    cfg = _recipe_config(args.args)
     root = asyncio.run(train(cfg))
     print(f"run directory: {root}")
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from diffrl.config import load_config
     from diffrl.controller.bench import bench
 
-    recipe, overrides = _split(args.args)
-    cfg = load_config(recipe or "recipes/shapes_nft.yaml", overrides)
+    cfg = _recipe_config(args.args)
     result = bench(args.kind, cfg, repeats=args.repeats, baseline=not args.no_baseline)
     for k, v in result.rows().items():
         print(f"{k:40s} {v:.4g}")
@@ -36,11 +40,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from diffrl.config import load_config
     from diffrl.parallel.plan import PlanOptions, plan
 
-    recipe, overrides = _split(args.args)
-    cfg = load_config(recipe or "recipes/shapes_nft.yaml", overrides)
+    cfg = _recipe_config(args.args)
     opts = PlanOptions(
         world_size=args.world_size,
         tp=args.tp,

@@ -23,6 +23,7 @@ from diffrl.rollout.samplers import (
     coarse_tail,
     euler_step,
     guided_velocity,
+    noise_from_seeds,
     sde_window,
     sigma_schedule,
     tree_noise_blocks,
@@ -173,12 +174,6 @@ def sample_seeds(base_seed: int, n: int) -> Tensor:
     """(n,) int64 per-sample seeds derived from one step seed (reproducible, distinct)."""
     g = torch.Generator().manual_seed(int(base_seed))
     return torch.randint(0, 2**62, (n,), generator=g, dtype=torch.int64)
-
-
-def noise_from_seeds(seeds: Tensor, shape: tuple[int, ...], device) -> Tensor:
-    """(B, *shape) standard normal; row i depends only on seeds[i] (batching-invariant)."""
-    rows = [torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
-    return torch.stack(rows).to(device)
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

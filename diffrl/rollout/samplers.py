@@ -13,6 +13,12 @@ import torch
 from torch import Tensor
 
 
+def noise_from_seeds(seeds: Tensor, shape: tuple[int, ...], device) -> Tensor:
+    """(B, *shape) standard normal; row i depends only on seeds[i] (batching-invariant)."""
+    rows = [torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+    return torch.stack(rows).to(device)
+
+
 def sigma_schedule(num_steps: int, shift: float = 1.0, device=None) -> Tensor:
     """(T+1,) sigmas from 1 to 0; ``shift`` > 1 spends more steps at high noise (SD3's
     time shift sigma' = shift*sigma / (1 + (shift-1)*sigma))."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diffrl.rollout.samplers import euler_step, guided_velocity, sigma_schedule
+from diffrl.rollout.samplers import euler_step, guided_velocity, noise_from_seeds, sigma_schedule
 
 
 @dataclass
@@ -79,11 +79,7 @@ def tokens(shape: Sequence[int]) -> int:
 def initial_noise(seeds: Tensor, num_steps: int, shape: tuple[int, ...]) -> Tensor:
     """(G, *shape): what ``RolloutEngine`` starts a sample from (the first of its T+1 noise
     slices, drawn from the sample's seed), so both paths start alike."""
-    rows = [
-        torch.randn((num_steps + 1, *shape), generator=torch.Generator().manual_seed(int(s)))[0]
-        for s in seeds
-    ]
-    return torch.stack(rows)
+    return noise_from_seeds(seeds, (num_steps + 1, *shape), "cpu")[:, 0]
 
 
 class ContinuousBatcher:
