@@ -16,6 +16,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from diffrl.actor.engine import ActorConfig
 from diffrl.algorithms.registry import AlgorithmConfig, get_algorithm, registered_algorithms
+from diffrl.backends import RayConfig
 from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.registry import ModelConfig
 from diffrl.reward.pool import RewardConfig
@@ -51,6 +52,9 @@ class RunConfig:
     mode: str = "sync"  # sync | async
     max_staleness: int = 1  # async: a trained batch is at most this many updates old
     stale: str = "drop"  # async: a record past max_staleness is dropped, or kept (and counted)
+    # where the engines run: this process (local), or Ray actors on their own resource pools
+    # (ray; settings in the `ray` section). Same loop, same results at the same seed
+    backend: str = "local"  # local | ray
 
     def validate(self) -> None:
         check(
@@ -79,6 +83,7 @@ class RunConfig:
             "must be >= 0 (policy versions a trained batch may lag the actor; 0 = on-policy)",
         )
         check_choice("stale", self.stale, ("drop", "keep"))
+        check_choice("backend", self.backend, ("local", "ray"))
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    ray: RayConfig = field(default_factory=RayConfig)  # run.backend=ray only
     algorithm: Any = None  # the registered algorithm's own frozen config dataclass
 
 

@@ -67,6 +67,23 @@ def concat_rows(records: list):
     return replace(first, **changes)
 
 
+def to_device(record, device):
+    """``record`` (any record in this module, or a tensor, dict or tuple of them) with every
+    tensor on ``device``: a trajectory sampled on a GPU crosses a process boundary on the host."""
+    if isinstance(record, Tensor):
+        return record.to(device)
+    if isinstance(record, dict):
+        return {k: to_device(v, device) for k, v in record.items()}
+    if isinstance(record, tuple):
+        return tuple(to_device(v, device) for v in record)
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        changes = {
+            f.name: to_device(getattr(record, f.name), device) for f in dataclasses.fields(record)
+        }
+        return replace(record, **changes)
+    return record
+
+
 @dataclass(frozen=True)
 class PromptBatch:
     """Prompts tokenized once, in the data stage; the same ``input_ids`` travel everywhere."""

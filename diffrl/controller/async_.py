@@ -54,7 +54,6 @@ from diffrl.controller.sync import (
     rollout_and_score,
     run_eval,
 )
-from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.weights import WeightUpdate
 from diffrl.types import ScoredBatch
 
@@ -194,6 +193,13 @@ async def train_async(cfg: Config, parts: Engines | None = None) -> Path:
     the rollout loop by publishing each update's weight plan. ``parts`` lets tests pass
     engines (a slowed actor)."""
     parts = parts or build(cfg)
+    try:
+        return await _train_async(cfg, parts)
+    finally:  # scorer clients, remote engines: released however the run ends
+        await parts.aclose()
+
+
+async def _train_async(cfg: Config, parts: Engines) -> Path:
     run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)  # in-flight rollouts are not saved: they are redone
@@ -235,6 +241,4 @@ async def train_async(cfg: Config, parts: Engines | None = None) -> Path:
         await asyncio.gather(producer, return_exceptions=True)
     run.save_curves()
     run.close()
-    if isinstance(parts.rewards, RewardPool):  # a remote or fake engine releases its own
-        await close_pool(parts.rewards)
     return run.root

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ from diffrl.errors import ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
 from diffrl.models.family import FamilyModel
 from diffrl.models.registry import load_model, lora_targets
-from diffrl.reward.pool import RewardPool
+from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.tasks import PromptSet, PromptSource, Task, build_task
 
@@ -42,6 +43,12 @@ class Engines:
     actor: ActorEngineProtocol
     algorithm: Algorithm
     probe: ProbeReport | None
+    # releases what the engines hold (scorer clients, remote actors); awaited once at the end
+    close: Callable[[], Awaitable[None]] | None = None
+
+    async def aclose(self) -> None:
+        if self.close is not None:
+            await self.close()
 
 
 def pick_device(name: str) -> torch.device:
@@ -120,11 +127,30 @@ def prompt_set(task: Task, model: FamilyModel, prompts) -> PromptSet:
     return PromptSet(prompts, fam.tokenize, fam.encode_conditions(conds))
 
 
-def build(cfg: Config) -> Engines:
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+@dataclass
+class RolloutSide:
+    """What the rollout's process builds: the data stage, the probe and the two rollout
+    engines (the training rollout and the held-out evaluator), over one loaded model."""
+
+    task: Task
+    base: FamilyModel
+    train: PromptSet
+    eval_set: PromptSet
+    probe: ProbeReport | None
+    rollout: RolloutEngine
+    evaluator: RolloutEngine
+
+
+def setup_process(cfg: Config, threads: int = 0) -> torch.device:
+    """Threads, seeds and device: the same in every process that builds an engine, so each
+    one's random draws are those of the one-process run."""
+    if threads or cfg.run.threads:
+        torch.set_num_threads(threads or cfg.run.threads)
     seed_everything(cfg.run.seed)
-    device = pick_device(cfg.run.device)
+    return pick_device(cfg.run.device)
+
+
+def rollout_side(cfg: Config, device: torch.device) -> RolloutSide:
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
     train = prompt_set(task, base, task.prompts("train"))
@@ -133,10 +159,7 @@ def build(cfg: Config) -> Engines:
         test_prompts = test_prompts[: cfg.data.eval_prompts]
     eval_set = prompt_set(task, base, test_prompts)
     probe = run_probe(task, base) if cfg.model.probe else None
-    targets = list(cfg.actor.lora.targets) or list(lora_targets(cfg.model))
-    algorithm = get_algorithm(cfg.algorithm.name)
-    check_rollout_for(algorithm, cfg)
-    rollout_targets = expanded_targets(base, targets)
+    rollout_targets = expanded_targets(base, actor_targets(cfg))
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent
     # initial noise for every sample even when the rollout shares it within a group (DanceGRPO)
@@ -149,23 +172,50 @@ def build(cfg: Config) -> Engines:
         ode_dtype="float32",
     )
     evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device)
+    return RolloutSide(task, base, train, eval_set, probe, rollout, evaluator)
+
+
+def actor_targets(cfg: Config) -> list[str]:
+    return list(cfg.actor.lora.targets) or list(lora_targets(cfg.model))
+
+
+def actor_side(cfg: Config, base: FamilyModel, device: torch.device) -> ActorEngine:
+    """The actor over ``base`` (peft wraps it in place). Built after ``load_model`` with no
+    random draw in between, in one process or in its own."""
+    algorithm = get_algorithm(cfg.algorithm.name)
+    return ActorEngine(
+        base, actor_with_horizon(cfg), actor_targets(cfg), algorithm, cfg.algorithm, device,
+        cfg.run.seed,
+    )  # fmt: skip
+
+
+def build(cfg: Config) -> Engines:
+    """The run's engines, for ``run.backend``: in this process (local), or as Ray actors
+    (``diffrl.backends.ray``) behind the same Protocols."""
+    algorithm = get_algorithm(cfg.algorithm.name)
+    check_rollout_for(algorithm, cfg)
+    if cfg.run.backend == "ray":
+        from diffrl.backends.ray import build_ray  # ray is an optional extra
+
+        return build_ray(cfg)
+    device = setup_process(cfg)
+    side = rollout_side(cfg, device)
     rewards = RewardPool(cfg.reward)
-    rewards.check_inputs(produced=set(rollout.produces))
-    actor = ActorEngine(
-        base, actor_with_horizon(cfg), targets, algorithm, cfg.algorithm, device, cfg.run.seed
-    )
+    rewards.check_inputs(produced=set(side.rollout.produces))
+    actor = actor_side(cfg, side.base, device)
     return Engines(
         cfg,
         device,
-        task,
-        PromptSource(train, cfg.data.prompts_per_step, cfg.run.seed),
-        eval_set,
-        rollout,
-        evaluator,
+        side.task,
+        PromptSource(side.train, cfg.data.prompts_per_step, cfg.run.seed),
+        side.eval_set,
+        side.rollout,
+        side.evaluator,
         rewards,
         actor,
         algorithm,
-        probe,
+        side.probe,
+        close=lambda: close_pool(rewards),
     )
 
 

@@ -31,7 +31,7 @@ from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.signals import StopSignals
 from diffrl.hostmem import peak_rss_bytes
-from diffrl.reward.pool import RewardPool, close_pool, reward_summary
+from diffrl.reward.pool import reward_summary
 from diffrl.types import ScoredBatch
 
 
@@ -176,6 +176,13 @@ async def train(cfg: Config) -> Path:
 
         return await train_async(cfg)
     parts = build(cfg)
+    try:
+        return await train_sync(cfg, parts)
+    finally:  # scorer clients, remote engines: released however the run ends
+        await parts.aclose()
+
+
+async def train_sync(cfg: Config, parts: Engines) -> Path:
     run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)
@@ -213,6 +220,4 @@ async def train(cfg: Config) -> Path:
         prefetch.cancel()
     run.save_curves()
     run.close()
-    if isinstance(parts.rewards, RewardPool):  # a remote or fake engine releases its own
-        await close_pool(parts.rewards)
     return run.root

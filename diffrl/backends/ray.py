@@ -1,0 +1,418 @@
+"""The Ray backend (``run.backend=ray``): the rollout, reward and actor engines run as Ray
+actors, each on its own resource pool (a placement group), behind the engine Protocols the
+controller is written against (``diffrl.engines``). The controller is the same file in both
+backends; only this factory differs.
+
+Three hosts, one process each:
+- ``RolloutHost`` loads the model, runs the data stage (tokenize once, contract 3) and the
+  start-up probe, and holds the two rollout engines: the training rollout and the held-out
+  evaluator. The controller gets the tokenized prompt sets from it.
+- ``RewardHost`` holds the scorer pool.
+- ``ActorHost`` loads the model and holds the actor engine.
+
+Every host seeds and sets its threads as the one-process run does (``setup_process``), and
+builds its engines in the same order, so a run gives the same metrics as the local backend
+at the same seed (``tests/backends/test_ray.py``).
+
+Records: a rollout's micro-batches stream to the controller through Ray's object store (a
+streaming generator) or through TransferQueue (``ray.channel``), and leave the host on the
+CPU. Weights: ``export_weights`` returns a handle to the update in the object store; the rollout
+host fetches it directly, so the tensors never pass through the controller.
+
+What waits on what: the proxies' ``train_step`` and ``load_weights`` block their caller (the
+controller runs the update in a worker thread, as with the local actor); ``stream``, ``generate``
+and ``score`` are awaited on the controller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffrl.backends import PoolConfig
+from diffrl.channel import Channel
+from diffrl.config import Config
+from diffrl.controller.engines import (
+    Engines,
+    actor_side,
+    rollout_side,
+    setup_process,
+)
+from diffrl.errors import ConfigError, DiffrlError
+from diffrl.reward.pool import RewardPool, close_pool
+from diffrl.sync.weights import SyncReport, WeightUpdate
+from diffrl.tasks import PromptSource, build_task
+from diffrl.types import PromptBatch, ScoredBatch, TrainBatch, Trajectory, to_device
+
+log = logging.getLogger(__name__)
+CPU = torch.device("cpu")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "config key 'run.backend' = 'ray': Ray is not installed here; "
+            "pip install -e '.[ray]' (or set run.backend=local)"
+        ) from None
+    return ray
+
+
+# --- the hosts: one Ray actor each ----------------------------------------------------------
+
+
+class RolloutHost:
+    def __init__(self, cfg: Config, threads: int) -> None:
+        self.cfg = cfg
+        side = rollout_side(cfg, setup_process(cfg, threads))
+        self.side = side
+        self.engines = {"rollout": side.rollout, "evaluator": side.evaluator}
+
+    def info(self) -> dict:
+        s = self.side
+        return {
+            "train": s.train,
+            "eval_set": s.eval_set,
+            "probe": s.probe,
+            "produces": frozenset(s.rollout.produces),
+        }
+
+    async def stream(self, which: str, prompts: PromptBatch, seed: int, kw: dict):
+        """Yields the engine's micro-batches as they finish, on the CPU."""
+        channel = Channel(capacity=1)
+        producer = asyncio.create_task(self.engines[which].stream(prompts, seed, channel, **kw))
+        async for traj in channel:
+            yield to_device(traj, CPU)
+        await producer
+
+    async def stream_to(self, which: str, prompts, seed: int, kw: dict, out) -> None:
+        """The same micro-batches put into ``out``, a channel another process consumes
+        (TransferQueue); closed at the end, or when the rollout fails."""
+        channel = Channel(capacity=1)
+        producer = asyncio.create_task(self.engines[which].stream(prompts, seed, channel, **kw))
+        try:
+            async for traj in channel:
+                await out.put(to_device(traj, CPU), traj.policy_version)
+            await producer
+        finally:
+            out.close()
+
+    async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict):
+        return to_device(await self.engines[which].generate(prompts, seed, **kw), CPU)
+
+    async def load_weights(self, which: str, update: WeightUpdate) -> SyncReport:
+        # runs on the host's event loop between batches: the controller never syncs mid-batch
+        return self.engines[which].load_weights(update)
+
+
+class RewardHost:
+    def __init__(self, cfg: Config, threads: int) -> None:
+        setup_process(cfg, threads)
+        self.pool = RewardPool(cfg.reward)
+
+    async def score(self, traj: Trajectory):
+        return await self.pool.score(traj)
+
+    async def check_inputs(self, produced: set[str]) -> None:
+        self.pool.check_inputs(produced)
+
+    async def observe_step(self, scored: ScoredBatch) -> None:
+        self.pool.observe_step(scored)
+
+    async def close(self) -> None:
+        await close_pool(self.pool)
+
+
+class ActorHost:
+    def __init__(self, cfg: Config, threads: int) -> None:
+        device = setup_process(cfg, threads)
+        from diffrl.models.registry import load_model
+
+        self.actor = actor_side(cfg, load_model(cfg.model, device), device)
+
+    def info(self) -> dict:
+        return {"version": self.actor.version, "eval_adapter": self.actor.eval_adapter}
+
+    def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], int]:
+        return self.actor.train_step(batch), self.actor.version
+
+    def update_old(self, decay: float) -> None:
+        self.actor.update_old(decay)
+
+    def export_weights(self, adapter: str) -> WeightUpdate:
+        return self.actor.export_weights(adapter)
+
+    def adapter_tensors(self) -> dict:
+        return self.actor.adapter_tensors()
+
+    def state_dict(self) -> dict:
+        return self.actor.state_dict()
+
+    def load_state(self, adapters: dict, state: dict) -> int:
+        self.actor.load_state(adapters, state)
+        return self.actor.version
+
+
+# --- the proxies the controller holds ---------------------------------------------------------
+
+
+def _get(ref):
+    """``ray.get`` that raises a remote DiffrlError as itself (a clear message, no remote
+    traceback around it); other remote errors keep Ray's report."""
+    ray = _ray()
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        raise _cause(e) from None
+
+
+def _cause(e):
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, DiffrlError) else e
+
+
+async def _await(ref):
+    ray = _ray()
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as e:
+        raise _cause(e) from None
+
+
+@dataclass(frozen=True)
+class RemoteWeights:
+    """A weight update held in Ray's object store (what the remote actor's
+    ``export_weights`` returns); the rollout host fetches it itself."""
+
+    ref: Any
+
+
+class RemoteRollout:
+    """A rollout engine on a ``RolloutHost`` (``which``: the training rollout or the
+    evaluator), as ``RolloutEngineProtocol``."""
+
+    def __init__(self, host, which: str, produces: frozenset[str], channel: str) -> None:
+        self.host, self.which, self._produces, self.channel = host, which, produces, channel
+        self.version = 0
+
+    @property
+    def produces(self) -> frozenset[str]:
+        return self._produces
+
+    async def stream(
+        self, prompts: PromptBatch, seed: int, channel: Channel, *, iteration: int = 0, **kw
+    ) -> None:
+        """Puts the host's micro-batches into ``channel`` as each arrives, then closes it."""
+        kw = {**kw, "iteration": iteration}
+        try:
+            if self.channel == "transferqueue":
+                await self._stream_tq(prompts, seed, kw, channel)
+                return
+            gen = self.host.stream.options(num_returns="streaming").remote(
+                self.which, prompts, seed, kw
+            )
+            async for ref in gen:
+                traj = await _await(ref)
+                await channel.put(traj, traj.policy_version)
+        finally:
+            channel.close()
+
+    async def _stream_tq(self, prompts, seed: int, kw: dict, channel: Channel) -> None:
+        from diffrl.channel.transferqueue import TransferQueueChannel
+
+        wire = TransferQueueChannel(f"diffrl-{uuid.uuid4().hex[:12]}", capacity=2)
+        done = self.host.stream_to.remote(self.which, prompts, seed, kw, wire)
+        async for traj in wire:
+            await channel.put(traj, traj.policy_version)
+        await _await(done)  # the host's error, if the rollout failed
+
+    async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory:
+        return await _await(self.host.generate.remote(self.which, prompts, seed, kw))
+
+    def load_weights(self, update) -> SyncReport:
+        arg = update.ref if isinstance(update, RemoteWeights) else update
+        report = _get(self.host.load_weights.remote(self.which, arg))
+        self.version = report.version
+        return report
+
+
+class RemoteRewards:
+    """The scorer pool on a ``RewardHost``, as ``RewardEngineProtocol``."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]:
+        return await _await(self.host.score.remote(traj))
+
+    def check_inputs(self, produced: set[str]) -> None:
+        _get(self.host.check_inputs.remote(set(produced)))
+
+    def observe_step(self, scored: ScoredBatch) -> None:
+        _get(self.host.observe_step.remote(scored))
+
+
+class RemoteActor:
+    """The actor engine on an ``ActorHost``, as ``ActorEngineProtocol``. ``version`` is the
+    host's after the last call that changes it."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        info = _get(host.info.remote())
+        self.version, self._eval_adapter = info["version"], info["eval_adapter"]
+
+    @property
+    def eval_adapter(self) -> str:
+        return self._eval_adapter
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        metrics, self.version = _get(self.host.train_step.remote(batch))
+        return metrics
+
+    def update_old(self, decay: float) -> None:
+        _get(self.host.update_old.remote(decay))
+
+    def export_weights(self, adapter: str = "default") -> RemoteWeights:
+        return RemoteWeights(self.host.export_weights.remote(adapter))
+
+    def adapter_tensors(self) -> dict:
+        return _get(self.host.adapter_tensors.remote())
+
+    def state_dict(self) -> dict:
+        return _get(self.host.state_dict.remote())
+
+    def load_state(self, adapters: dict, state: dict) -> None:
+        self.version = _get(self.host.load_state.remote(adapters, state))
+
+
+# --- the factory --------------------------------------------------------------------------------
+
+
+def _bundle(pool: PoolConfig) -> dict[str, float]:
+    return {k: v for k, v in (("CPU", pool.cpus), ("GPU", pool.gpus)) if v > 0}
+
+
+def _check_fits(cfg: Config) -> None:
+    """Every pool's resources against the cluster's, before anything is placed."""
+    ray = _ray()
+    have = ray.cluster_resources()
+    for kind in ("CPU", "GPU"):
+        want = {
+            name: _bundle(getattr(cfg.ray, name)).get(kind, 0.0)
+            for name in ("rollout", "reward", "actor")
+        }
+        if sum(want.values()) > have.get(kind, 0.0) + 1e-9:
+            asks = ", ".join(f"ray.{n}.{kind.lower()}s={v:g}" for n, v in want.items() if v)
+            raise ConfigError(
+                f"the engines' pools ask for {sum(want.values()):g} {kind} ({asks}) and the Ray "
+                f"cluster has {have.get(kind, 0.0):g}; lower them, or start Ray with more "
+                "(ray.num_cpus for a local instance)"
+            )
+
+
+def _placed(name: str, pool: PoolConfig, timeout: float) -> dict:
+    """Ray actor options that put an engine on its own pool: one placement group of one
+    bundle, waited for (a clear error instead of an actor that never starts)."""
+    ray = _ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = _bundle(pool)
+    if not bundle:
+        return {"num_cpus": 0}
+    pg = placement_group([bundle], strategy="PACK", name=f"diffrl-{name}-{uuid.uuid4().hex[:6]}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    if not ready:
+        remove_placement_group(pg)
+        raise ConfigError(
+            f"config key 'ray.{name}': the pool {bundle} could not be placed within "
+            f"{timeout:g} s (free now: {ray.available_resources()}); lower it or add nodes"
+        )
+    return {
+        "num_cpus": pool.cpus,
+        "num_gpus": pool.gpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        "_pg": pg,
+    }
+
+
+def _start_ray(cfg: Config) -> bool:
+    """Connects to (or starts) Ray; True when this run started it (and so stops it)."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    kw: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+    if cfg.ray.address:
+        kw["address"] = cfg.ray.address
+    elif cfg.ray.num_cpus:
+        kw["num_cpus"] = cfg.ray.num_cpus
+    ray.init(**kw)
+    return True
+
+
+def build_ray(cfg: Config) -> Engines:
+    ray = _ray()
+    started = _start_ray(cfg)
+    groups, actors = [], []
+
+    def host(cls, name: str, pool: PoolConfig, threads: int, **extra):
+        opts = _placed(name, pool, cfg.ray.place_timeout_s)
+        if "_pg" in opts:
+            groups.append(opts.pop("_pg"))
+        handle = ray.remote(cls).options(**opts, **extra).remote(cfg, threads)
+        actors.append(handle)
+        return handle
+
+    async def close() -> None:
+        try:
+            await _await(rewards_host.close.remote())
+        finally:
+            shutdown()
+
+    def shutdown() -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for a in actors:
+            ray.kill(a)
+        for g in groups:
+            remove_placement_group(g)
+        if started:
+            ray.shutdown()
+
+    try:
+        _check_fits(cfg)
+        # the threads a local run would use, unless run.threads says: the same numerics
+        threads = cfg.run.threads or torch.get_num_threads()
+        device = setup_process(cfg)  # the controller's own draws (prompt order) match local
+        rollout_host = host(RolloutHost, "rollout", cfg.ray.rollout, threads)
+        rewards_host = host(RewardHost, "reward", cfg.ray.reward, threads)
+        actor_host = host(ActorHost, "actor", cfg.ray.actor, threads, max_concurrency=1)
+        info = _get(rollout_host.info.remote())
+        rewards = RemoteRewards(rewards_host)
+        rewards.check_inputs(produced=set(info["produces"]))
+        actor = RemoteActor(actor_host)
+    except BaseException:
+        shutdown()
+        raise
+    from diffrl.algorithms.registry import get_algorithm
+
+    return Engines(
+        cfg,
+        device,
+        build_task(cfg.data),
+        PromptSource(info["train"], cfg.data.prompts_per_step, cfg.run.seed),
+        info["eval_set"],
+        RemoteRollout(rollout_host, "rollout", info["produces"], cfg.ray.channel),
+        RemoteRollout(rollout_host, "evaluator", info["produces"], cfg.ray.channel),
+        rewards,
+        actor,
+        get_algorithm(cfg.algorithm.name),
+        info["probe"],
+        close=close,
+    )
