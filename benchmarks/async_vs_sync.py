@@ -1,12 +1,15 @@
-"""End-to-end samples/s of the sync and the async controller, one after the other in one
-process, on the default recipe with a slow scorer: ShapesBench's verifier plus a fixed
-``--delay`` per scored batch (an awaited sleep, as a remote or model scorer waits).
+"""End-to-end samples/s of two ways to run the default recipe, one after the other in one
+process: the sync and the async controller (``--pair mode``), or the local and the Ray backend
+(``--pair backend``). The scorer is ShapesBench's verifier plus a fixed ``--delay`` per scored
+batch (an awaited sleep, as a remote or model scorer waits; 0 = none).
 
     python benchmarks/async_vs_sync.py --steps 12 --delay 0.2
+    python benchmarks/async_vs_sync.py --pair backend --steps 12 --delay 0.2
 
-Both runs use the same seed, steps and threads; async runs with ``run.max_staleness=1``.
-samples/s is the run's own ``perf/samples_per_s`` at its last step (eval excluded: evals run
-only at step 0 and the end).
+Both runs use the same seed, steps and threads; async runs with ``run.max_staleness=1``; Ray
+starts a local instance (all cores) for its run. samples/s is the run's own
+``perf/samples_per_s`` at its last step (eval and start-up excluded: evals run only at step 0
+and the end).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+from pathlib import Path
 
 from diffrl.config import load_config
 from diffrl.controller.run_dir import read_metrics
@@ -37,21 +41,26 @@ class SlowShapes(ShapesScorer):
         return result
 
 
-def run(mode: str, args, out: str) -> dict:
+PAIRS = {"mode": ("sync", "async"), "backend": ("local", "ray")}
+
+
+def run(variant: str, args, out: str) -> dict:
+    key = "run.mode" if variant in PAIRS["mode"] else "run.backend"
     over = [
-        f"run.mode={mode}",
+        f"{key}={variant}",
         "run.max_staleness=1",
         f"run.steps={args.steps}",
         f"run.eval_every={args.steps}",
         f"run.out_dir={out}",
-        f"run.name={mode}",
+        f"run.name={variant}",
         "run.tensorboard=false",
         f"reward.scorers=[{{name: slow_shapes, params: {{delay_s: {args.delay}}}}}]",
+        f"ray.imports=[{Path(__file__).resolve()}]",  # the Ray hosts register slow_shapes too
     ]
     asyncio.run(train(load_config("recipes/shapes_nft.yaml", over)))
-    rows = read_metrics(f"{out}/{mode}")
+    rows = read_metrics(f"{out}/{variant}")
     last = rows[-1]
-    return {"mode": mode, "samples_per_s": round(last["perf/samples_per_s"], 3),
+    return {"run": variant, "samples_per_s": round(last["perf/samples_per_s"], 3),
             "wall_s": round(last["perf/wall_s"], 1), "steps": last["step"]}  # fmt: skip
 
 
@@ -59,16 +68,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--delay", type=float, default=0.2, help="seconds of waiting per batch")
+    p.add_argument("--pair", choices=sorted(PAIRS), default="mode")
     args = p.parse_args()
+    base, other = PAIRS[args.pair]
     with tempfile.TemporaryDirectory() as out:
-        rows = [run(mode, args, out) for mode in ("sync", "async")]
+        rows = [run(variant, args, out) for variant in (base, other)]
     for r in rows:
         print(json.dumps(r))
-    print(
-        json.dumps(
-            {"async_over_sync": round(rows[1]["samples_per_s"] / rows[0]["samples_per_s"], 3)}
-        )
-    )
+    ratio = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
+    print(json.dumps({f"{other}_over_{base}": round(ratio, 3)}))
 
 
 if __name__ == "__main__":

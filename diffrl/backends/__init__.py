@@ -5,8 +5,11 @@ below. Importing this package does not import Ray (an optional extra: ``pip inst
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from diffrl.errors import check, check_choice
 
@@ -37,8 +40,27 @@ class RayConfig:
     # TransferQueue (the data layer verl-omni uses; backends/ray.py, channel/transferqueue.py)
     channel: str = "object_store"  # object_store | transferqueue
     place_timeout_s: float = 60.0  # how long to wait for the pools to be placed
+    # modules (dotted names) or .py files every host imports before it builds its engines:
+    # plug-ins registered outside diffrl (a scorer, task or family) exist in each process
+    imports: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         check(self.num_cpus >= 0, "num_cpus", self.num_cpus, "must be >= 0")
         check_choice("channel", self.channel, ("object_store", "transferqueue"))
         check(self.place_timeout_s > 0, "place_timeout_s", self.place_timeout_s, "must be > 0")
+        for name in self.imports:
+            if name.endswith(".py"):
+                check(Path(name).is_file(), "imports", name, "a .py file that exists")
+
+
+def import_plugins(names: list[str]) -> None:
+    """Import each module or .py file (``ray.imports``) for its registrations."""
+    for name in names:
+        if not name.endswith(".py"):
+            importlib.import_module(name)
+            continue
+        path = Path(name).resolve()
+        spec = importlib.util.spec_from_file_location(f"diffrl_plugin_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)

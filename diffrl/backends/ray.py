@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from diffrl.backends import PoolConfig
+from diffrl.backends import PoolConfig, import_plugins
 from diffrl.channel import Channel
 from diffrl.config import Config
 from diffrl.controller.engines import (
@@ -44,6 +44,7 @@ from diffrl.controller.engines import (
     setup_process,
 )
 from diffrl.errors import ConfigError, DiffrlError
+from diffrl.models.registry import load_model
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.weights import SyncReport, WeightUpdate
 from diffrl.tasks import PromptSource, build_task
@@ -67,14 +68,39 @@ def _ray():
 # --- the hosts: one Ray actor each ----------------------------------------------------------
 
 
-class RolloutHost:
+class Host:
+    """A host keeps a DiffrlError raised while it builds its engines and raises it from
+    ``info``, the controller's first call: the run stops with the error's own message, not an
+    actor death."""
+
+    error: DiffrlError | None = None
+
     def __init__(self, cfg: Config, threads: int) -> None:
-        self.cfg = cfg
+        try:
+            import_plugins(cfg.ray.imports)
+            self.build(cfg, threads)
+        except DiffrlError as e:
+            self.error = e
+
+    def build(self, cfg: Config, threads: int) -> None:
+        raise NotImplementedError
+
+    def info(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        return self.describe()
+
+    def describe(self) -> dict:
+        return {}
+
+
+class RolloutHost(Host):
+    def build(self, cfg: Config, threads: int) -> None:
         side = rollout_side(cfg, setup_process(cfg, threads))
         self.side = side
         self.engines = {"rollout": side.rollout, "evaluator": side.evaluator}
 
-    def info(self) -> dict:
+    def describe(self) -> dict:
         s = self.side
         return {
             "train": s.train,
@@ -111,8 +137,8 @@ class RolloutHost:
         return self.engines[which].load_weights(update)
 
 
-class RewardHost:
-    def __init__(self, cfg: Config, threads: int) -> None:
+class RewardHost(Host):
+    def build(self, cfg: Config, threads: int) -> None:
         setup_process(cfg, threads)
         self.pool = RewardPool(cfg.reward)
 
@@ -126,17 +152,16 @@ class RewardHost:
         self.pool.observe_step(scored)
 
     async def close(self) -> None:
-        await close_pool(self.pool)
+        if self.error is None:
+            await close_pool(self.pool)
 
 
-class ActorHost:
-    def __init__(self, cfg: Config, threads: int) -> None:
+class ActorHost(Host):
+    def build(self, cfg: Config, threads: int) -> None:
         device = setup_process(cfg, threads)
-        from diffrl.models.registry import load_model
-
         self.actor = actor_side(cfg, load_model(cfg.model, device), device)
 
-    def info(self) -> dict:
+    def describe(self) -> dict:
         return {"version": self.actor.version, "eval_adapter": self.actor.eval_adapter}
 
     def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], int]:
@@ -394,6 +419,7 @@ def build_ray(cfg: Config) -> Engines:
         rewards_host = host(RewardHost, "reward", cfg.ray.reward, threads)
         actor_host = host(ActorHost, "actor", cfg.ray.actor, threads, max_concurrency=1)
         info = _get(rollout_host.info.remote())
+        _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
         actor = RemoteActor(actor_host)
