@@ -27,6 +27,7 @@ and ``score`` are awaited on the controller's event loop.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import uuid
 from dataclasses import dataclass
@@ -381,6 +382,20 @@ def _start_ray(cfg: Config) -> bool:
     return True
 
 
+def _start_transferqueue() -> bool:
+    """TransferQueue on this Ray cluster; True when this run started it (and so stops it)."""
+    if importlib.util.find_spec("transfer_queue") is None:
+        raise ConfigError(
+            "config key 'ray.channel' = 'transferqueue': TransferQueue is not installed here; "
+            "pip install -e '.[ray]' (or set ray.channel=object_store)"
+        )
+    from diffrl.channel.transferqueue import _controller, start_transferqueue
+
+    running = _controller() is not None
+    start_transferqueue()
+    return not running
+
+
 def build_ray(cfg: Config) -> Engines:
     ray = _ray()
     started = _start_ray(cfg)
@@ -400,6 +415,8 @@ def build_ray(cfg: Config) -> Engines:
         finally:
             shutdown()
 
+    tq_started = False
+
     def shutdown() -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -407,11 +424,17 @@ def build_ray(cfg: Config) -> Engines:
             ray.kill(a)
         for g in groups:
             remove_placement_group(g)
+        if tq_started:
+            from diffrl.channel.transferqueue import stop_transferqueue
+
+            stop_transferqueue()
         if started:
             ray.shutdown()
 
     try:
         _check_fits(cfg)
+        if cfg.ray.channel == "transferqueue":
+            tq_started = _start_transferqueue()
         # the threads a local run would use, unless run.threads says: the same numerics
         threads = cfg.run.threads or torch.get_num_threads()
         device = setup_process(cfg)  # the controller's own draws (prompt order) match local
