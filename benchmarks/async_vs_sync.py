@@ -5,6 +5,7 @@ batch (an awaited sleep, as a remote or model scorer waits; 0 = none).
 
     python benchmarks/async_vs_sync.py --steps 12 --delay 0.2
     python benchmarks/async_vs_sync.py --pair backend --steps 12 --delay 0.2
+    python benchmarks/async_vs_sync.py --pair backend --channel transferqueue --steps 12
 
 Both runs use the same seed, steps and threads; async runs with ``run.max_staleness=1``; Ray
 starts a local instance (all cores) for its run. samples/s is the run's own
@@ -56,6 +57,7 @@ def run(variant: str, args, out: str) -> dict:
         "run.tensorboard=false",
         f"reward.scorers=[{{name: slow_shapes, params: {{delay_s: {args.delay}}}}}]",
         f"ray.imports=[{Path(__file__).resolve()}]",  # the Ray hosts register slow_shapes too
+        f"ray.channel={args.channel}",
     ]
     asyncio.run(train(load_config("recipes/shapes_nft.yaml", over)))
     rows = read_metrics(f"{out}/{variant}")
@@ -69,6 +71,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--delay", type=float, default=0.2, help="seconds of waiting per batch")
     p.add_argument("--pair", choices=sorted(PAIRS), default="mode")
+    p.add_argument("--channel", choices=("object_store", "transferqueue"), default="object_store",
+                   help="how the Ray run's trajectories travel")  # fmt: skip
     args = p.parse_args()
     base, other = PAIRS[args.pair]
     with tempfile.TemporaryDirectory() as out:

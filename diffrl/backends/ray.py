@@ -254,9 +254,12 @@ class RemoteRollout:
 
         wire = TransferQueueChannel(f"diffrl-{uuid.uuid4().hex[:12]}", capacity=2)
         done = self.host.stream_to.remote(self.which, prompts, seed, kw, wire)
-        async for traj in wire:
-            await channel.put(traj, traj.policy_version)
-        await _await(done)  # the host's error, if the rollout failed
+        try:
+            async for traj in wire:
+                await channel.put(traj, traj.policy_version)
+            await _await(done)  # the host's error, if the rollout failed
+        finally:
+            wire.delete()  # the partition and its end-of-stream key
 
     async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory:
         return await _await(self.host.generate.remote(self.which, prompts, seed, kw))
