@@ -51,7 +51,10 @@ class RunConfig:
     # actor (controller/async_.py); max_staleness=0 gives sync's results exactly
     mode: str = "sync"  # sync | async
     max_staleness: int = 1  # async: a trained batch is at most this many updates old
-    stale: str = "drop"  # async: a record past max_staleness is dropped, or kept (and counted)
+    # async: a record past max_staleness is dropped, kept (and counted), or corrected: kept, and
+    # trained with the loss's importance ratio against its recorded rollout log-probs (FlowGRPO's
+    # clipped ratio, which keep uses too; refused for an algorithm without one, such as NFT)
+    stale: str = "drop"  # drop | keep | correct
     # where the engines run: this process (local), or Ray actors on their own resource pools
     # (ray; settings in the `ray` section). Same loop, same results at the same seed
     backend: str = "local"  # local | ray
@@ -82,7 +85,7 @@ class RunConfig:
             self.max_staleness,
             "must be >= 0 (policy versions a trained batch may lag the actor; 0 = on-policy)",
         )
-        check_choice("stale", self.stale, ("drop", "keep"))
+        check_choice("stale", self.stale, ("drop", "keep", "correct"))
         check_choice("backend", self.backend, ("local", "ray"))
 
 

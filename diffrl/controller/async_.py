@@ -19,6 +19,9 @@ older sync's). The bound holds twice:
 2. where records are consumed: the actor measures each record's staleness against its own
    version and drops one past the bound (``run.stale=keep`` trains on it), counting it in
    ``async/dropped`` beside ``async/staleness_max`` and ``async/staleness_mean``.
+   ``run.stale=correct`` keeps it too, for an algorithm whose loss weighs each sample by the
+   ratio of the current policy to the recorded rollout log-probs (FlowGRPO's clipped ratio:
+   the importance correction); an algorithm without one is refused at start-up.
 
 Weights reach the rollout only between its batches: after update k the actor refreshes
 ``old`` itself (actor state) and exports the plan's adapter; if the rollout is between
@@ -206,7 +209,7 @@ async def _train_async(cfg: Config, parts: Engines) -> Path:
     first_plan = parts.algorithm.weight_plan(start + 1, cfg.algorithm)
     parts.rollout.load_weights(parts.actor.export_weights(first_plan.rollout_adapter))
     clock = Clock(start, parts.actor.version, cfg.run.max_staleness, cfg.run.steps)
-    bound = Staleness(cfg.run.max_staleness, keep=cfg.run.stale == "keep")
+    bound = Staleness(cfg.run.max_staleness, keep=cfg.run.stale in ("keep", "correct"))
     channel = Channel()  # unbounded: the gate bounds how far the rollout runs ahead
     producer = asyncio.create_task(produce(parts, clock, channel, start))
     t0, samples, eval_m = time.time() - wall0, 0, {}

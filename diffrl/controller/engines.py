@@ -194,6 +194,12 @@ def build(cfg: Config) -> Engines:
     (``diffrl.backends.ray``) behind the same Protocols."""
     algorithm = get_algorithm(cfg.algorithm.name)
     check_rollout_for(algorithm, cfg)
+    if cfg.run.mode == "async" and cfg.run.stale == "correct" and not algorithm.needs_logprobs:
+        raise ConfigError(
+            f"config key 'run.stale' = 'correct': {algorithm.name} has no importance ratio to "
+            "correct a stale sample with (it trains on final samples, not on recorded "
+            "log-probs); use run.stale=drop or keep"
+        )
     if cfg.run.backend == "ray":
         from diffrl.backends.ray import build_ray  # ray is an optional extra
 

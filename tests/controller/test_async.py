@@ -143,6 +143,16 @@ def test_config_errors(override, says):
         load_config(RECIPE, [override])
 
 
+def test_stale_correct_needs_an_importance_ratio(tiny_checkpoint, tmp_path):
+    """run.stale=correct keeps stale records for a loss with a ratio against the recorded
+    log-probs (FlowGRPO); NFT has none and is refused before any work."""
+    over = tiny_run(tiny_checkpoint, tmp_path, 1, *FAST, "run.mode=async", "run.stale=correct")
+    with pytest.raises(ConfigError, match=r"'run.stale' = 'correct': diffusion_nft has no"):
+        build(load_config(RECIPE, over))
+    grpo = load_config("recipes/shapes_grpo.yaml", over)
+    assert grpo.run.stale == "correct" and build(grpo).algorithm.needs_logprobs
+
+
 def test_config_defaults():
     run = load_config(RECIPE).run
     assert (run.mode, run.max_staleness, run.stale) == ("sync", 1, "drop")
