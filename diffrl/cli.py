@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 
@@ -25,7 +26,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _recipe_config(args.args)
     root = asyncio.run(train(cfg))
-    print(f"run directory: {root}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(f"run directory: {root}")
     return 0
 
 
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan", help="per-GPU memory of a recipe's layout, by component, and the knob to turn"
     )
     p.add_argument("args", nargs="*", help="[RECIPE.yaml] [key=value ...]")
-    # the parallel degrees are plan-only options: the config has no parallel section yet
+    # the parallel degrees: the recipe's parallel.* keys, overridden by these; the world size is
+    # this flag's here (diffrl train takes the launcher's)
     for flag in ("world-size", "tp", "etp", "dp-shard", "dp-replicate", "sp"):
         p.add_argument(f"--{flag}", type=int, help="parallel degree (default 1; dp-shard: fill)")
     p.add_argument("--gpu-gb", type=_positive(float), default=141.0, help="GiB per GPU (H200)")

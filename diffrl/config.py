@@ -19,6 +19,7 @@ from diffrl.algorithms.registry import AlgorithmConfig, get_algorithm, registere
 from diffrl.backends import RayConfig
 from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.registry import ModelConfig
+from diffrl.parallel.launch import ParallelConfig
 from diffrl.reward.pool import RewardConfig
 from diffrl.rollout.engine import RolloutConfig
 from diffrl.tasks.base import TaskConfig
@@ -98,6 +99,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)  # run.backend=ray only
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun (launch.py)
     algorithm: Any = None  # the registered algorithm's own frozen config dataclass
 
 

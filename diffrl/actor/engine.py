@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
+from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, hash_rows
 from diffrl.sync.weights import LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
@@ -76,6 +78,10 @@ class ActorConfig:
     # them (diffusers' enable_gradient_checkpointing): a real-size model's training step fits
     # beside the rollout's copy (Qwen-Image on one H200 ran out of memory without it)
     activation_checkpointing: bool = False
+    # regional torch.compile of the transformer's blocks once peft has wrapped them (as
+    # rollout.compile; diffrl/models/compile.py): each adapter state the losses switch to (old,
+    # default, disabled) compiles once. Needs a compiler toolchain (inductor); off by default
+    compile: bool = False
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 
     def validate(self) -> None:
@@ -139,6 +145,19 @@ def host_floats(metrics: dict) -> dict[str, float]:
     return {**metrics, **dict(zip(keys, values, strict=True))}
 
 
+def average_over(group, grads: list[Tensor], loss: Tensor) -> Tensor:
+    """The data-parallel ranks' gradients and losses averaged in place, in fp32, in one
+    all-reduce; returns the averaged loss. Every rank then takes the same step."""
+    flat = torch.cat([g.float().reshape(-1) for g in grads] + [loss.float().reshape(1)])
+    torch.distributed.all_reduce(flat, group=group)
+    flat /= torch.distributed.get_world_size(group)
+    start = 0
+    for g in grads:
+        g.copy_(flat[start : start + g.numel()].view_as(g))
+        start += g.numel()
+    return flat[-1]
+
+
 class ActorEngine:
     def __init__(
         self,
@@ -149,8 +168,14 @@ class ActorEngine:
         algo_cfg,
         device: torch.device,
         seed: int = 0,
+        shard: Callable[[torch.nn.Module], None] | None = None,
+        dp_group=None,
     ) -> None:
+        """``shard`` (data parallel, ``parallel/fsdp.py``) shards the peft-wrapped model in
+        place once its adapters exist; ``dp_group`` is the process group whose ranks each train
+        on a slice of the batch: the adapters' gradients and the loss are averaged over it."""
         self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
+        self.dp_group = dp_group
         lora = LoraConfig(
             r=cfg.lora.rank,
             lora_alpha=cfg.lora.alpha,
@@ -177,6 +202,9 @@ class ActorEngine:
             raise DiffrlError(f"LoRA targets {missing or targets} matched no module of the model")
         for name in self.frozen:  # == default at start (peft inits A randomly per adapter)
             self.blend(name, decay=0.0)
+        self.compiled = compile_blocks(model, "actor.compile") if cfg.compile else 0
+        if shard is not None:
+            shard(self.model)
         self.params = [p for n, p in self.model.named_parameters() if ".default." in n]
         for p in self.params:
             p.requires_grad_(True)
@@ -267,6 +295,11 @@ class ActorEngine:
             total = total + loss.detach().float() * w
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v * w
+        if self.dp_group is not None:
+            for p in self.params:  # a rank whose slice left an adapter unused still reduces it
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            total = average_over(self.dp_group, [p.grad for p in self.params], total)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         total, grad_norm = torch.stack([total, norm.float().to(total.device)]).tolist()
         metrics = host_floats(metrics)

@@ -23,6 +23,10 @@ from diffrl.errors import ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
 from diffrl.models.family import FamilyModel
 from diffrl.models.registry import load_model, lora_targets
+from diffrl.parallel.fsdp import shard_frozen_base
+from diffrl.parallel.launch import SOLO, Ranks, local_device
+from diffrl.parallel.launch import start as start_ranks
+from diffrl.parallel.launch import stop as stop_ranks
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.tasks import PromptSet, PromptSource, Task, build_task
@@ -45,6 +49,9 @@ class Engines:
     probe: ProbeReport | None
     # releases what the engines hold (scorer clients, remote actors); awaited once at the end
     close: Callable[[], Awaitable[None]] | None = None
+    # the other processes of a torchrun launch (parallel/launch.py): who writes the run
+    # directory, metrics averaged over ranks, a stop any rank saw. One process: SOLO
+    ranks: Ranks = SOLO
 
     async def aclose(self) -> None:
         if self.close is not None:
@@ -143,11 +150,12 @@ class RolloutSide:
 
 def setup_process(cfg: Config, threads: int = 0) -> torch.device:
     """Threads, seeds and device: the same in every process that builds an engine, so each
-    one's random draws are those of the one-process run."""
+    one's random draws are those of the one-process run (a torchrun rank's device is its own
+    GPU)."""
     if threads or cfg.run.threads:
         torch.set_num_threads(threads or cfg.run.threads)
     seed_everything(cfg.run.seed)
-    return pick_device(cfg.run.device)
+    return pick_device(local_device(cfg.run.device))
 
 
 def rollout_side(cfg: Config, device: torch.device) -> RolloutSide:
@@ -179,13 +187,19 @@ def actor_targets(cfg: Config) -> list[str]:
     return list(cfg.actor.lora.targets) or list(lora_targets(cfg.model))
 
 
-def actor_side(cfg: Config, base: FamilyModel, device: torch.device) -> ActorEngine:
+def actor_side(
+    cfg: Config, base: FamilyModel, device: torch.device, ranks: Ranks = SOLO
+) -> ActorEngine:
     """The actor over ``base`` (peft wraps it in place). Built after ``load_model`` with no
-    random draw in between, in one process or in its own."""
+    random draw in between, in one process or in its own. Under torchrun the frozen base is
+    sharded over the data-parallel ranks and the adapters' gradients averaged over them."""
     algorithm = get_algorithm(cfg.algorithm.name)
+    dp = ranks.dp_size > 1
     return ActorEngine(
         base, actor_with_horizon(cfg), actor_targets(cfg), algorithm, cfg.algorithm, device,
         cfg.run.seed,
+        shard=shard_frozen_base(ranks.meshes.fsdp_mesh) if dp else None,
+        dp_group=ranks.dp_group if dp else None,
     )  # fmt: skip
 
 
@@ -204,16 +218,30 @@ def build(cfg: Config) -> Engines:
         from diffrl.backends.ray import build_ray  # ray is an optional extra
 
         return build_ray(cfg)
+    ranks = start_ranks(cfg)  # torchrun: the process group and meshes; else SOLO
     device = setup_process(cfg)
     side = rollout_side(cfg, device)
+    # a data-parallel rank rolls out its slice of each step's prompts, with the per-sample
+    # seeds those rows have in the one-process run
+    per_rank = cfg.data.prompts_per_step // ranks.dp_size
+    side.rollout.sample_offset = ranks.dp_rank * per_rank * cfg.rollout.group_size
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced=set(side.rollout.produces))
-    actor = actor_side(cfg, side.base, device)
+    actor = actor_side(cfg, side.base, device, ranks)
+
+    async def close() -> None:
+        try:
+            await close_pool(rewards)
+        finally:
+            stop_ranks()
+
     return Engines(
         cfg,
         device,
         side.task,
-        PromptSource(side.train, cfg.data.prompts_per_step, cfg.run.seed),
+        PromptSource(
+            side.train, cfg.data.prompts_per_step, cfg.run.seed, (ranks.dp_rank, ranks.dp_size)
+        ),
         side.eval_set,
         side.rollout,
         side.evaluator,
@@ -221,7 +249,8 @@ def build(cfg: Config) -> Engines:
         actor,
         algorithm,
         side.probe,
-        close=lambda: close_pool(rewards),
+        close=close,
+        ranks=ranks,
     )
 
 

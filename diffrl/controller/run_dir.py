@@ -178,6 +178,36 @@ class RunDir:
             self.tb.close()
 
 
+class FollowerRunDir(RunDir):
+    """The run directory as a rank other than 0 sees it under torchrun: it reads what rank 0
+    writes (checkpoints, to resume from) and writes nothing."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.metrics_path, self.tb = root, root / "metrics.jsonl", None
+
+    def write_config(self, text: str) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def save_grid(self, *args, **kw) -> None:
+        pass
+
+    def save_clips(self, *args, **kw) -> None:
+        pass
+
+    def save_curves(self) -> None:
+        pass
+
+
+def open_run_dir(root: Path, tensorboard: bool, primary: bool = True) -> RunDir:
+    return RunDir(root, tensorboard) if primary else FollowerRunDir(root)
+
+
 def _replace_atomically(path: Path, text: str) -> None:
     """Write ``path`` so that a kill leaves either the old file or the new one, whole."""
     with media.replacing(path) as tmp:

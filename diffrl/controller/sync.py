@@ -28,7 +28,7 @@ from diffrl.algorithms.registry import WeightPlan
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
 from diffrl.controller.engines import Engines, build
-from diffrl.controller.run_dir import RunDir
+from diffrl.controller.run_dir import RunDir, open_run_dir
 from diffrl.controller.signals import StopSignals
 from diffrl.hostmem import peak_rss_bytes
 from diffrl.reward.pool import reward_summary
@@ -106,6 +106,9 @@ def apply_plan(parts: Engines, plan: WeightPlan) -> dict[str, float]:
 
 
 def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
+    """Rank 0 writes it (every rank holds the same adapters and optimizer state)."""
+    if not parts.ranks.primary:
+        return
     save_checkpoint(
         run.root / "checkpoints",
         step,
@@ -151,12 +154,15 @@ async def close_step(
     bar, a checkpoint when due or when stopping. Returns (the loop stops here, the latest eval
     metrics)."""  # fmt: skip
     cfg = parts.cfg
-    out_of_time = cfg.run.max_minutes and time.time() - t0 > 60 * cfg.run.max_minutes
+    # every rank of a torchrun launch takes the same decisions (a clock or a signal may differ)
+    out_of_time = parts.ranks.any(
+        bool(cfg.run.max_minutes) and time.time() - t0 > 60 * cfg.run.max_minutes
+    )
     if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
         eval_m = await run_eval(parts, run, done)
         metrics.update(eval_m)
     run.log(done, metrics)
-    if stop.requested:
+    if parts.ranks.any(stop.requested):
         checkpoint(parts, run, done, time.time() - t0)
         return True, eval_m
     bar.set_postfix(
@@ -183,7 +189,8 @@ async def train(cfg: Config) -> Path:
 
 
 async def train_sync(cfg: Config, parts: Engines) -> Path:
-    run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
+    root = Path(cfg.run.out_dir) / cfg.run.name
+    run = open_run_dir(root, cfg.run.tensorboard, parts.ranks.primary)
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)
     plan_of = lambda k: parts.algorithm.weight_plan(k, cfg.algorithm)  # noqa: E731
@@ -192,7 +199,10 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
     if start == 0:
         eval_m = await run_eval(parts, run, 0)
         run.log(0, {**eval_m, "probe/cosine": parts.probe.cosine if parts.probe else float("nan")})
-    bar = tqdm(range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train")
+    bar = tqdm(
+        range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train",
+        disable=not parts.ranks.primary,
+    )  # fmt: skip
     t_rate = time.time()
     prefetch = None  # step k+1's rollout, started early when update k cannot change its weights
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
@@ -206,10 +216,11 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
             # the loop drives the prefetch while the update runs in a worker thread
             metrics = await asyncio.to_thread(parts.actor.train_step, batch)
             metrics.update(apply_plan(parts, plan))
-            samples += len(scored)
+            samples += len(scored) * parts.ranks.dp_size  # every rank's slice
             done = step + 1
             metrics.update(r_metrics)
             metrics.update(perf_metrics(samples, t_rate, t0))
+            metrics = parts.ranks.mean(metrics)  # the whole batch's, under torchrun
             last, eval_m = await close_step(
                 parts, run, stop, bar, done, metrics, t0, eval_m,
                 samples_s=f"{metrics['perf/samples_per_s']:.1f}",

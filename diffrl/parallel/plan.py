@@ -104,9 +104,9 @@ WEIGHT_SHARDS = (ColwiseParallel, RowwiseParallel, ShardedRMSNorm)  # TP styles 
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """What the config cannot say yet: the parallel degrees (there is no ``parallel`` config
-    section; when there is one, its keys are read and these override them where given), and
-    the plan-only switches. ``None`` = take the config's (or the family's) value."""
+    """The parallel degrees (the config's ``parallel`` section, overridden here where given;
+    the world size is the planner's own, since there is no launcher) and the plan-only
+    switches. ``None`` = take the config's (or the family's) value."""
 
     world_size: int | None = None
     tp: int | None = None

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from diffrl.channel import Channel
 from diffrl.errors import check, check_choice
+from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel
 from diffrl.rollout.samplers import (
     STOCHASTIC_STEPS,
@@ -176,23 +177,6 @@ def sample_seeds(base_seed: int, n: int) -> Tensor:
     return torch.randint(0, 2**62, (n,), generator=g, dtype=torch.int64)
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
-    """Compile, in place, every block of the transformer's block lists (``nn.ModuleList``
-    children of ``model.net.transformer``, or of the net itself); returns how many. Weight sync
-    changes the blocks' weights in place, which compiled code reads as inputs."""
-    net = model.net
-    root = getattr(net, "transformer", net)
-    n = 0
-    for child in root.children():
-        if isinstance(child, torch.nn.ModuleList):
-            for block in child:
-                block.compile(dynamic=None)
-                n += 1
-    if not n:
-        raise ValueError(f"rollout.compile: {type(root).__name__} has no block lists to compile")
-    return n
-
-
 class RolloutEngine:
     def __init__(
         self,
@@ -222,6 +206,9 @@ class RolloutEngine:
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
         self.target = MergedLoraTarget(self.model, lora_targets, slot_map, cfg.base_copy)
         self.compiled = compile_blocks(self.model) if cfg.compile else 0
+        # rows of the one-process batch before this engine's (a data-parallel rank's slice):
+        # its samples take the per-sample seeds those rows have there
+        self.sample_offset = 0
 
     @property
     def produces(self) -> frozenset[str]:
@@ -254,7 +241,8 @@ class RolloutEngine:
         on the worker thread and on channel back-pressure."""
         g = group_size or self.cfg.group_size
         per = max(1, self.cfg.max_batch // g)  # prompts per micro-batch
-        seeds = sample_seeds(seed, len(prompts) * g)
+        offset = self.sample_offset
+        seeds = sample_seeds(seed, offset + len(prompts) * g)[offset:]
         mask = self.sde_mask(
             sampler or self.cfg.sampler, num_steps or self.cfg.num_steps, iteration, seed
         )

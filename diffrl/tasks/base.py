@@ -123,14 +123,23 @@ class PromptSource:
     """Training prompts for step k depend only on (seed, k), so a resumed run sees exactly
     the prompts the interrupted one would have."""
 
-    def __init__(self, prompt_set: PromptSet, per_step: int, seed: int) -> None:
+    def __init__(
+        self, prompt_set: PromptSet, per_step: int, seed: int, part: tuple[int, int] = (0, 1)
+    ) -> None:
+        """``part`` = (k, n): this source yields the k-th of n equal slices of each step's
+        prompts (a data-parallel rank's share; ``per_step`` must be a multiple of n)."""
         self.set, self.per_step, self.seed = prompt_set, per_step, seed
+        self.part = part
+        if per_step % part[1]:
+            raise ValueError(f"{per_step} prompts per step do not split into {part[1]} slices")
 
     def at(self, step: int) -> PromptBatch:
         rng = np.random.default_rng([self.seed, step])
         n = len(self.set)
         idx = rng.choice(n, size=self.per_step, replace=self.per_step > n)
-        return self.set.batch(idx)
+        k, parts = self.part
+        share = self.per_step // parts
+        return self.set.batch(idx[k * share : (k + 1) * share])
 
 
 def first_of_each_prompt(traj: Trajectory) -> np.ndarray:

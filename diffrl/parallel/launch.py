@@ -1,0 +1,183 @@
+"""``diffrl train`` over several processes: ``torchrun --nproc-per-node N -m diffrl.cli train ...``.
+
+The ``parallel`` config section holds the degrees (``ParallelConfig``). Without torchrun the
+world is one process, and nothing here starts a process group. Under torchrun, ``start``
+validates the degrees against the launcher's world before any model is loaded, joins the
+process group (nccl on GPUs, one device per local rank; gloo on CPU) and builds the meshes.
+
+What a run splits today is the data. Each data-parallel rank:
+- rolls out and scores its own slice of the step's prompts, with the per-sample seeds those
+  rows have in the one-process run (``RolloutEngine.sample_offset``), so the ranks' samples
+  together are the one-process run's samples;
+- trains on its slice with the frozen base sharded by FSDP2 (``fully_shard`` per transformer
+  block, then the root) and the LoRA adapters replicated, their gradients averaged over the
+  data-parallel ranks in fp32 before clipping (``ActorEngine``'s ``dp_group``).
+
+Every rank runs the same controller loop. Rank 0 writes the run directory. The step's metrics
+are means over the ranks, and a stop signal seen by any rank stops all of them at the same
+step (``Ranks``). Held-out eval runs on every rank, on the whole eval set, and gives the same
+result on each. ``parallel.tp``, ``sp`` and ``etp`` above 1 are planned by ``diffrl plan`` and
+tested on their own (``tests/parallel``); ``diffrl train`` refuses them until the actor applies
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from diffrl.errors import ConfigError, check
+from diffrl.parallel.dims import KEY, Meshes, ParallelDims, build_meshes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The degrees of ``ParallelDims`` as config keys (``parallel.*``); the world size is the
+    launcher's (torchrun's ``WORLD_SIZE``)."""
+
+    dp_replicate: int = 1  # HSDP replicas
+    dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
+    sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
+    tp: int = 1  # tensor parallelism of the DiT (planned; not applied by diffrl train yet)
+    etp: int = 1  # tensor parallelism of the text encoder (planned; not applied yet)
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "sp", "tp", "etp"):
+            value = getattr(self, name)
+            check(value >= 1, name, value, "must be an integer >= 1 (1 = off)")
+        check(
+            self.dp_shard >= 1 or self.dp_shard == -1,
+            "dp_shard",
+            self.dp_shard,
+            "must be >= 1, or -1 for whatever the other degrees leave of the world",
+        )
+
+    def dims(self) -> ParallelDims:
+        """These degrees over the launcher's world, validated (ConfigError naming the key)."""
+        return ParallelDims.from_env(**dataclasses.asdict(self)).validate()
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """What the controller needs to know of the other processes: whether this one writes the
+    run directory, the step's metrics averaged over the data-parallel ranks, and a flag any
+    rank raised. One process: primary, and both are the identity."""
+
+    rank: int = 0
+    world: int = 1
+    meshes: Meshes | None = None
+
+    @property
+    def primary(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.meshes.dp_rank if self.meshes is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.meshes.dp_size if self.meshes is not None else 1
+
+    @property
+    def dp_group(self):
+        """The process group gradients are averaged over; None in one process."""
+        if self.meshes is None or self.meshes.main is None:
+            return None
+        return self.meshes.fsdp_mesh.get_group() if self.meshes.dims.dp_replicate == 1 else None
+
+    def mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each metric averaged over every rank (all hold the same keys: same loop, same step)."""
+        if self.world == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        t = _on_backend(t)
+        dist.all_reduce(t)
+        return dict(zip(keys, (t.cpu() / self.world).tolist(), strict=True))
+
+    def any(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = _on_backend(torch.tensor([1.0 if flag else 0.0]))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+
+SOLO = Ranks()
+
+
+def _on_backend(t: torch.Tensor) -> torch.Tensor:
+    """nccl reduces CUDA tensors only."""
+    if dist.get_backend() == "nccl":
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_device(name: str) -> str:
+    """``run.device`` for this rank: under torchrun, ``auto`` and ``cuda`` mean this rank's
+    own GPU (``cuda:LOCAL_RANK``)."""
+    if world_size() > 1 and name in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return name
+
+
+def start(cfg) -> Ranks:
+    """Validate ``cfg.parallel`` against the world, join the process group and build the
+    meshes; ``SOLO`` without torchrun."""
+    dims = cfg.parallel.dims()
+    if dims.world_size == 1:
+        return SOLO
+    unsupported = [k for k in ("tp", "sp", "etp") if getattr(dims, k) > 1]
+    if unsupported:
+        keys = ", ".join(f"{KEY}.{k}={getattr(dims, k)}" for k in unsupported)
+        raise ConfigError(
+            f"{keys}: diffrl train shards the data only today (FSDP2 over dp_shard and "
+            "dp_replicate); tensor, sequence and encoder parallelism are planned by diffrl plan "
+            f"and tested on their own. Set {KEY}.tp, {KEY}.sp and {KEY}.etp to 1"
+        )
+    if dims.dp_replicate > 1:
+        raise ConfigError(
+            f"{KEY}.dp_replicate={dims.dp_replicate}: HSDP replicas are not wired into diffrl "
+            f"train yet; set {KEY}.dp_replicate=1 ({KEY}.dp_shard=-1 fills the world)"
+        )
+    if cfg.run.mode != "sync" or cfg.run.backend != "local":
+        raise ConfigError(
+            f"config keys 'run.mode' = {cfg.run.mode!r}, 'run.backend' = {cfg.run.backend!r}: "
+            "under torchrun diffrl train runs the sync loop on the local backend"
+        )
+    if cfg.data.prompts_per_step % dims.dp:
+        raise ConfigError(
+            f"config key 'data.prompts_per_step' = {cfg.data.prompts_per_step}: each of the "
+            f"{dims.dp} data-parallel ranks rolls out an equal slice of the step's prompts, so "
+            f"it must be a multiple of {dims.dp}"
+        )
+    name = local_device(cfg.run.device)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    meshes = build_meshes(dims, device.type)
+    rank = dist.get_rank()
+    if rank:  # one voice in the console: the others log warnings and errors only
+        logging.getLogger("diffrl").setLevel(logging.WARNING)
+    return Ranks(rank, dims.world_size, meshes)
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

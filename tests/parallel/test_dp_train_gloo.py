@@ -1,0 +1,221 @@
+"""`diffrl train` data-parallel over 2 gloo ranks (parallel/launch.py, parallel/fsdp.py): the
+ranks' rollouts are the one-process run's samples, the frozen base is sharded and the adapters
+stay identical on every rank, rank 0 alone writes the run directory, and a resumed run
+continues; the actor's FSDP2 forward with adapters averaged over ranks gives the one-process
+gradient; and the layouts diffrl train cannot run yet are refused before any work."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import free_port, run_ranks
+from tiny_runs import tiny_run
+
+from diffrl.config import load_config
+from diffrl.controller.run_dir import read_metrics
+from diffrl.controller.sync import train
+from diffrl.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this torch build",
+)
+
+RECIPE = "recipes/shapes_nft.yaml"
+PARTIAL = "reward.scorers=[{name: shapes, weight: 1.0, required: true, params: {mode: partial}}]"
+DEADLINE_S = 120.0
+
+
+def overrides(checkpoint: Path, out: Path, steps: int) -> list[str]:
+    return tiny_run(
+        checkpoint, out, steps, "rollout.num_steps=2", "actor.lr=1e-2", "run.eval_every=1",
+        "run.save_every=1", PARTIAL, "run.threads=1",
+    )  # fmt: skip
+
+
+def as_rank(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(k.encode() + tensors[k].float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _train_worker(rank: int, world: int, port: int, over: list[str], out: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from diffrl.controller.engines import build
+    from diffrl.controller.sync import train_sync
+
+    as_rank(rank, world, port)
+    cfg = load_config(RECIPE, over)
+    parts = build(cfg)
+    sharded = [
+        (p.to_local().numel(), p.numel())
+        for n, p in parts.actor.model.named_parameters()
+        if isinstance(p, DTensor)
+    ]
+    asyncio.run(train_sync(cfg, parts))
+    result = {
+        "adapters": digest(parts.actor.adapter_tensors()),
+        "sharded": len(sharded),
+        "local_frac": sum(a for a, _ in sharded) / max(1, sum(b for _, b in sharded)),
+        "lora_dtensor": any(
+            isinstance(p, DTensor) for n, p in parts.actor.model.named_parameters() if "lora_" in n
+        ),
+        "version": parts.actor.version,
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    asyncio.run(parts.aclose())  # leaves the process group
+
+
+def _run_ranks(world: int, over: list[str], out: Path) -> list[dict]:
+    run_ranks(_train_worker, world, (world, free_port(), over, str(out)), DEADLINE_S)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_two_ranks_train_as_one_process_would_sample(tiny_checkpoint, tmp_path):
+    one = read_metrics(
+        asyncio.run(train(load_config(RECIPE, overrides(tiny_checkpoint, tmp_path / "one", 2))))
+    )  # noqa: E501
+    dp_dir = tmp_path / "dp"
+    ranks = _run_ranks(2, overrides(tiny_checkpoint, dp_dir, 2), tmp_path)
+    rows = read_metrics(dp_dir / "shapes_nft")
+    assert [r["step"] for r in rows] == [0, 1, 2]  # rank 0 alone logs, once per step
+    # the untrained policy's eval, and step 1's samples (drawn before any update), are the
+    # one-process run's: each rank rolled out its slice with the one-process seeds
+    assert rows[0] == {**one[0], "time": rows[0]["time"]}
+    for key in [k for k in one[1] if k.startswith("reward/")]:
+        assert rows[1][key] == pytest.approx(one[1][key], rel=1e-6, abs=1e-7), key
+    assert rows[1]["actor/grad_norm"] > 0
+    # the ranks stay in step: the same adapters everywhere; the frozen base is sharded
+    assert ranks[0]["adapters"] == ranks[1]["adapters"] and ranks[0]["version"] == 2
+    for r in ranks:
+        assert r["sharded"] > 0 and r["local_frac"] == pytest.approx(0.5, abs=0.1)
+        assert not r["lora_dtensor"]  # adapters whole on every rank
+    # resumed to 3 steps: continues from rank 0's checkpoint, one row per step
+    _run_ranks(2, overrides(tiny_checkpoint, dp_dir, 3), tmp_path)
+    rows3 = read_metrics(dp_dir / "shapes_nft")
+    assert [r["step"] for r in rows3] == [0, 1, 2, 3]
+    assert rows3[:3] == rows
+    assert (dp_dir / "shapes_nft" / "checkpoints" / "latest").read_text().strip() == "step_000003"
+
+
+def _grad_worker(rank: int, world: int, port: int, arch, state, batch, out: str) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from diffrl.actor.engine import average_over
+    from diffrl.models.families.tiny_dit import build
+    from diffrl.parallel.dims import ParallelDims, build_meshes
+    from diffrl.parallel.fsdp import shard_frozen_base
+
+    as_rank(rank, world, port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = build_meshes(ParallelDims(world_size=world), "cpu").fsdp_mesh
+    model = build(arch)
+    model.load_state_dict(state)
+    torch.manual_seed(2)  # peft draws lora_A from the global generator
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS))
+    torch.manual_seed(3)
+    with torch.no_grad():  # B = 0 at init would give A no gradient
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    shard_frozen_base(mesh)(peft)
+    half = len(batch["x0"]) // world
+    mine = {k: v[rank * half : (rank + 1) * half] for k, v in batch.items()}
+    loss = _loss(peft, mine)
+    loss.backward()
+    params = [p for n, p in peft.named_parameters() if "lora_" in n and p.requires_grad]
+    mean_loss = average_over(dist.group.WORLD, [p.grad for p in params], loss.detach())
+    names = [n for n, p in peft.named_parameters() if "lora_" in n and p.requires_grad]
+    grads = {n: p.grad for n, p in zip(names, params, strict=True)}
+    torch.save({"loss": mean_loss, "grads": grads}, Path(out, f"grad{rank}.pt"))
+    dist.destroy_process_group()
+
+
+TARGETS = ["attn.qkv", "attn.proj"]
+
+
+def _loss(model, batch) -> torch.Tensor:
+    s = batch["sigma"][:, None, None, None]
+    v = model((1 - s) * batch["x0"] + s * batch["eps"], batch["sigma"], batch["input_ids"])
+    return ((v - (batch["eps"] - batch["x0"])) ** 2).mean()
+
+
+def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
+    tmp_path, tiny_model, train_batch_factory
+):
+    """Each of 2 ranks: the frozen base under FSDP2 (shard_frozen_base), LoRA whole, half the
+    batch, then average_over: the loss and every adapter gradient equal one process on the
+    whole batch (rtol 1e-5, atol 1e-6 x the tensor's largest |grad|: summation order)."""
+    from peft import LoraConfig, get_peft_model
+
+    g = torch.Generator().manual_seed(1)
+    tb = train_batch_factory(4)
+    batch = {"x0": tb.x0, "eps": torch.randn(tb.x0.shape, generator=g),
+             "sigma": torch.rand(4, generator=g), "input_ids": tb.input_ids}  # fmt: skip
+    state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    args = (2, free_port(), tiny_model.net.cfg, state, batch, str(tmp_path))
+    run_ranks(_grad_worker, 2, args, DEADLINE_S)
+    torch.manual_seed(2)
+    ref = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    loss = _loss(ref, batch)
+    loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if "lora_" in n and p.requires_grad}
+    assert any(w.abs().max() > 0 for w in want.values())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"grad{rank}.pt", weights_only=True)
+        torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=0)
+        assert got["grads"].keys() == want.keys()
+        for n, w in want.items():
+            floor = 1e-6 * w.abs().max().item()
+            torch.testing.assert_close(got["grads"][n], w, rtol=1e-5, atol=floor)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["parallel.tp=2"], r"parallel.tp=2: diffrl train shards the data only"),
+        (["parallel.dp_replicate=2"], r"parallel.dp_replicate=2: HSDP"),
+        (["run.mode=async"], r"under torchrun diffrl train runs the sync loop"),
+        (["data.prompts_per_step=3"], r"'data.prompts_per_step' = 3.*multiple of 2"),
+        (["parallel.dp_shard=3"], r"parallel: dp_replicate\*dp_shard\*sp\*tp = 1\*3\*1\*1 = 3"),
+    ],
+)
+def test_layouts_train_cannot_run_are_refused_first(
+    tiny_checkpoint, tmp_path, monkeypatch, extra, says
+):  # noqa: E501
+    """Under a 2-rank launch, before any process group or model: a clear error naming the key."""
+    from diffrl.controller.engines import build
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(RECIPE, [*overrides(tiny_checkpoint, tmp_path, 1), *extra])
+    with pytest.raises(ConfigError, match=says):
+        build(cfg)
+    assert not dist.is_initialized()
+
+
+def test_parallel_keys_are_checked_at_load():
+    with pytest.raises(ConfigError, match=r"'parallel.tp' = 0"):
+        load_config(RECIPE, ["parallel.tp=0"])
+    assert load_config(RECIPE).parallel.dp_shard == -1
