@@ -1,0 +1,39 @@
+"""Regional ``torch.compile``: each block of a transformer's block lists compiled in place, on its
+own (``rollout.compile``, ``actor.compile``).
+
+Identical blocks share one compiled graph: dynamo caches per code object (the block class's
+``forward``), so 24 SD3.5 blocks of three kinds (dual attention, plain, the last context-only
+one) compile three graphs, not 24, and compile time stays short. Every guard that fails adds
+an entry to that one cache: a block kind, a new shape (then one dynamic-shape graph covers the
+rest), grad mode, and in the actor each peft adapter state (``old``, ``default``, disabled),
+with the rollout's and the actor's blocks counted together when both compile in one process.
+That is about 3 kinds x (4 actor states + 2 rollout shapes) x 2 = 36 entries for SD3.5 with
+NFT and a KL term, past dynamo's default of 8 per code object, beyond which a block silently
+runs eager. So the blocks compiled here raise that limit for their own calls only (dynamo
+applies ``recompile_limit`` while it converts these frames) to ``RECOMPILE_LIMIT``; the global
+``accumulated_recompile_limit`` (256) still caps a runaway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RECOMPILE_LIMIT = 64
+
+
+def compile_blocks(model: torch.nn.Module, key: str = "rollout.compile") -> int:
+    """Compile, in place, every block of the transformer's block lists (``nn.ModuleList``
+    children of ``model.net.transformer``, or of the net itself); returns how many. Weight sync
+    and adapter updates change the blocks' weights in place, which compiled code reads as
+    inputs. ``key`` names the config option in the error for a net without block lists."""
+    net = model.net
+    root = getattr(net, "transformer", net)
+    n = 0
+    for child in root.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                block.compile(dynamic=None, recompile_limit=RECOMPILE_LIMIT)
+                n += 1
+    if not n:
+        raise ValueError(f"{key}: {type(root).__name__} has no block lists to compile")
+    return n
