@@ -10,8 +10,9 @@ What a run splits today is the data. Each data-parallel rank:
   rows have in the one-process run (``RolloutEngine.sample_offset``), so the ranks' samples
   together are the one-process run's samples;
 - trains on its slice with the frozen base sharded by FSDP2 (``fully_shard`` per transformer
-  block, then the root) and the LoRA adapters replicated, their gradients averaged over the
-  data-parallel ranks in fp32 before clipping (``ActorEngine``'s ``dp_group``).
+  block, then the root, over ``dp_shard``; HSDP over ``dp_replicate`` x ``dp_shard``) and the
+  LoRA adapters replicated, their gradients averaged over the data-parallel ranks in fp32
+  before clipping (``ActorEngine``'s ``dp_group``).
 
 Every rank runs the same controller loop. Rank 0 writes the run directory. The step's metrics
 are means over the ranks, and a stop signal seen by any rank stops all of them at the same
@@ -88,10 +89,12 @@ class Ranks:
 
     @property
     def dp_group(self):
-        """The process group gradients are averaged over; None in one process."""
+        """The process group gradients are averaged over: every data-parallel rank, across
+        the replicas of HSDP too (diffrl train runs no TP or SP, so that is the whole world);
+        None in one process."""
         if self.meshes is None or self.meshes.main is None:
             return None
-        return self.meshes.fsdp_mesh.get_group() if self.meshes.dims.dp_replicate == 1 else None
+        return dist.group.WORLD
 
     def mean(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each metric averaged over every rank (all hold the same keys: same loop, same step)."""
@@ -146,11 +149,6 @@ def start(cfg) -> Ranks:
             f"{keys}: diffrl train shards the data only today (FSDP2 over dp_shard and "
             "dp_replicate); tensor, sequence and encoder parallelism are planned by diffrl plan "
             f"and tested on their own. Set {KEY}.tp, {KEY}.sp and {KEY}.etp to 1"
-        )
-    if dims.dp_replicate > 1:
-        raise ConfigError(
-            f"{KEY}.dp_replicate={dims.dp_replicate}: HSDP replicas are not wired into diffrl "
-            f"train yet; set {KEY}.dp_replicate=1 ({KEY}.dp_shard=-1 fills the world)"
         )
     if cfg.run.mode != "sync" or cfg.run.backend != "local":
         raise ConfigError(

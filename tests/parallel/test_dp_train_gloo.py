@@ -114,7 +114,9 @@ def test_two_ranks_train_as_one_process_would_sample(tiny_checkpoint, tmp_path):
     assert (dp_dir / "shapes_nft" / "checkpoints" / "latest").read_text().strip() == "step_000003"
 
 
-def _grad_worker(rank: int, world: int, port: int, arch, state, batch, out: str) -> None:
+def _grad_worker(
+    rank: int, world: int, port: int, replicas: int, arch, state, batch, out: str
+) -> None:
     from peft import LoraConfig, get_peft_model
 
     from diffrl.actor.engine import average_over
@@ -125,7 +127,8 @@ def _grad_worker(rank: int, world: int, port: int, arch, state, batch, out: str)
     as_rank(rank, world, port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    mesh = build_meshes(ParallelDims(world_size=world), "cpu").fsdp_mesh
+    dims = ParallelDims(dp_replicate=replicas, world_size=world)
+    mesh = build_meshes(dims, "cpu").fsdp_mesh  # 1-D FSDP, or 2-D HSDP with replicas
     model = build(arch)
     model.load_state_dict(state)
     torch.manual_seed(2)  # peft draws lora_A from the global generator
@@ -157,12 +160,16 @@ def _loss(model, batch) -> torch.Tensor:
     return ((v - (batch["eps"] - batch["x0"])) ** 2).mean()
 
 
+@pytest.mark.parametrize(
+    ("world", "replicas"), [(2, 1), (4, 2)], ids=["fsdp_2ranks", "hsdp_2x2ranks"]
+)
 def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
-    tmp_path, tiny_model, train_batch_factory
+    tmp_path, tiny_model, train_batch_factory, world, replicas
 ):
-    """Each of 2 ranks: the frozen base under FSDP2 (shard_frozen_base), LoRA whole, half the
-    batch, then average_over: the loss and every adapter gradient equal one process on the
-    whole batch (rtol 1e-5, atol 1e-6 x the tensor's largest |grad|: summation order)."""
+    """Each rank: the frozen base under FSDP2 (shard_frozen_base; HSDP with 2 replicas of 2
+    shards on 4 ranks), LoRA whole, its 1/world of the batch, then average_over: the loss and
+    every adapter gradient equal one process on the whole batch (rtol 1e-5, atol 1e-6 x the
+    tensor's largest |grad|: summation order)."""
     from peft import LoraConfig, get_peft_model
 
     g = torch.Generator().manual_seed(1)
@@ -170,8 +177,8 @@ def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
     batch = {"x0": tb.x0, "eps": torch.randn(tb.x0.shape, generator=g),
              "sigma": torch.rand(4, generator=g), "input_ids": tb.input_ids}  # fmt: skip
     state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
-    args = (2, free_port(), tiny_model.net.cfg, state, batch, str(tmp_path))
-    run_ranks(_grad_worker, 2, args, DEADLINE_S)
+    args = (world, free_port(), replicas, tiny_model.net.cfg, state, batch, str(tmp_path))
+    run_ranks(_grad_worker, world, args, DEADLINE_S)
     torch.manual_seed(2)
     ref = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS))
     torch.manual_seed(3)
@@ -183,7 +190,7 @@ def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
     loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters() if "lora_" in n and p.requires_grad}
     assert any(w.abs().max() > 0 for w in want.values())
-    for rank in range(2):
+    for rank in range(world):
         got = torch.load(tmp_path / f"grad{rank}.pt", weights_only=True)
         torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=0)
         assert got["grads"].keys() == want.keys()
@@ -196,7 +203,6 @@ def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
     ("extra", "says"),
     [
         (["parallel.tp=2"], r"parallel.tp=2: diffrl train shards the data only"),
-        (["parallel.dp_replicate=2"], r"parallel.dp_replicate=2: HSDP"),
         (["run.mode=async"], r"under torchrun diffrl train runs the sync loop"),
         (["data.prompts_per_step=3"], r"'data.prompts_per_step' = 3.*multiple of 2"),
         (["parallel.dp_shard=3"], r"parallel: dp_replicate\*dp_shard\*sp\*tp = 1\*3\*1\*1 = 3"),
