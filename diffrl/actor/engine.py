@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import Tensor
+from torch.distributed import ReduceOp
 
 from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
@@ -145,17 +146,36 @@ def host_floats(metrics: dict) -> dict[str, float]:
     return {**metrics, **dict(zip(keys, values, strict=True))}
 
 
-def average_over(group, grads: list[Tensor], loss: Tensor) -> Tensor:
+def average_over(group, grads: list[Tensor], loss: Tensor, rows: int | None = None) -> Tensor:
     """The data-parallel ranks' gradients and losses averaged in place, in fp32, in one
-    all-reduce; returns the averaged loss. Every rank then takes the same step."""
-    flat = torch.cat([g.float().reshape(-1) for g in grads] + [loss.float().reshape(1)])
+    all-reduce; returns the averaged loss. Every rank then takes the same step. With ``rows``,
+    ``grads`` and ``loss`` are this rank's sums over its ``rows`` rows, and the average is over
+    every rank's rows (ranks may hold different numbers); without, a plain mean over ranks."""
+    dev = loss.device
+    parts = [g.float().reshape(-1) for g in grads] + [loss.float().reshape(1).to(dev)]
+    if rows is not None:
+        parts.append(torch.tensor([float(rows)], device=dev))
+    flat = torch.cat(parts)
     torch.distributed.all_reduce(flat, group=group)
-    flat /= torch.distributed.get_world_size(group)
+    if rows is None:
+        flat /= torch.distributed.get_world_size(group)
+    else:
+        flat /= max(1.0, float(flat[-1]))
     start = 0
     for g in grads:
         g.copy_(flat[start : start + g.numel()].view_as(g))
         start += g.numel()
-    return flat[-1]
+    return flat[len(flat) - (1 if rows is None else 2)]
+
+
+def _reduce(t: Tensor, group, op) -> Tensor:
+    """``t`` all-reduced over ``group`` (on the GPU where the backend is nccl)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if (
+        torch.distributed.get_backend(group) == "nccl"
+    ) else t.device  # fmt: skip
+    t = t.to(dev)
+    torch.distributed.all_reduce(t, op=op, group=group)
+    return t.cpu()
 
 
 class ActorEngine:
@@ -250,6 +270,11 @@ class ActorEngine:
         check_token_hashes(batch, hash_rows)
         self.model.train()
         n = len(batch)
+        if self.dp_group is not None:  # every rank takes this step together
+            totals = self._train_step_dp(batch)
+            if self.device.type == "cpu":
+                release_host_memory()
+            return totals
         if n == 0:
             return {"actor/skipped_empty": 1.0}
         k = min(self.cfg.minibatches, n)
@@ -281,25 +306,28 @@ class ActorEngine:
             mb = batch.select(
                 torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
             )
-            w = len(mb) / n
-            if self.algorithm.partial_backward:  # one timestep's graph at a time
+            total = self._backward(mb, len(mb) / n, total, metrics)
+        return self._update(total, metrics)
 
-                def part_backward(part: Tensor, w: float = w) -> None:
-                    (part * w).backward()
+    def _backward(self, mb: TrainBatch, w: float, total: Tensor, metrics: dict) -> Tensor:
+        """One micro-batch's loss, back-propagated with weight ``w`` (its share of the
+        optimizer step's rows); adds its weighted loss and metrics to the step's sums."""
+        if self.algorithm.partial_backward:  # one timestep's graph at a time
 
-                loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen, part_backward)
-            else:
-                loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
-            if loss.requires_grad:
-                (loss * w).backward()
-            total = total + loss.detach().float() * w
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v * w
-        if self.dp_group is not None:
-            for p in self.params:  # a rank whose slice left an adapter unused still reduces it
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            total = average_over(self.dp_group, [p.grad for p in self.params], total)
+            def part_backward(part: Tensor, w: float = w) -> None:
+                (part * w).backward()
+
+            loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen, part_backward)
+        else:
+            loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
+        if loss.requires_grad:
+            (loss * w).backward()
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + v * w
+        return total + loss.detach().float() * w
+
+    def _update(self, total: Tensor, metrics: dict) -> dict[str, float]:
+        """Clip, guard against non-finite values, and take the optimizer step."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         total, grad_norm = torch.stack([total, norm.float().to(total.device)]).tolist()
         metrics = host_floats(metrics)
@@ -324,6 +352,44 @@ class ActorEngine:
         if self.cfg.ema_decay > 0:
             self.blend("ema", decay=min(self.cfg.ema_decay, self.version / (self.version + 1)))
         return {**metrics, "actor/loss": total, "actor/grad_norm": grad_norm, "actor/lr": lr}
+
+    def _train_step_dp(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over every data-parallel rank's slice, in lockstep.
+
+        The frozen base is sharded (FSDP2), so every forward and backward is a collective, and
+        every rank must make the same passes. A rank whose slice has fewer micro-batches (its
+        prompt groups were filtered, or its scorer failed) makes the rest on a spare row with
+        weight 0. The spare is the last row it trained on. Each rank weighs its micro-batches by
+        rows, and one all-reduce sums gradients, loss and rows, so the update is the mean over
+        every rank's rows. When no rank has any row, or a rank needs a spare it does not have
+        yet, every rank skips the step."""
+        n, mbs = len(batch), self.cfg.micro_batch
+        if n:
+            self._spare = batch.select(torch.tensor([n - 1]))
+        have_spare = getattr(self, "_spare", None) is not None
+        mine = -(-n // mbs)
+        # [the most micro-batches of any rank, whether any rank lacks rows and a spare]
+        agree = torch.tensor([mine, 0 if (mine or have_spare) else 1], dtype=torch.float64)
+        passes, lacking = (int(v) for v in _reduce(agree, self.dp_group, ReduceOp.MAX))
+        if passes == 0 or lacking:
+            return {"actor/skipped_empty": 1.0}
+        batch = batch.select(torch.randperm(n, generator=self.gen)) if n else batch
+        self.opt.zero_grad(set_to_none=True)
+        metrics, total = {}, torch.zeros((), device=self.device)
+        for i in range(passes):
+            if i < mine:
+                idx = torch.arange(i * mbs, min((i + 1) * mbs, n))
+                mb, w = batch.select(idx, self.device), float(len(idx))
+            else:  # lockstep: the same passes as the other ranks, contributing nothing
+                mb, w = self._spare.select(torch.tensor([0]), self.device), 0.0
+            total = self._backward(mb, w, total, metrics)
+        for p in self.params:  # a pass-less or zero-weight rank still reduces every adapter
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        total = average_over(self.dp_group, [p.grad for p in self.params], total, rows=n)
+        rows = max(1, n)
+        metrics = {k: v / rows for k, v in metrics.items()}  # this rank's row means
+        return self._update(total, metrics)
 
     def update_old(self, decay: float) -> None:
         """old <- decay * old + (1 - decay) * default (decay=0: a copy)."""

@@ -155,6 +155,11 @@ def start(cfg) -> Ranks:
             f"config keys 'run.mode' = {cfg.run.mode!r}, 'run.backend' = {cfg.run.backend!r}: "
             "under torchrun diffrl train runs the sync loop on the local backend"
         )
+    if cfg.actor.minibatches != 1:
+        raise ConfigError(
+            f"config key 'actor.minibatches' = {cfg.actor.minibatches}: under torchrun the "
+            "ranks take one optimizer step per RL step together; set actor.minibatches=1"
+        )
     if cfg.data.prompts_per_step % dims.dp:
         raise ConfigError(
             f"config key 'data.prompts_per_step' = {cfg.data.prompts_per_step}: each of the "

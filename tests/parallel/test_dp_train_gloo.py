@@ -114,6 +114,47 @@ def test_two_ranks_train_as_one_process_would_sample(tiny_checkpoint, tmp_path):
     assert (dp_dir / "shapes_nft" / "checkpoints" / "latest").read_text().strip() == "step_000003"
 
 
+def _lockstep_worker(rank: int, world: int, port: int, over: list[str], out: str) -> None:
+    from diffrl.controller.engines import build
+    from diffrl.controller.sync import rollout_and_score
+
+    as_rank(rank, world, port)
+    cfg = load_config(RECIPE, over)
+    parts = build(cfg)
+    scored, _ = asyncio.run(rollout_and_score(parts, 0))
+    full = parts.algorithm.prepare(scored, cfg.algorithm)
+    empty = full.select(torch.arange(0))
+    one = full.select(torch.arange(1))
+    seen = []
+    # rank 1's slice: empty before it has a spare row; one row; empty with a spare; all empty
+    for mine in (full if rank == 0 else empty, full if rank == 0 else one,
+                 full if rank == 0 else empty, empty):  # fmt: skip
+        m = parts.actor.train_step(mine)
+        seen.append(
+            {"version": parts.actor.version, "skipped": m.get("actor/skipped_empty", 0.0),
+             "loss": m.get("actor/loss"), "adapters": digest(parts.actor.adapter_tensors())}
+        )  # fmt: skip
+    Path(out, f"lock{rank}.json").write_text(json.dumps({"rows": len(full), "seen": seen}))
+    asyncio.run(parts.aclose())
+
+
+def test_ranks_with_uneven_or_empty_slices_stay_in_lockstep(tiny_checkpoint, tmp_path):
+    """FSDP2's passes are collectives: rank 0 trains a micro-batch per row while rank 1 has one
+    row, or none (zero-weight passes on its spare row). No hang; every rank takes or skips
+    each step together, and ends with the same adapters; a rank with no row and no spare yet
+    (its first step), or no rows anywhere, skips the step on every rank."""
+    over = [*overrides(tiny_checkpoint, tmp_path, 1), "actor.micro_batch=1"]
+    run_ranks(_lockstep_worker, 2, (2, free_port(), over, str(tmp_path)), DEADLINE_S)
+    ranks = [json.loads((tmp_path / f"lock{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["rows"] >= 2  # rank 0 makes more passes than rank 1
+    a, b = ranks[0]["seen"], ranks[1]["seen"]
+    assert [s["version"] for s in a] == [s["version"] for s in b] == [0, 1, 2, 2]
+    assert [s["skipped"] for s in a] == [s["skipped"] for s in b] == [1.0, 0.0, 0.0, 1.0]
+    for x, y in zip(a, b, strict=True):
+        assert x["adapters"] == y["adapters"] and x["loss"] == y["loss"]
+    assert a[1]["adapters"] != a[0]["adapters"] != a[2]["adapters"]
+
+
 def _grad_worker(
     rank: int, world: int, port: int, replicas: int, arch, state, batch, out: str
 ) -> None:
@@ -139,12 +180,15 @@ def _grad_worker(
             if "lora_B" in n:
                 p.normal_(0, 0.1)
     shard_frozen_base(mesh)(peft)
-    half = len(batch["x0"]) // world
-    mine = {k: v[rank * half : (rank + 1) * half] for k, v in batch.items()}
-    loss = _loss(peft, mine)
+    lo, hi = SPLITS[world][rank]  # uneven slices: ranks hold different numbers of rows
+    rows = hi - lo
+    # an empty rank still makes the pass (FSDP's all-gathers are collectives), on a spare row
+    # with weight 0, as the actor does
+    mine = {k: v[lo:hi] if rows else v[:1] for k, v in batch.items()}
+    loss = _loss(peft, mine) * rows  # a sum over the rank's rows, as the actor weighs them
     loss.backward()
     params = [p for n, p in peft.named_parameters() if "lora_" in n and p.requires_grad]
-    mean_loss = average_over(dist.group.WORLD, [p.grad for p in params], loss.detach())
+    mean_loss = average_over(dist.group.WORLD, [p.grad for p in params], loss.detach(), rows)
     names = [n for n, p in peft.named_parameters() if "lora_" in n and p.requires_grad]
     grads = {n: p.grad for n, p in zip(names, params, strict=True)}
     torch.save({"loss": mean_loss, "grads": grads}, Path(out, f"grad{rank}.pt"))
@@ -152,6 +196,7 @@ def _grad_worker(
 
 
 TARGETS = ["attn.qkv", "attn.proj"]
+SPLITS = {2: [(0, 3), (3, 4)], 4: [(0, 1), (1, 2), (2, 4), (4, 4)]}  # (first, end) row per rank
 
 
 def _loss(model, batch) -> torch.Tensor:
@@ -167,9 +212,10 @@ def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
     tmp_path, tiny_model, train_batch_factory, world, replicas
 ):
     """Each rank: the frozen base under FSDP2 (shard_frozen_base; HSDP with 2 replicas of 2
-    shards on 4 ranks), LoRA whole, its 1/world of the batch, then average_over: the loss and
-    every adapter gradient equal one process on the whole batch (rtol 1e-5, atol 1e-6 x the
-    tensor's largest |grad|: summation order)."""
+    shards on 4 ranks), LoRA whole, an uneven slice of the batch (3+1 rows; 1+1+2+0 on 4
+    ranks, one rank empty), its loss summed over its rows, then average_over weighted by rows:
+    the loss and every adapter gradient equal one process on the whole batch (rtol 1e-5, atol
+    1e-6 x the tensor's largest |grad|: summation order)."""
     from peft import LoraConfig, get_peft_model
 
     g = torch.Generator().manual_seed(1)
