@@ -1,11 +1,13 @@
 """End-to-end samples/s of two ways to run the default recipe, one after the other in one
 process: the sync and the async controller (``--pair mode``), or the local and the Ray backend
-(``--pair backend``). The scorer is ShapesBench's verifier plus a fixed ``--delay`` per scored
-batch (an awaited sleep, as a remote or model scorer waits; 0 = none).
+(``--pair backend``), or the update batched after the rollout and streamed beside it
+(``--pair stream``, ``run.stream_train``). The scorer is ShapesBench's verifier plus a fixed
+``--delay`` per scored batch (an awaited sleep, as a remote or model scorer waits; 0 = none).
 
     python benchmarks/async_vs_sync.py --steps 12 --delay 0.2
     python benchmarks/async_vs_sync.py --pair backend --steps 12 --delay 0.2
     python benchmarks/async_vs_sync.py --pair backend --channel transferqueue --steps 12
+    python benchmarks/async_vs_sync.py --pair stream --steps 12 --delay 0
 
 Both runs use the same seed, steps and threads; async runs with ``run.max_staleness=1``; Ray
 starts a local instance (all cores) for its run. samples/s is the run's own
@@ -42,13 +44,17 @@ class SlowShapes(ShapesScorer):
         return result
 
 
-PAIRS = {"mode": ("sync", "async"), "backend": ("local", "ray")}
+PAIRS = {"mode": ("sync", "async"), "backend": ("local", "ray"), "stream": ("batched", "streamed")}
+SETTING = {
+    "sync": "run.mode=sync", "async": "run.mode=async", "local": "run.backend=local",
+    "ray": "run.backend=ray", "batched": "run.stream_train=false",
+    "streamed": "run.stream_train=true",
+}  # fmt: skip
 
 
 def run(variant: str, args, out: str) -> dict:
-    key = "run.mode" if variant in PAIRS["mode"] else "run.backend"
     over = [
-        f"{key}={variant}",
+        SETTING[variant],
         "run.max_staleness=1",
         f"run.steps={args.steps}",
         f"run.eval_every={args.steps}",

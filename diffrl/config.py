@@ -59,6 +59,10 @@ class RunConfig:
     # where the engines run: this process (local), or Ray actors on their own resource pools
     # (ray; settings in the `ray` section). Same loop, same results at the same seed
     backend: str = "local"  # local | ray
+    # sync: the actor trains each scored micro-batch (whole prompt groups) while the next one rolls
+    # out, and takes the step's one optimizer step at the end: the same on-policy update, its
+    # rows in arrival order (so the loss's draws differ from the batched update's)
+    stream_train: bool = False
 
     def validate(self) -> None:
         check(

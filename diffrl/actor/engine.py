@@ -296,6 +296,53 @@ class ActorEngine:
             release_host_memory()
         return totals
 
+    # --- streaming: parts of one update as they are scored (run.stream_train) --------------
+    def begin_stream(self, expected_rows: int) -> None:
+        """Start one optimizer step whose rows arrive in parts (``train_part``), ``expected_rows``
+        of them if none is filtered out. Each part's gradient accumulates at once, so training
+        overlaps the rollout of the next part; ``end_stream`` takes the step."""
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        zero = torch.zeros((), device=self.device)
+        self._stream = {"expected": max(1, expected_rows), "rows": 0, "total": zero, "m": {}}
+
+    def train_part(self, part: TrainBatch) -> None:
+        """Back-propagate one part (whole prompt groups, in arrival order), each micro-batch
+        weighted by its share of the expected rows."""
+        st = self._stream
+        check_token_hashes(part, hash_rows)
+        n = len(part)
+        if n == 0:
+            return
+        if st["rows"] == 0 and self.algorithm.diagnostics is not None:  # the rollout's weights
+            mb = part.select(torch.arange(min(n, self.cfg.micro_batch)), self.device)
+            with torch.no_grad():
+                st["diagnostics"] = self.algorithm.diagnostics(self, mb, self.algo_cfg)
+        for start in range(0, n, self.cfg.micro_batch):
+            idx = torch.arange(start, min(start + self.cfg.micro_batch, n))
+            mb = part.select(idx, self.device)
+            st["total"] = self._backward(mb, len(mb) / st["expected"], st["total"], st["m"])
+        st["rows"] += n
+
+    def end_stream(self) -> dict[str, float]:
+        """The step over every part: a mean over the rows that arrived (the gradient rescaled
+        when some were filtered out)."""
+        st, self._stream = self._stream, None
+        rows, expected = st["rows"], st["expected"]
+        if rows == 0:
+            return {"actor/skipped_empty": 1.0}
+        total, metrics = st["total"], st["m"]
+        if rows != expected:
+            scale = expected / rows
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            total, metrics = total * scale, {k: v * scale for k, v in metrics.items()}
+        out = {**host_floats(st.get("diagnostics", {})), **self._update(total, metrics)}
+        if self.device.type == "cpu":
+            release_host_memory()
+        return out
+
     def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
         self.opt.zero_grad(set_to_none=True)
         # the loss and the metrics stay tensors on the device until the update is decided, so

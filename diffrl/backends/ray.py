@@ -168,6 +168,15 @@ class ActorHost(Host):
     def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], int]:
         return self.actor.train_step(batch), self.actor.version
 
+    def begin_stream(self, expected_rows: int) -> None:
+        self.actor.begin_stream(expected_rows)
+
+    def train_part(self, part: TrainBatch) -> None:
+        self.actor.train_part(part)
+
+    def end_stream(self) -> tuple[dict[str, float], int]:
+        return self.actor.end_stream(), self.actor.version
+
     def update_old(self, decay: float) -> None:
         self.actor.update_old(decay)
 
@@ -302,6 +311,16 @@ class RemoteActor:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         metrics, self.version = _get(self.host.train_step.remote(batch))
+        return metrics
+
+    def begin_stream(self, expected_rows: int) -> None:
+        _get(self.host.begin_stream.remote(expected_rows))
+
+    def train_part(self, part: TrainBatch) -> None:
+        _get(self.host.train_part.remote(part))
+
+    def end_stream(self) -> dict[str, float]:
+        metrics, self.version = _get(self.host.end_stream.remote())
         return metrics
 
     def update_old(self, decay: float) -> None:

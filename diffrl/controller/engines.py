@@ -214,6 +214,7 @@ def build(cfg: Config) -> Engines:
             "correct a stale sample with (it trains on final samples, not on recorded "
             "log-probs); use run.stale=drop or keep"
         )
+    check_streaming(cfg)
     if cfg.run.backend == "ray":
         from diffrl.backends.ray import build_ray  # ray is an optional extra
 
@@ -267,6 +268,31 @@ def actor_with_horizon(cfg: Config) -> ActorConfig:
             f"horizon, run.steps x actor.minibatches = {horizon} (or set actor.lr_horizon)"
         )
     return dataclasses.replace(actor, lr_horizon=horizon)
+
+
+def config_value(cfg, key: str):
+    """The value at a dotted config key ("actor.minibatches")."""
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_streaming(cfg: Config) -> None:
+    """``run.stream_train`` trains each scored micro-batch as it comes: one optimizer step per
+    RL step, sync mode, and advantages that a micro-batch of whole groups determines."""
+    if not cfg.run.stream_train:
+        return
+    for key, bad, why in (
+        ("run.mode", cfg.run.mode != "sync", "streams the sync loop's update; use run.mode=sync"),
+        ("actor.minibatches", cfg.actor.minibatches != 1, "takes one optimizer step per RL "
+         "step; set actor.minibatches=1"),
+        ("algorithm.global_std", getattr(cfg.algorithm, "global_std", False), "normalises by "
+         "the whole batch, which a micro-batch cannot know; set algorithm.global_std=false"),
+    ):  # fmt: skip
+        if bad:
+            value = config_value(cfg, key)
+            raise ConfigError(f"config key '{key}' = {value!r}: run.stream_train {why}")
 
 
 def check_rollout_for(algorithm: Algorithm, cfg: Config) -> None:

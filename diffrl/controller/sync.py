@@ -35,8 +35,9 @@ from diffrl.reward.pool import reward_summary
 from diffrl.types import ScoredBatch
 
 
-async def rollout_and_score(parts: Engines, step: int):
-    """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics)."""
+async def rollout_and_score(parts: Engines, step: int, on_scored=None):
+    """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics).
+    ``on_scored`` (async) receives each scored micro-batch as it is ready."""
     channel = Channel(capacity=2)
     producer = asyncio.create_task(
         parts.rollout.stream(
@@ -50,6 +51,8 @@ async def rollout_and_score(parts: Engines, step: int):
     async for traj in channel:  # unblocked by each finished micro-batch, ends on close
         s, m = await parts.rewards.score(traj)
         scored.append(s)
+        if on_scored is not None:
+            await on_scored(s)
         for k, v in m.items():  # scorer-specific metrics: sample-weighted over micro-batches
             extra.setdefault(k, []).append((v, len(s)))
     await producer
@@ -59,6 +62,31 @@ async def rollout_and_score(parts: Engines, step: int):
         k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
     }
     return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
+
+
+async def stream_step(parts: Engines, step: int):
+    """``run.stream_train``: one step whose update trains each scored micro-batch while the
+    next one rolls out, then takes one optimizer step; the rollout's weights never change
+    within the step. Consumes the step's prompts; waits on the rollout, the scorer and the
+    previous part's training (one part trains at a time, in a worker thread). Returns
+    (scored, reward metrics, update metrics)."""
+    cfg = parts.cfg
+    parts.actor.begin_stream(len(parts.prompts.at(step)) * cfg.rollout.group_size)
+    training: list[asyncio.Future] = []
+
+    async def train_part(scored: ScoredBatch) -> None:
+        part = parts.algorithm.prepare(scored, cfg.algorithm)
+        if training:
+            await training[-1]
+        training.append(asyncio.ensure_future(asyncio.to_thread(parts.actor.train_part, part)))
+
+    try:
+        scored, r_metrics = await rollout_and_score(parts, step, on_scored=train_part)
+    finally:  # a part still training finishes (or fails) before the step ends either way
+        await asyncio.gather(*training, return_exceptions=True)
+    for t in training:
+        t.result()  # a part's error
+    return scored, r_metrics, await asyncio.to_thread(parts.actor.end_stream)
 
 
 async def run_eval(parts: Engines, run: RunDir, step: int) -> dict[str, float]:
@@ -207,14 +235,17 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
     prefetch = None  # step k+1's rollout, started early when update k cannot change its weights
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
         for step in bar:
-            scored, r_metrics = await (prefetch or rollout_and_score(parts, step))
-            batch = parts.algorithm.prepare(scored, cfg.algorithm)
-            prefetch = None
             plan = plan_of(step + 1)  # what update step+1 does to the weights, as data
-            if cfg.run.prefetch and not plan.sync and step + 1 < cfg.run.steps:
-                prefetch = asyncio.create_task(rollout_and_score(parts, step + 1))
-            # the loop drives the prefetch while the update runs in a worker thread
-            metrics = await asyncio.to_thread(parts.actor.train_step, batch)
+            if cfg.run.stream_train:  # the update trains while the rollout samples
+                scored, r_metrics, metrics = await stream_step(parts, step)
+            else:
+                scored, r_metrics = await (prefetch or rollout_and_score(parts, step))
+                batch = parts.algorithm.prepare(scored, cfg.algorithm)
+                prefetch = None
+                if cfg.run.prefetch and not plan.sync and step + 1 < cfg.run.steps:
+                    prefetch = asyncio.create_task(rollout_and_score(parts, step + 1))
+                # the loop drives the prefetch while the update runs in a worker thread
+                metrics = await asyncio.to_thread(parts.actor.train_step, batch)
             metrics.update(apply_plan(parts, plan))
             samples += len(scored) * parts.ranks.dp_size  # every rank's slice
             done = step + 1

@@ -155,6 +155,11 @@ def start(cfg) -> Ranks:
             f"config keys 'run.mode' = {cfg.run.mode!r}, 'run.backend' = {cfg.run.backend!r}: "
             "under torchrun diffrl train runs the sync loop on the local backend"
         )
+    if cfg.run.stream_train:
+        raise ConfigError(
+            "config key 'run.stream_train' = True: not under torchrun yet (the ranks' parts "
+            "would need the lockstep of a whole update); set run.stream_train=false"
+        )
     if cfg.actor.minibatches != 1:
         raise ConfigError(
             f"config key 'actor.minibatches' = {cfg.actor.minibatches}: under torchrun the "
