@@ -1,17 +1,80 @@
 #!/usr/bin/env bash
-# One device call for the performance issue: `diffrl bench` rollout / train on a real-size
-# SD3.5-Medium (random weights, the NFT recipe with a rule reward), then the continuous-batching
-# stream with the rollout's blocks compiled, against the diffusers pipeline in the same process.
-# Usage (device machine): bash benchmarks/gpu_perf_call.sh OUTDIR [REQUESTS]
+# One device call for the performance issue, on a real-size SD3.5-Medium (random weights, bf16,
+# 512 px, a rule reward in place of PickScore), against the diffusers loop in the same process.
+#
+#   bash benchmarks/gpu_perf_call.sh OUTDIR [ALGOS] [REPEATS]
+#     `diffrl bench epoch` for each of ALGOS (default "grpo nft"): FlowGRPO at the issue's
+#     settings (benchmarks/recipes/sd35m_grpo_epoch.yaml) and DiffusionNFT (recipes/sd35_nft.yaml
+#     with a CFG-free rollout), each first eager against the diffusers-loop baseline, then with
+#     rollout.compile=true actor.compile=true and --no-baseline (the baseline is eager either
+#     way: `compiled_speedup` = the eager run's baseline seconds over the compiled run's).
+#     REPEATS (default 2) timed epochs after the warm-up. Rows in OUTDIR/bench_epoch.txt, logs
+#     in OUTDIR/epoch_*.log. The commands share one deadline (DEADLINE, default 570 s): each
+#     gets what the ones before it left. Estimated on one H200: FlowGRPO ~7.5 min at REPEATS 1
+#     (its update trains 64 samples x 9 steps x CFG, about 45 s eager), DiffusionNFT ~6 min at
+#     REPEATS 2, so one algorithm per call: `... OUTDIR grpo 1`, then `... OUTDIR nft 2`.
+#   bash benchmarks/gpu_perf_call.sh OUTDIR REQUESTS
+#     the earlier call: `diffrl bench` rollout / train on the NFT recipe, then the continuous-
+#     batching stream of REQUESTS requests with the rollout's blocks compiled.
+#
+# DRY_RUN=1 runs the same command lines on the CPU with the sd35-tiny preset (64 px, 2 prompts
+# x 2 images, 3 steps): every one parses and runs, in a few minutes on 2 cores.
 set -uo pipefail
-OUT=${1:?outdir}; N=${2:-128}
+OUT=${1:?outdir}; ALGOS=${2:-"grpo nft"}; REPEATS=${3:-2}; DEADLINE=${DEADLINE:-570}
 export PYTHONUNBUFFERED=1
-SD35=(recipes/sd35_nft.yaml 'model.path=""' model.preset=sd35-medium run.device=cuda
-      'reward.scorers=[{name: jpeg_incompressibility}]')
-for kind in rollout train; do
-  timeout 200 python3 -c "from diffrl.cli import main; main()" bench $kind "${SD35[@]}" \
-    --repeats 2 2>&1 | grep "^bench/" | sed "s/^/$kind /" | tee -a "$OUT/bench.txt"
+mkdir -p "$OUT"
+DIFFRL=(python3 -c "from diffrl.cli import main; main()")
+REWARD='reward.scorers=[{name: jpeg_incompressibility}]'
+SIZE=(run.device=cuda)
+if [[ -n "${DRY_RUN:-}" ]]; then
+  SIZE=(model.preset=sd35-tiny model.resolution=64 run.device=cpu data.prompts_per_step=2
+        rollout.group_size=2 rollout.num_steps=3 actor.micro_batch=2)
+fi
+
+if [[ "$ALGOS" =~ ^[0-9]+$ ]]; then  # the earlier call: bench rollout/train, then the stream
+  N=$ALGOS
+  SD35=(recipes/sd35_nft.yaml 'model.path=""' model.preset=sd35-medium "$REWARD" "${SIZE[@]}")
+  for kind in rollout train; do
+    timeout 200 "${DIFFRL[@]}" bench $kind "${SD35[@]}" --repeats 2 2>&1 | grep "^bench/" \
+      | sed "s/^/$kind /" | tee -a "$OUT/bench.txt"
+  done
+  [[ -n "${DRY_RUN:-}" ]] && exit 0  # the stream has no CPU-sized mode
+  timeout 330 python3 benchmarks/continuous_batching.py --requests "$N" --compile \
+    --warm-passes 1 --modes scheduler diffusers --out "$OUT/cb_compiled.jsonl" 2>&1 \
+    | grep -v "Warn\|warn\|float32" | tail -5
+  exit 0
+fi
+
+GRPO=(benchmarks/recipes/sd35m_grpo_epoch.yaml)
+NFT=(recipes/sd35_nft.yaml 'model.path=""' model.preset=sd35-medium rollout.cfg_scale=1)
+row() { awk -v k="$1" '$1 == k {print $2}' "$2" 2>/dev/null; }
+
+for algo in $ALGOS; do
+  case $algo in
+    grpo) ARGS=("${GRPO[@]}") ;;
+    nft) ARGS=("${NFT[@]}") ;;
+    *) echo "unknown algorithm $algo (grpo | nft)"; exit 2 ;;
+  esac
+  for mode in eager compiled; do
+    left=$((DEADLINE - SECONDS))
+    if (( left < 30 )); then echo "$algo $mode: skipped, ${left}s of the deadline left"; continue; fi
+    over=(); flags=()
+    [[ $mode == compiled ]] && over=(rollout.compile=true actor.compile=true) flags=(--no-baseline)
+    log="$OUT/epoch_${algo}_$mode.log"
+    timeout "$left" "${DIFFRL[@]}" bench epoch "${ARGS[@]}" "$REWARD" "${SIZE[@]}" "${over[@]}" \
+      --repeats "$REPEATS" "${flags[@]}" > "$log" 2>&1
+    rc=$?
+    grep "^bench/" "$log" | sed "s/^/$algo $mode /" | tee -a "$OUT/bench_epoch.txt"
+    if (( rc )); then  # 124: the deadline
+      echo "$algo $mode: exit $rc at ${SECONDS}s"; grep -v "float32\|^bench/" "$log" | tail -4
+    fi
+  done
+  base=$(row bench/epoch/baseline_samples_per_s "$OUT/epoch_${algo}_eager.log")
+  fast=$(row bench/epoch/samples_per_s "$OUT/epoch_${algo}_compiled.log")
+  if [[ -n "$base" && -n "$fast" ]]; then
+    awk -v a="$algo" -v f="$fast" -v b="$base" \
+      'BEGIN {printf "%s compiled bench/epoch/compiled_speedup %.4g\n", a, f / b}' \
+      | tee -a "$OUT/bench_epoch.txt"
+  fi
 done
-timeout 330 python3 benchmarks/continuous_batching.py --requests "$N" --compile --warm-passes 1 \
-  --modes scheduler diffusers --out "$OUT/cb_compiled.jsonl" 2>&1 | grep -v "Warn\|warn\|float32" \
-  | tail -5
+echo "done in ${SECONDS}s"

@@ -6,8 +6,25 @@ builds do per second, and at what MFU.
   same process, is the plain loop: one prompt per call as a diffusers pipeline runs it (its G
   images batched, CFG batched, the prompt encoded afresh every call), on the model as loaded
   (no serving layout).
-- ``train``: the actor's update on one scored rollout, ``repeats`` times.
-- ``epoch``: rollout, scoring and update, as the training loop runs one step.
+- ``train``: the actor's update on one scored rollout, ``repeats`` times. The baseline is the
+  same update as a diffusers/peft training script runs it (flow_grpo's ``train_sd3.py``), in the
+  same process, on its own copy of the model (``baseline_actor``): the transformer's weights in
+  fp32 (the run's values, copied in), peft LoRA with the run's targets, rank and adapters, the
+  loss under ``torch.autocast(bf16)`` when the run's model is bf16 (matmuls in bf16, the loss
+  maths in fp32, each backward outside it), eager (no ``actor.compile``), one timestep's graph
+  per backward, and the old policy's (NFT) or the reference's (KL, adapters disabled) forward a
+  separate no-grad one. It runs the algorithm's own loss, whose old and reference forwards are
+  separate calls today; a loss that batched them would need the baseline to keep its own.
+  Text conditions come from the run's encoders and their cache, as the script reuses the
+  prompt embeddings its sampling computed.
+- ``epoch``: rollout, scoring and update, as the training loop runs one step. The baseline is
+  the loop a diffusers script runs, its three parts one after another, each timed on its own:
+  the plain rollout loop, scoring the rollout's samples, and the baseline update on the batch.
+
+Each timing is a mean over ``repeats`` after a warm-up that runs every shape once (kernels,
+allocator, compiled graphs): a whole rollout and scoring (also the batch the update trains on),
+an update on the batch's first micro-batch and its last, shorter one (``warmup_batch``), one
+plain-loop call.
 
 MFU = useful FLOPs / seconds / peak. FLOPs come from the family's analytic count (checked against
 torch's FLOP counter in tests/models/test_flops.py). The peak is the matmul rate measured here,
@@ -25,12 +42,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from diffrl.actor.engine import ActorEngine
+from diffrl.algorithms.registry import Algorithm, Backward
 from diffrl.config import Config
-from diffrl.controller.engines import Engines, build
+from diffrl.controller.engines import Engines, actor_targets, build
 from diffrl.controller.sync import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
 from diffrl.rollout.engine import RolloutEngine
+from diffrl.types import TrainBatch
 
 KINDS = ("rollout", "train", "epoch")
 
@@ -106,8 +126,10 @@ def rollout_flops(parts: Engines, samples: int) -> tuple[float, int]:
     return rows * r.num_steps * parts.rollout.family.flops(1), r.num_steps
 
 
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: kernels, allocator, caches
+def _timed(fn, device: torch.device, repeats: int, warmup=None) -> float:
+    """Mean seconds of ``fn`` over ``repeats`` calls after one call of ``warmup`` (default
+    ``fn``): kernels, allocator, caches, compiled graphs."""
+    (warmup or fn)()
     total = 0.0
     for _ in range(repeats):
         t = sync(device)
@@ -139,41 +161,127 @@ def bench(kind: str, cfg: Config, repeats: int = 3, baseline: bool = True) -> Be
         flops, steps = rollout_flops(parts, n)
         base = _plain_loop_seconds(parts, repeats) if baseline else None
         return BenchResult(kind, secs, n, flops, peak, steps, base)
-    batch = parts.algorithm.prepare(scored(), cfg.algorithm)
+    first = scored()  # the rollout's and the scorers' warm-up
+    batch = parts.algorithm.prepare(first, cfg.algorithm)
     train_fwd = forwards_per_trained_sample(cfg, batch) * fam.flops(1)
+    head = warmup_batch(batch, cfg.actor.micro_batch)
+
+    def update(rows: TrainBatch = batch) -> None:
+        parts.actor.train_step(rows)
+
     if kind == "train":
-        secs = _timed(lambda: parts.actor.train_step(batch), dev, repeats)
-        return BenchResult(kind, secs, len(batch), len(batch) * train_fwd, peak, 0)
+        secs = _timed(update, dev, repeats, warmup=lambda: update(head))
+        base = _baseline_train_seconds(parts, batch, repeats) if baseline else None
+        return BenchResult(kind, secs, len(batch), len(batch) * train_fwd, peak, 0, base)
 
     def epoch() -> None:
-        parts.actor.train_step(parts.algorithm.prepare(scored(), cfg.algorithm))
+        update(parts.algorithm.prepare(scored(), cfg.algorithm))
 
-    secs = _timed(epoch, dev, repeats)
+    secs = _timed(epoch, dev, repeats, warmup=lambda: update(head))
     flops, steps = rollout_flops(parts, n)
-    return BenchResult(kind, secs, n, flops + n * train_fwd, peak, steps)
+    base = None
+    if baseline:
+
+        def score() -> None:
+            asyncio.run(parts.rewards.score(first.traj))
+
+        base = (
+            _plain_loop_seconds(parts, repeats)
+            + _timed(score, dev, repeats)
+            + _baseline_train_seconds(parts, batch, repeats)
+        )
+    return BenchResult(kind, secs, n, flops + n * train_fwd, peak, steps, base)
 
 
 def _plain_loop_seconds(parts: Engines, repeats: int) -> float:
     """The baseline rollout: per prompt, its G samples in one call, on a freshly loaded model
-    without the serving layout, the prompt encoded again each call (cache emptied)."""
+    without the serving layout, eager, the prompt encoded again each call (cache emptied)."""
     cfg = parts.cfg
     model = load_model(cfg.model, parts.device)
-    one_prompt = replace(cfg.rollout, max_batch=cfg.rollout.group_size)
+    one_prompt = replace(cfg.rollout, max_batch=cfg.rollout.group_size, compile=False)
     plain = RolloutEngine(
         model, one_prompt, [], parts.device, serving_layout=False, share_model=True
     )
     cache = getattr(model.net, "cache", None)
     prompts = parts.prompts.at(0)
 
+    def call(k: int) -> None:
+        if cache is not None:
+            cache.store.clear()
+        asyncio.run(plain.generate(prompts.select(torch.tensor([k])), seed=1 + k))
+
     def loop() -> None:
         for k in range(len(prompts)):
-            if cache is not None:
-                cache.store.clear()
-            one = prompts.select(torch.tensor([k]))
-            asyncio.run(plain.generate(one, seed=1 + k))
+            call(k)
 
-    try:
-        return _timed(loop, parts.device, repeats)
+    try:  # warmed up on one call: every call runs the same shapes
+        return _timed(loop, parts.device, repeats, warmup=lambda: call(0))
     finally:
         if cache is not None:
             cache.store.clear()
+
+
+def baseline_actor(parts: Engines) -> ActorEngine:
+    """The update's baseline (the module docstring says what it does): an eager ActorEngine
+    over a freshly
+    loaded fp32 copy of the model, holding the run's actor's weights and adapters (so a random
+    preset trains the same function) and its random state (so it draws the same timesteps and
+    noise); the run's frozen text encoders and their cache are shared, as the script reuses the
+    prompt embeddings its sampling computed. Its losses run under bf16 autocast when the run's
+    model is bf16."""
+    cfg = parts.cfg
+    model = load_model(replace(cfg.model, dtype="float32"), parts.device)
+    run_net = parts.actor.model.get_base_model().net
+    if hasattr(run_net, "frozen"):  # a diffusers family: its encoders live outside the module
+        model.net.frozen, model.net.cache = run_net.frozen, run_net.cache
+    autocast = cfg.model.dtype == "bfloat16"
+    algorithm = _under_autocast(parts.algorithm, parts.device) if autocast else parts.algorithm
+    actor = ActorEngine(
+        model, replace(cfg.actor, compile=False), actor_targets(cfg), algorithm, cfg.algorithm,
+        parts.device, cfg.run.seed,
+    )  # fmt: skip
+    actor.model.load_state_dict(parts.actor.model.state_dict())
+    actor.gen.set_state(parts.actor.gen.get_state())
+    return actor
+
+
+def _under_autocast(algorithm: Algorithm, device: torch.device) -> Algorithm:
+    """``algorithm`` with its loss and diagnostics under bf16 autocast, as a script's
+    ``accelerator.autocast()`` around the model calls: the matmuls run in bf16 and the loss
+    maths stay fp32 (autocast casts no elementwise op down); each part's backward runs outside
+    it, as the script's ``accelerator.backward``."""
+
+    def bf16():
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def loss(policy, batch, cfg, gen, *backward):  # backward: given with partial_backward
+        with bf16():
+            return algorithm.loss(policy, batch, cfg, gen, *map(_without_autocast, backward))
+
+    def diagnostics(policy, batch, cfg):
+        with bf16():
+            return algorithm.diagnostics(policy, batch, cfg)
+
+    return replace(algorithm, loss=loss, diagnostics=algorithm.diagnostics and diagnostics)
+
+
+def _without_autocast(backward: Backward) -> Backward:
+    def run(part: torch.Tensor) -> None:
+        with torch.autocast(part.device.type, enabled=False):
+            backward(part)
+
+    return run
+
+
+def warmup_batch(batch: TrainBatch, micro_batch: int) -> TrainBatch:
+    """The rows an update's warm-up trains on: the first micro-batch and the last, shorter
+    one if any, so every shape the update runs (compiled graphs included) runs once, for a
+    fraction of a whole update's time."""
+    return batch.select(torch.arange(min(len(batch), micro_batch + len(batch) % micro_batch)))
+
+
+def _baseline_train_seconds(parts: Engines, batch: TrainBatch, repeats: int) -> float:
+    actor = baseline_actor(parts)
+    head = warmup_batch(batch, parts.cfg.actor.micro_batch)
+    return _timed(lambda: actor.train_step(batch), parts.device, repeats,
+                  warmup=lambda: actor.train_step(head))  # fmt: skip

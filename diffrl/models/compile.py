@@ -9,16 +9,30 @@ rest), grad mode, and in the actor each peft adapter state (``old``, ``default``
 with the rollout's and the actor's blocks counted together when both compile in one process.
 That is about 3 kinds x (4 actor states + 2 rollout shapes) x 2 = 36 entries for SD3.5 with
 NFT and a KL term, past dynamo's default of 8 per code object, beyond which a block silently
-runs eager. So the blocks compiled here raise that limit for their own calls only (dynamo
-applies ``recompile_limit`` while it converts these frames) to ``RECOMPILE_LIMIT``; the global
-``accumulated_recompile_limit`` (256) still caps a runaway.
+runs eager. So the blocks compiled here raise that limit to ``RECOMPILE_LIMIT``: for their own
+calls only where torch.compile takes a ``recompile_limit`` (dynamo applies it while it converts
+these frames; torch >= 2.12), else process-wide (``torch._dynamo.config``, torch 2.11 on our
+H200). The global ``accumulated_recompile_limit`` (256) still caps a runaway.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 RECOMPILE_LIMIT = 64
+PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+def _limit() -> dict:
+    """The torch.compile keywords that give a block ``RECOMPILE_LIMIT``."""
+    if PER_CALL_LIMIT:
+        return {"recompile_limit": RECOMPILE_LIMIT}
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+    return {}
 
 
 def compile_blocks(model: torch.nn.Module, key: str = "rollout.compile") -> int:
@@ -32,7 +46,7 @@ def compile_blocks(model: torch.nn.Module, key: str = "rollout.compile") -> int:
     for child in root.children():
         if isinstance(child, torch.nn.ModuleList):
             for block in child:
-                block.compile(dynamic=None, recompile_limit=RECOMPILE_LIMIT)
+                block.compile(dynamic=None, **_limit())
                 n += 1
     if not n:
         raise ValueError(f"{key}: {type(root).__name__} has no block lists to compile")

@@ -1,7 +1,10 @@
-"""``diffrl bench``: the three kinds run on a tiny recipe and report consistent figures; the
-FLOP model follows the algorithm; bad kinds are refused."""
+"""``diffrl bench``: the three kinds run on a tiny recipe and report consistent figures, each
+against its in-process baseline; the baseline update is the run's (exactly in fp32, under bf16
+autocast for a bf16 run); the FLOP model follows the algorithm; bad kinds are refused."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -10,6 +13,8 @@ from tiny_runs import tiny_run
 from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller import bench as B
+from diffrl.controller.engines import build
+from diffrl.controller.sync import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
 
@@ -22,7 +27,7 @@ def cfg_for(tiny_checkpoint, tmp_path, *extra):
 @pytest.mark.parametrize("kind", B.KINDS)
 def test_each_kind_reports_consistent_figures(kind, tiny_checkpoint, tmp_path) -> None:
     cfg = cfg_for(tiny_checkpoint, tmp_path)
-    r = B.bench(kind, cfg, repeats=1, baseline=(kind == "rollout"))
+    r = B.bench(kind, cfg, repeats=1)
     rows = r.rows()
     n = cfg.data.prompts_per_step * cfg.rollout.group_size
     assert r.samples == n and r.seconds > 0 and r.peak_flops > 0
@@ -35,9 +40,78 @@ def test_each_kind_reports_consistent_figures(kind, tiny_checkpoint, tmp_path) -
     assert r.flops == pytest.approx(n * per_sample[kind] * family_fwd)
     assert rows[f"bench/{kind}/samples_per_s"] == pytest.approx(n / r.seconds)
     assert 0 < rows[f"bench/{kind}/mfu"] < 1
-    if kind == "rollout":
-        assert rows["bench/rollout/step_latency_s"] == pytest.approx(r.seconds / 3)
-        assert rows["bench/rollout/speedup"] > 0
+    if kind != "train":
+        assert rows[f"bench/{kind}/step_latency_s"] == pytest.approx(r.seconds / 3)
+    # every kind has its in-process baseline: the plain loop, the diffusers-style update, both
+    assert rows[f"bench/{kind}/speedup"] == pytest.approx(r.baseline_seconds / r.seconds)
+    assert rows[f"bench/{kind}/baseline_samples_per_s"] == pytest.approx(n / r.baseline_seconds)
+    assert not B.bench(kind, cfg, repeats=1, baseline=False).rows().keys() & {
+        f"bench/{kind}/speedup",
+        f"bench/{kind}/baseline_samples_per_s",
+    }
+
+
+def scored_batch(cfg):
+    parts = build(cfg)
+    scored = asyncio.run(rollout_and_score(parts, 0))[0]
+    return parts, parts.algorithm.prepare(scored, cfg.algorithm)
+
+
+def sd35_tiny_grpo(tmp_path, *extra):
+    """The SD3.5 FlowGRPO recipe on the sd35-tiny preset (random weights), CPU-sized."""
+    over = [
+        'model.path=""', "model.preset=sd35-tiny", "model.resolution=64", "run.device=cpu",
+        "reward.scorers=[{name: jpeg_incompressibility}]", "data.prompts_per_step=2",
+        "rollout.group_size=2", "rollout.num_steps=3", "actor.micro_batch=2",
+        f"run.out_dir={tmp_path}", "run.tensorboard=false", *extra,
+    ]  # fmt: skip
+    return load_config("recipes/sd35_grpo.yaml", over)
+
+
+@pytest.mark.parametrize("recipe", ["tiny_dit_nft", "sd35_tiny_grpo"])
+def test_the_baseline_takes_the_runs_update(recipe, tiny_checkpoint, tmp_path) -> None:
+    """In fp32 the baseline (its own fp32 copy, eager, no autocast) is the run's update: the
+    same losses, KL, gradient norms and adapters over two steps, to float rounding (1e-6, or
+    1e-9 absolute: a clipped GRPO objective at ratio 1 is about 0). NFT runs its old and
+    reference forwards; FlowGRPO, on a random SD3.5 preset (the baseline's fresh copy draws
+    other weights until the run's are copied in, and shares the run's text encoders), its CFG
+    forwards and the reference."""
+    if recipe == "tiny_dit_nft":
+        cfg, kl = cfg_for(tiny_checkpoint, tmp_path, "algorithm.kl_coef=0.1"), "nft/kl"
+    else:
+        cfg, kl = sd35_tiny_grpo(tmp_path, "model.dtype=float32"), "grpo/kl"
+    parts, batch = scored_batch(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # adapters off zero, each its own: a KL, old != default, a gradient
+        for name, p in parts.actor.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    base = B.baseline_actor(parts)
+    run_weights = {id(p) for p in parts.actor.model.parameters()}
+    assert not run_weights & {id(p) for p in base.model.parameters()}  # its own copy
+    for step in range(2):  # the second with the optimizer's state
+        got, want = base.train_step(batch), parts.actor.train_step(batch)
+        for key in ("actor/loss", "actor/grad_norm", kl):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (step, key)
+    assert want[kl] > 0 and want["actor/grad_norm"] > 0
+    after, run_after = base.adapter_tensors(), parts.actor.adapter_tensors()
+    for name, t in run_after.items():
+        torch.testing.assert_close(after[name], t, rtol=1e-6, atol=1e-7)
+
+
+def test_a_bf16_runs_baseline_trains_fp32_weights_under_autocast(tiny_checkpoint, tmp_path):
+    """bf16 run: the baseline keeps fp32 weights (the run's bf16 values) and its matmuls run in
+    bf16 under autocast; its loss is the run's within bf16 rounding (0.5%)."""
+    cfg = cfg_for(tiny_checkpoint, tmp_path, "model.dtype=bfloat16")
+    parts, batch = scored_batch(cfg)
+    base = B.baseline_actor(parts)
+    assert {p.dtype for p in base.model.parameters()} == {torch.float32}
+    seen = []
+    layer = next(iter(base.layers.values())).base_layer
+    layer.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    got, want = base.train_step(batch), parts.actor.train_step(batch)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert got["actor/loss"] == pytest.approx(want["actor/loss"], rel=5e-3)
 
 
 def test_flop_model_follows_the_algorithm(tiny_checkpoint, tmp_path) -> None:
@@ -60,6 +134,9 @@ def test_cli_and_bad_kind(tiny_checkpoint, tmp_path, capsys) -> None:
     assert main(["bench", "train", "recipes/shapes_nft.yaml", *over, "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "bench/train/samples_per_s" in out and "bench/train/mfu" in out
+    assert "bench/train/speedup" in out
+    assert main(["bench", "train", *over, "--repeats", "1", "--no-baseline"]) == 0
+    assert "speedup" not in capsys.readouterr().out
     with pytest.raises(ConfigError, match="kind"):
         B.bench("sample", cfg_for(tiny_checkpoint, tmp_path))
     with pytest.raises(ConfigError, match="repeats"):
