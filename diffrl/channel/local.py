@@ -33,7 +33,32 @@ class Envelope:
 _CLOSE = object()
 
 
-class Channel:
+def check_fresh(version: int, current_version: int | None, max_staleness: int | None) -> None:
+    """Raise ``StaleRecord`` when a record of ``version`` is past the consumer's bound."""
+    if max_staleness is None or current_version is None:
+        return
+    if current_version - version > max_staleness:
+        raise StaleRecord(
+            f"record from policy v{version} is {current_version - version} versions old "
+            f"(max_staleness={max_staleness})"
+        )
+
+
+class Consumable:
+    """``async for record in channel``: records until the channel is closed and drained."""
+
+    async def get(self, current_version: int | None = None) -> Any:
+        raise NotImplementedError
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            try:
+                yield await self.get()
+            except ChannelClosed:
+                return
+
+
+class Channel(Consumable):
     def __init__(self, capacity: int = 0, max_staleness: int | None = None) -> None:
         self._q: asyncio.Queue = asyncio.Queue(maxsize=capacity)
         self.max_staleness = max_staleness
@@ -58,24 +83,8 @@ class Channel:
         if item is _CLOSE:
             self._q.put_nowait(_CLOSE)  # let other consumers see the close too
             raise ChannelClosed("channel closed")
-        if (
-            self.max_staleness is not None
-            and current_version is not None
-            and current_version - item.version > self.max_staleness
-        ):
-            raise StaleRecord(
-                f"record from policy v{item.version} is "
-                f"{current_version - item.version} versions old "
-                f"(max_staleness={self.max_staleness})"
-            )
+        check_fresh(item.version, current_version, self.max_staleness)
         return item.record
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        while True:
-            try:
-                yield await self.get()
-            except ChannelClosed:
-                return
 
     def qsize(self) -> int:
         return self._q.qsize()

@@ -29,12 +29,11 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
-from diffrl.channel.local import ChannelClosed, StaleRecord
+from diffrl.channel.local import ChannelClosed, Consumable, StaleRecord, check_fresh
 
 __all__ = [
     "ChannelClosed",
@@ -276,7 +275,7 @@ def _seq_keys(entries: dict[str, dict]) -> list[tuple[int, str, dict]]:
     return sorted((int(k), k, tag) for k, tag in entries.items() if k.isdigit())
 
 
-class TransferQueueChannel:
+class TransferQueueChannel(Consumable):
     """``Channel`` on a TransferQueue partition; see the module docstring."""
 
     def __init__(
@@ -397,24 +396,8 @@ class TransferQueueChannel:
             record = decode(await tq.async_kv_batch_get(key, self.name))
             await tq.async_kv_clear(key, self.name)
         version = tag["v"]
-        if (
-            self.max_staleness is not None
-            and current_version is not None
-            and current_version - version > self.max_staleness
-        ):
-            raise StaleRecord(
-                f"record from policy v{version} is "
-                f"{current_version - version} versions old "
-                f"(max_staleness={self.max_staleness})"
-            )
+        check_fresh(version, current_version, self.max_staleness)
         return record
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        while True:
-            try:
-                yield await self.get()
-            except ChannelClosed:
-                return
 
     def qsize(self) -> int:
         """Records put and not yet consumed (the close marker not counted)."""
