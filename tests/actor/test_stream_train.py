@@ -16,6 +16,7 @@ from diffrl.config import load_config
 from diffrl.controller.engines import build
 from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train
+from diffrl.engines import StreamingActorProtocol
 from diffrl.errors import ConfigError
 
 RECIPE = "recipes/shapes_nft.yaml"
@@ -37,6 +38,7 @@ def test_parts_in_the_batched_order_are_the_batched_update(
 ):
     batch = train_batch_factory(6)
     whole, streamed = two_actors(tiny_model, actor_factory)
+    assert isinstance(streamed, StreamingActorProtocol)
     m_whole = whole.train_step(batch)
     # the same rows, in the order train_step's shuffle puts them, cut at a micro-batch edge
     order = batch.select(torch.randperm(6, generator=streamed.gen))
