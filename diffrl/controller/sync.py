@@ -114,13 +114,19 @@ async def evaluate_adapter(parts: Engines, adapter: str):
     """The task's held-out evaluation of one adapter: fixed prompts and noise, ODE sampling."""
     cfg = parts.cfg
     parts.evaluator.load_weights(parts.actor.export_weights(adapter))
-    traj = await parts.evaluator.generate(
-        parts.eval_set.all(),
-        cfg.data.eval_seed,
-        group_size=cfg.data.eval_samples_per_prompt,
-        sampler="ode",
-        num_steps=cfg.rollout.eval_num_steps,
-    )
+    prompts = parts.eval_set.all()
+    first, mine = parts.ranks.share(len(prompts))  # under torchrun, this rank's prompts
+    traj = None
+    if len(mine):
+        traj = await parts.evaluator.generate(
+            prompts.select(mine),
+            cfg.data.eval_seed,
+            group_size=cfg.data.eval_samples_per_prompt,
+            sampler="ode",
+            num_steps=cfg.rollout.eval_num_steps,
+            first_prompt=first,
+        )
+    traj = parts.ranks.join(traj, parts.device)  # every rank's share, as one trajectory
     return await parts.task.evaluate(traj, parts.rewards)
 
 

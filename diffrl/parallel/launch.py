@@ -16,10 +16,11 @@ What a run splits today is the data. Each data-parallel rank:
 
 Every rank runs the same controller loop. Rank 0 writes the run directory. The step's metrics
 are means over the ranks, and a stop signal seen by any rank stops all of them at the same
-step (``Ranks``). Held-out eval runs on every rank, on the whole eval set, and gives the same
-result on each. ``parallel.tp``, ``sp`` and ``etp`` above 1 are planned by ``diffrl plan`` and
-tested on their own (``tests/parallel``); ``diffrl train`` refuses them until the actor applies
-them.
+step (``Ranks``). Held-out eval is shared out: each rank samples a contiguous share of the
+held-out prompts with the one-process seeds, the shares are gathered, and every rank scores the
+whole set (the same result on each). ``parallel.tp``, ``sp`` and ``etp`` above 1 are planned
+by ``diffrl plan`` and tested on their own (``tests/parallel``); ``diffrl train`` refuses them
+until the actor applies them.
 """
 
 from __future__ import annotations
@@ -105,6 +106,28 @@ class Ranks:
         t = _on_backend(t)
         dist.all_reduce(t)
         return dict(zip(keys, (t.cpu() / self.world).tolist(), strict=True))
+
+    def share(self, n: int) -> tuple[int, torch.Tensor]:
+        """This rank's contiguous share of ``n`` items (the first one's index, the indices):
+        all of them in one process."""
+        if self.world == 1:
+            return 0, torch.arange(n)
+        per = -(-n // self.world)
+        first = min(n, self.rank * per)
+        return first, torch.arange(first, min(n, first + per))
+
+    def join(self, traj, device: torch.device):
+        """Every rank's share (``share``) of a trajectory, in rank order, as one, on
+        ``device``; ``traj`` itself in one process. A rank with no share passes None.
+        Collective."""
+        if self.world == 1:
+            return traj
+        from diffrl.types import Trajectory, to_device
+
+        cpu = None if traj is None else to_device(traj, torch.device("cpu"))
+        shares: list = [None] * self.world
+        dist.all_gather_object(shares, cpu)
+        return to_device(Trajectory.concat([t for t in shares if t is not None]), device)
 
     def any(self, flag: bool) -> bool:
         if self.world == 1:

@@ -235,13 +235,16 @@ class RolloutEngine:
         sampler: str | None = None,
         num_steps: int | None = None,
         iteration: int = 0,
+        first_prompt: int = 0,
     ) -> None:
         """Produces one ``Trajectory`` per micro-batch of whole groups into ``channel`` as
         each finishes (so scoring overlaps generation), then closes the channel. Waits only
-        on the worker thread and on channel back-pressure."""
+        on the worker thread and on channel back-pressure. ``first_prompt``: where these
+        prompts start in a larger batch that others sample the rest of (a data-parallel rank's
+        share of the held-out set): their samples take that batch's seeds and group ids."""
         g = group_size or self.cfg.group_size
         per = max(1, self.cfg.max_batch // g)  # prompts per micro-batch
-        offset = self.sample_offset
+        offset = self.sample_offset + first_prompt * g
         seeds = sample_seeds(seed, offset + len(prompts) * g)[offset:]
         mask = self.sde_mask(
             sampler or self.cfg.sampler, num_steps or self.cfg.num_steps, iteration, seed
@@ -257,7 +260,7 @@ class RolloutEngine:
                     sub,
                     seeds[k * g : (k + len(sub)) * g],
                     g,
-                    k,
+                    first_prompt + k,
                     sigmas,
                     mask,
                 )

@@ -267,6 +267,18 @@ def test_layouts_train_cannot_run_are_refused_first(
     assert not dist.is_initialized()
 
 
+def test_held_out_shares_are_contiguous_and_cover_the_set():
+    from diffrl.parallel.launch import Ranks
+
+    def shares(n, world):
+        return [(f, idx.tolist()) for f, idx in (Ranks(r, world).share(n) for r in range(world))]
+
+    assert shares(5, 2) == [(0, [0, 1, 2]), (3, [3, 4])]
+    assert shares(52, 4) == [(13 * r, list(range(13 * r, 13 * r + 13))) for r in range(4)]
+    assert shares(1, 2) == [(0, [0]), (1, [])]  # a rank with no share still joins
+    assert shares(3, 1) == [(0, [0, 1, 2])]
+
+
 def test_parallel_keys_are_checked_at_load():
     with pytest.raises(ConfigError, match=r"'parallel.tp' = 0"):
         load_config(RECIPE, ["parallel.tp=0"])
