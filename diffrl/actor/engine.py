@@ -24,6 +24,7 @@ from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, hash_rows
+from diffrl.parallel.launch import all_reduced
 from diffrl.sync.weights import LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
 
@@ -168,16 +169,6 @@ def average_over(group, grads: list[Tensor], loss: Tensor, rows: int | None = No
     return flat[len(flat) - (1 if rows is None else 2)]
 
 
-def _reduce(t: Tensor, group, op) -> Tensor:
-    """``t`` all-reduced over ``group`` (on the GPU where the backend is nccl)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if (
-        torch.distributed.get_backend(group) == "nccl"
-    ) else t.device  # fmt: skip
-    t = t.to(dev)
-    torch.distributed.all_reduce(t, op=op, group=group)
-    return t.cpu()
-
-
 class ActorEngine:
     def __init__(
         self,
@@ -233,6 +224,7 @@ class ActorEngine:
         )
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0  # optimizer steps taken
+        self._spare: TrainBatch | None = None  # data parallel: the last row trained (lockstep)
         self.nonfinite = 0
 
     # --- the Policy the algorithms see -------------------------------------------------
@@ -283,11 +275,7 @@ class ActorEngine:
         else:  # keep each (winner, loser) pair whole and adjacent for pairwise losses
             pair_parts = torch.randperm(n // 2, generator=self.gen).chunk(max(1, min(k, n // 2)))
             parts = [torch.stack([2 * p, 2 * p + 1], 1).flatten() for p in pair_parts if len(p)]
-        totals: dict[str, float] = {}
-        if self.algorithm.diagnostics is not None:  # weights still those of the rollout
-            mb = batch.select(torch.arange(min(n, self.cfg.micro_batch)), self.device)
-            with torch.no_grad():
-                totals.update(self.algorithm.diagnostics(self, mb, self.algo_cfg))
+        totals: dict[str, float] = self._diagnostics(batch)  # weights still the rollout's
         for part in parts:
             m = self._optimizer_step(batch.select(part))
             for k, v in m.items():
@@ -314,14 +302,9 @@ class ActorEngine:
         n = len(part)
         if n == 0:
             return
-        if st["rows"] == 0 and self.algorithm.diagnostics is not None:  # the rollout's weights
-            mb = part.select(torch.arange(min(n, self.cfg.micro_batch)), self.device)
-            with torch.no_grad():
-                st["diagnostics"] = self.algorithm.diagnostics(self, mb, self.algo_cfg)
-        for start in range(0, n, self.cfg.micro_batch):
-            idx = torch.arange(start, min(start + self.cfg.micro_batch, n))
-            mb = part.select(idx, self.device)
-            st["total"] = self._backward(mb, len(mb) / st["expected"], st["total"], st["m"])
+        if st["rows"] == 0:  # the first part, under the rollout's weights
+            st["diagnostics"] = self._diagnostics(part)
+        st["total"] = self._backward_all(part, st["expected"], st["total"], st["m"])
         st["rows"] += n
 
     def end_stream(self) -> dict[str, float]:
@@ -338,7 +321,7 @@ class ActorEngine:
                 if p.grad is not None:
                     p.grad.mul_(scale)
             total, metrics = total * scale, {k: v * scale for k, v in metrics.items()}
-        out = {**host_floats(st.get("diagnostics", {})), **self._update(total, metrics)}
+        out = {**st.get("diagnostics", {}), **self._update(total, metrics)}
         if self.device.type == "cpu":
             release_host_memory()
         return out
@@ -348,13 +331,29 @@ class ActorEngine:
         # the loss and the metrics stay tensors on the device until the update is decided, so
         # the micro-batches queue without a host sync; one sync per optimizer step reads the
         # loss and the gradient norm for the non-finite guard
-        n, metrics, total = len(batch), {}, torch.zeros((), device=self.device)
+        metrics, total = {}, torch.zeros((), device=self.device)
+        total = self._backward_all(batch, len(batch), total, metrics)
+        return self._update(total, metrics)
+
+    def _diagnostics(self, batch: TrainBatch) -> dict[str, float]:
+        """The algorithm's no-grad diagnostics on the batch's first micro-batch (before the
+        update: under the weights that sampled it); none without diagnostics."""
+        if self.algorithm.diagnostics is None:
+            return {}
+        mb = batch.select(torch.arange(min(len(batch), self.cfg.micro_batch)), self.device)
+        with torch.no_grad():
+            return host_floats(self.algorithm.diagnostics(self, mb, self.algo_cfg))
+
+    def _backward_all(self, batch: TrainBatch, rows: int, total: Tensor, metrics: dict) -> Tensor:
+        """``_backward`` over the batch's micro-batches in order, each weighted by its share of
+        an optimizer step of ``rows`` rows."""
+        n = len(batch)
         for start in range(0, n, self.cfg.micro_batch):
             mb = batch.select(
                 torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
             )
-            total = self._backward(mb, len(mb) / n, total, metrics)
-        return self._update(total, metrics)
+            total = self._backward(mb, len(mb) / rows, total, metrics)
+        return total
 
     def _backward(self, mb: TrainBatch, w: float, total: Tensor, metrics: dict) -> Tensor:
         """One micro-batch's loss, back-propagated with weight ``w`` (its share of the
@@ -413,11 +412,11 @@ class ActorEngine:
         n, mbs = len(batch), self.cfg.micro_batch
         if n:
             self._spare = batch.select(torch.tensor([n - 1]))
-        have_spare = getattr(self, "_spare", None) is not None
+        have_spare = self._spare is not None
         mine = -(-n // mbs)
         # [the most micro-batches of any rank, whether any rank lacks rows and a spare]
         agree = torch.tensor([mine, 0 if (mine or have_spare) else 1], dtype=torch.float64)
-        passes, lacking = (int(v) for v in _reduce(agree, self.dp_group, ReduceOp.MAX))
+        passes, lacking = (int(v) for v in all_reduced(agree, ReduceOp.MAX, self.dp_group))
         if passes == 0 or lacking:
             return {"actor/skipped_empty": 1.0}
         batch = batch.select(torch.randperm(n, generator=self.gen)) if n else batch

@@ -121,12 +121,9 @@ class RolloutHost(Host):
     async def stream_to(self, which: str, prompts, seed: int, kw: dict, out) -> None:
         """The same micro-batches put into ``out``, a channel another process consumes
         (TransferQueue); closed at the end, or when the rollout fails."""
-        channel = Channel(capacity=1)
-        producer = asyncio.create_task(self.engines[which].stream(prompts, seed, channel, **kw))
         try:
-            async for traj in channel:
-                await out.put(to_device(traj, CPU), traj.policy_version)
-            await producer
+            async for traj in self.stream(which, prompts, seed, kw):
+                await out.put(traj, traj.policy_version)
         finally:
             out.close()
 

@@ -222,10 +222,6 @@ def build(cfg: Config) -> Engines:
     ranks = start_ranks(cfg)  # torchrun: the process group and meshes; else SOLO
     device = setup_process(cfg)
     side = rollout_side(cfg, device)
-    # a data-parallel rank rolls out its slice of each step's prompts, with the per-sample
-    # seeds those rows have in the one-process run
-    per_rank = cfg.data.prompts_per_step // ranks.dp_size
-    side.rollout.sample_offset = ranks.dp_rank * per_rank * cfg.rollout.group_size
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced=set(side.rollout.produces))
     actor = actor_side(cfg, side.base, device, ranks)

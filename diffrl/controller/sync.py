@@ -45,6 +45,8 @@ async def rollout_and_score(parts: Engines, step: int, on_scored=None):
             seed=parts.cfg.run.seed * 1_000_003 + step,
             channel=channel,
             iteration=step,
+            # a data-parallel rank's slice: its samples take the one-process rows' seeds
+            first_prompt=parts.prompts.first,
         )
     )
     scored, extra = [], {}

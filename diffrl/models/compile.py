@@ -21,6 +21,8 @@ import inspect
 
 import torch
 
+from diffrl.models.family import transformer_blocks
+
 RECOMPILE_LIMIT = 64
 PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
@@ -40,14 +42,10 @@ def compile_blocks(model: torch.nn.Module, key: str = "rollout.compile") -> int:
     children of ``model.net.transformer``, or of the net itself); returns how many. Weight sync
     and adapter updates change the blocks' weights in place, which compiled code reads as
     inputs. ``key`` names the config option in the error for a net without block lists."""
-    net = model.net
-    root = getattr(net, "transformer", net)
-    n = 0
-    for child in root.children():
-        if isinstance(child, torch.nn.ModuleList):
-            for block in child:
-                block.compile(dynamic=None, **_limit())
-                n += 1
-    if not n:
+    blocks = transformer_blocks(model)
+    if not blocks:
+        root = getattr(model.net, "transformer", model.net)
         raise ValueError(f"{key}: {type(root).__name__} has no block lists to compile")
-    return n
+    for block in blocks:
+        block.compile(dynamic=None, **_limit())
+    return len(blocks)

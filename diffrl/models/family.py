@@ -180,3 +180,13 @@ class FamilyModel(nn.Module):
         else:
             native = self.net(x.to(dtype), t, input_ids, cond=cond.to(dtype))
         return (native * self.convention.velocity_sign).to(x.dtype)
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of every ``nn.ModuleList`` child of a family model's transformer
+    (``net.transformer``, or the net itself), under a peft wrapper or not: the units that
+    regional compile and FSDP2 take one at a time."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    net = base.net
+    root = getattr(net, "transformer", net)
+    return [b for child in root.children() if isinstance(child, torch.nn.ModuleList) for b in child]

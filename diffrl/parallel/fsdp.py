@@ -16,14 +16,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.fsdp import fully_shard
 
-
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of every ``nn.ModuleList`` child of the family's transformer (``net.transformer``,
-    or the net itself), under a peft wrapper or not."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    net = base.net
-    root = getattr(net, "transformer", net)
-    return [b for child in root.children() if isinstance(child, torch.nn.ModuleList) for b in child]
+from diffrl.models.family import transformer_blocks
 
 
 def shard_frozen_base(mesh) -> Callable[[torch.nn.Module], None]:

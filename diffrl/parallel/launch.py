@@ -7,8 +7,8 @@ process group (nccl on GPUs, one device per local rank; gloo on CPU) and builds 
 
 What a run splits today is the data. Each data-parallel rank:
 - rolls out and scores its own slice of the step's prompts, with the per-sample seeds those
-  rows have in the one-process run (``RolloutEngine.sample_offset``), so the ranks' samples
-  together are the one-process run's samples;
+  rows have in the one-process run (``RolloutEngine.stream``'s ``first_prompt``), so the
+  ranks' samples together are the one-process run's samples;
 - trains on its slice with the frozen base sharded by FSDP2 (``fully_shard`` per transformer
   block, then the root, over ``dp_shard``; HSDP over ``dp_replicate`` x ``dp_shard``) and the
   LoRA adapters replicated, their gradients averaged over the data-parallel ranks in fp32
@@ -102,10 +102,8 @@ class Ranks:
         if self.world == 1 or not metrics:
             return metrics
         keys = sorted(metrics)
-        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        t = _on_backend(t)
-        dist.all_reduce(t)
-        return dict(zip(keys, (t.cpu() / self.world).tolist(), strict=True))
+        t = all_reduced(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
+        return dict(zip(keys, (t / self.world).tolist(), strict=True))
 
     def share(self, n: int) -> tuple[int, torch.Tensor]:
         """This rank's contiguous share of ``n`` items (the first one's index, the indices):
@@ -132,19 +130,23 @@ class Ranks:
     def any(self, flag: bool) -> bool:
         if self.world == 1:
             return flag
-        t = _on_backend(torch.tensor([1.0 if flag else 0.0]))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = all_reduced(torch.tensor([1.0 if flag else 0.0]), dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
 
 SOLO = Ranks()
 
 
-def _on_backend(t: torch.Tensor) -> torch.Tensor:
-    """nccl reduces CUDA tensors only."""
-    if dist.get_backend() == "nccl":
-        return t.to(torch.device("cuda", torch.cuda.current_device()))
-    return t
+def all_reduced(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """A small host tensor all-reduced over ``group`` (the world by default), back on the host;
+    it travels through this rank's GPU where the backend is nccl, which reduces CUDA tensors
+    only."""
+    dev = t.device
+    if dist.get_backend(group) == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = t.to(dev)
+    dist.all_reduce(t, op=op, group=group)
+    return t.cpu()
 
 
 def world_size() -> int:

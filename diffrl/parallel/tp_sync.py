@@ -49,6 +49,7 @@ from diffrl.sync.weights import (  # the single-process sync's base copies and d
     _copy,
     _rounding_bound,
     check_targets,
+    slot_weights,
 )
 
 REL_TOL = 1e-4  # as MergedLoraTarget: fp32 rounding of W + delta is far inside it
@@ -107,18 +108,8 @@ class ShardedLoraTarget:
         self.model, self.mesh = model, mesh
         self.slot_map = slot_map or SlotMap()
         self.expected = sorted(expected)
-        modules = dict(model.named_modules())
-        self.shards: dict[str, _Shard] = {}
-        for name in self.expected:
-            for slot in self.slot_map.slots_for(name):
-                weight = getattr(modules.get(slot.module), "weight", None)
-                if not isinstance(weight, Tensor):
-                    raise SyncError(
-                        f"rollout model has no weight slot {slot.module!r} "
-                        f"for trained module {name!r}"
-                    )
-                if slot.module not in self.shards:
-                    self.shards[slot.module] = self._shard_of(slot.module, weight)
+        weights = slot_weights(model, self.slot_map, self.expected)
+        self.shards = {m: self._shard_of(m, w) for m, w in weights.items()}
         self._check_disjoint()
         self.base = {k: _copy(_local(s.param), base_device) for k, s in self.shards.items()}
 

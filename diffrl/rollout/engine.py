@@ -206,9 +206,6 @@ class RolloutEngine:
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
         self.target = MergedLoraTarget(self.model, lora_targets, slot_map, cfg.base_copy)
         self.compiled = compile_blocks(self.model) if cfg.compile else 0
-        # rows of the one-process batch before this engine's (a data-parallel rank's slice):
-        # its samples take the per-sample seeds those rows have there
-        self.sample_offset = 0
 
     @property
     def produces(self) -> frozenset[str]:
@@ -241,10 +238,11 @@ class RolloutEngine:
         each finishes (so scoring overlaps generation), then closes the channel. Waits only
         on the worker thread and on channel back-pressure. ``first_prompt``: where these
         prompts start in a larger batch that others sample the rest of (a data-parallel rank's
-        share of the held-out set): their samples take that batch's seeds and group ids."""
+        slice of a step, or its share of the held-out set): their samples take that batch's
+        seeds and group ids."""
         g = group_size or self.cfg.group_size
         per = max(1, self.cfg.max_batch // g)  # prompts per micro-batch
-        offset = self.sample_offset + first_prompt * g
+        offset = first_prompt * g
         seeds = sample_seeds(seed, offset + len(prompts) * g)[offset:]
         mask = self.sde_mask(
             sampler or self.cfg.sampler, num_steps or self.cfg.num_steps, iteration, seed

@@ -95,6 +95,22 @@ def check_targets(update: WeightUpdate, expected: list[str]) -> None:
         )
 
 
+def slot_weights(model: nn.Module, slot_map: SlotMap, expected: list[str]) -> dict[str, Tensor]:
+    """The weight of every slot the ``expected`` trained modules map to (slot module -> its
+    weight, in slot order); a SyncError names a slot the rollout model lacks."""
+    modules = dict(model.named_modules())
+    weights: dict[str, Tensor] = {}
+    for name in expected:
+        for slot in slot_map.slots_for(name):
+            weight = getattr(modules.get(slot.module), "weight", None)
+            if not isinstance(weight, Tensor):
+                raise SyncError(
+                    f"rollout model has no weight slot {slot.module!r} for trained module {name!r}"
+                )
+            weights[slot.module] = weight
+    return weights
+
+
 class MergedLoraTarget:
     """The rollout side's view of one model: frozen base copies of every slot it may write."""
 
@@ -111,17 +127,7 @@ class MergedLoraTarget:
         self.model = model
         self.slot_map = slot_map or SlotMap()
         self.expected = sorted(expected)
-        modules = dict(model.named_modules())
-        self.weights: dict[str, Tensor] = {}
-        for name in self.expected:
-            for slot in self.slot_map.slots_for(name):
-                mod = modules.get(slot.module)
-                if mod is None or not isinstance(getattr(mod, "weight", None), Tensor):
-                    raise SyncError(
-                        f"rollout model has no weight slot {slot.module!r} "
-                        f"for trained module {name!r}"
-                    )
-                self.weights[slot.module] = mod.weight
+        self.weights = slot_weights(model, self.slot_map, self.expected)
         self.base = {k: _copy(w, base_device) for k, w in self.weights.items()}
 
     @torch.no_grad()

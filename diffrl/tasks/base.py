@@ -133,13 +133,18 @@ class PromptSource:
         if per_step % part[1]:
             raise ValueError(f"{per_step} prompts per step do not split into {part[1]} slices")
 
+    @property
+    def first(self) -> int:
+        """Where this source's slice starts among each step's prompts (0: all of them)."""
+        k, parts = self.part
+        return k * (self.per_step // parts)
+
     def at(self, step: int) -> PromptBatch:
         rng = np.random.default_rng([self.seed, step])
         n = len(self.set)
         idx = rng.choice(n, size=self.per_step, replace=self.per_step > n)
-        k, parts = self.part
-        share = self.per_step // parts
-        return self.set.batch(idx[k * share : (k + 1) * share])
+        share = self.per_step // self.part[1]
+        return self.set.batch(idx[self.first : self.first + share])
 
 
 def first_of_each_prompt(traj: Trajectory) -> np.ndarray:

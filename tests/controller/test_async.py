@@ -180,11 +180,11 @@ def test_a_failing_rollout_stops_the_run(tiny_checkpoint, tmp_path):
     cfg = load_config(RECIPE, tiny_run(tiny_checkpoint, tmp_path, 3, *FAST, "run.mode=async"))
     parts = build(cfg)
 
-    async def stream(prompts, seed, channel, *, iteration=0, _inner=parts.rollout.stream):
+    async def stream(prompts, seed, channel, *, iteration=0, _inner=parts.rollout.stream, **kw):
         if iteration == 1:
             channel.close()
             raise RuntimeError("rollout host lost")
-        await _inner(prompts, seed, channel, iteration=iteration)
+        await _inner(prompts, seed, channel, iteration=iteration, **kw)
 
     parts.rollout.stream = stream
     with pytest.raises(RuntimeError, match="rollout host lost"):  # raised, not a hang

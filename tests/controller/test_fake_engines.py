@@ -42,6 +42,10 @@ class FakePrompts:
         self.source = PromptSource(prompt_set, per_step, seed=0)
         self.asked: list[int] = []
 
+    @property
+    def first(self) -> int:
+        return self.source.first
+
     def at(self, step: int) -> PromptBatch:
         self.asked.append(step)
         return self.source.at(step)
