@@ -123,6 +123,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="the tiny preset, to test the script")
     p.add_argument("--compile", action="store_true", help="rollout.compile: regional compile")
     p.add_argument(
+        "--cuda-graphs", action="store_true", help="rollout.cuda_graphs: replay captured forwards"
+    )
+    p.add_argument(
         "--warm-passes", type=int, default=0, help="untimed passes first (compile each shape)"
     )
     args = p.parse_args()
@@ -135,13 +138,23 @@ def main() -> None:
     base = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res, probe=False), DEV)
     fam = base.family
     engine = RolloutEngine(
-        base, RolloutConfig(num_steps=args.steps, cfg_scale=args.cfg, compile=args.compile), [], DEV
+        base,
+        RolloutConfig(
+            num_steps=args.steps,
+            cfg_scale=args.cfg,
+            compile=args.compile,
+            cuda_graphs=args.cuda_graphs,
+            graph_cache=64,  # per-request: 4 shapes; the scheduler: every batch size it forms
+        ),
+        [],
+        DEV,
     )  # fused-QKV serving layout, as the rollout runs
     scale = res // fam.latent_shape()[1]
     reqs = make_requests(fam, args.requests, args.resolutions, args.steps, scale, seed=0)
     warm = fresh([next(r for r in reqs if r.shape[1] * scale == px) for px in args.resolutions])
     row = {"requests": len(reqs), "resolutions": args.resolutions, "steps": args.steps,
-           "cfg": args.cfg, "budget": args.budget, "compile": args.compile}  # fmt: skip
+           "cfg": args.cfg, "budget": args.budget, "compile": args.compile,
+           "cuda_graphs": args.cuda_graphs}  # fmt: skip
     results = {}
     for mode in args.modes:
         if mode == "diffusers":
@@ -165,6 +178,8 @@ def main() -> None:
         print(mode, json.dumps(row[mode]), flush=True)
     if args.compile:
         row["compiled_blocks"] = engine.compiled
+    if engine.graphs is not None:
+        row["graphs"] = engine.graphs.stats
     if "scheduler" in results and "per-request" in results:
         a, b = results["scheduler"], results["per-request"]
         diff = max(float((a[k] - b[k]).abs().max()) for k in a)

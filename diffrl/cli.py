@@ -35,7 +35,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from diffrl.controller.bench import bench
 
     cfg = _recipe_config(args.args)
-    result = bench(args.kind, cfg, repeats=args.repeats, baseline=not args.no_baseline)
+    result = bench(
+        args.kind, cfg, repeats=args.repeats, baseline=not args.no_baseline, profile=args.profile
+    )
     for k, v in result.rows().items():
         print(f"{k:40s} {v:.4g}")
     return 0
@@ -178,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs="*", help="[RECIPE.yaml] [key=value ...]")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-loop baseline")
+    p.add_argument(
+        "--profile",
+        default="",
+        metavar="FILE",
+        help="after the timings, profile one more repeat (torch.profiler) and write its kernel "
+        "table and time by kernel kind to FILE",
+    )
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser(
         "plan", help="per-GPU memory of a recipe's layout, by component, and the knob to turn"

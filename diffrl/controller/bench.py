@@ -37,6 +37,7 @@ policy, a KL reference, DPO's reference.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, replace
 
@@ -138,7 +139,11 @@ def _timed(fn, device: torch.device, repeats: int, warmup=None) -> float:
     return total / repeats
 
 
-def bench(kind: str, cfg: Config, repeats: int = 3, baseline: bool = True) -> BenchResult:
+def bench(
+    kind: str, cfg: Config, repeats: int = 3, baseline: bool = True, profile: str = ""
+) -> BenchResult:
+    """``profile``: a file for one more repeat's profile (``write_profile``), taken after the
+    timings (and before the baseline's)."""
     if kind not in KINDS:
         raise ConfigError(f"diffrl bench: kind must be one of {KINDS}, got {kind!r}")
     if repeats < 1:
@@ -158,6 +163,8 @@ def bench(kind: str, cfg: Config, repeats: int = 3, baseline: bool = True) -> Be
 
     if kind == "rollout":
         secs = _timed(rollout, dev, repeats)
+        if profile:
+            write_profile(profile, rollout, dev)
         flops, steps = rollout_flops(parts, n)
         base = _plain_loop_seconds(parts, repeats) if baseline else None
         return BenchResult(kind, secs, n, flops, peak, steps, base)
@@ -171,6 +178,8 @@ def bench(kind: str, cfg: Config, repeats: int = 3, baseline: bool = True) -> Be
 
     if kind == "train":
         secs = _timed(update, dev, repeats, warmup=lambda: update(head))
+        if profile:
+            write_profile(profile, update, dev)
         base = _baseline_train_seconds(parts, batch, repeats) if baseline else None
         return BenchResult(kind, secs, len(batch), len(batch) * train_fwd, peak, 0, base)
 
@@ -178,6 +187,8 @@ def bench(kind: str, cfg: Config, repeats: int = 3, baseline: bool = True) -> Be
         update(parts.algorithm.prepare(scored(), cfg.algorithm))
 
     secs = _timed(epoch, dev, repeats, warmup=lambda: update(head))
+    if profile:
+        write_profile(profile, epoch, dev)
     flops, steps = rollout_flops(parts, n)
     base = None
     if baseline:
@@ -193,12 +204,78 @@ def bench(kind: str, cfg: Config, repeats: int = 3, baseline: bool = True) -> Be
     return BenchResult(kind, secs, n, flops + n * train_fwd, peak, steps, base)
 
 
+# kernel kinds by name, in order (the first that matches): what a profile's device time went to
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+    (
+        "matmul",
+        re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_|matmul|wgmma|::(add)?b?mm$", re.I),
+    ),
+    ("copy/cast", re.compile(r"memcpy|memset|copy|cast|to_copy|fill", re.I)),
+    ("compiled (triton)", re.compile(r"^triton", re.I)),
+    ("reduction/norm", re.compile(r"reduce|norm|softmax", re.I)),
+    (
+        "elementwise",
+        re.compile(r"elementwise|vectorized|unrolled|pointwise|::(mul|add|sub|div)_?$", re.I),
+    ),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def write_profile(path: str, fn, device: torch.device) -> dict[str, float]:
+    """One call of ``fn`` under torch.profiler: writes to ``path`` the share of device time by
+    kernel kind (``KERNEL_KINDS``), the kernel count, and the top kernels by their own time;
+    returns the shares. On a CPU the operators' own CPU time stands in, for the calling thread's
+    operators only (the rollout's run in a worker thread)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t = sync(device)
+    with torch_profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - t
+    rows = prof.key_averages()
+    if cuda:  # the kernels themselves: device-side events
+        rows = [r for r in rows if str(getattr(r, "device_type", "")).endswith("CUDA")]
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    if cuda and rows and not hasattr(rows[0], attr):
+        attr = "self_cuda_time_total"
+    timed = sorted(((getattr(r, attr), r.count, r.key) for r in rows), reverse=True)
+    total = sum(us for us, _, _ in timed) or 1.0
+    shares: dict[str, float] = {}
+    for us, _, name in timed:
+        shares[kernel_kind(name)] = shares.get(kernel_kind(name), 0.0) + us / total
+    lines = [
+        f"wall {wall:.3f} s, {'device' if cuda else 'CPU'} time {total / 1e6:.3f} s, "
+        f"{sum(c for _, c, _ in timed)} {'kernels' if cuda else 'operator calls'}",
+        "",
+        "share  kind",
+    ]
+    lines += [f"{v:6.1%} {k}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])]
+    lines += ["", "    ms  share  calls  kind               name"]
+    for us, count, name in timed[:40]:
+        lines.append(
+            f"{us / 1e3:6.1f} {us / total:6.1%} {count:6d}  {kernel_kind(name):18s} {name[:110]}"
+        )
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return shares
+
+
 def _plain_loop_seconds(parts: Engines, repeats: int) -> float:
     """The baseline rollout: per prompt, its G samples in one call, on a freshly loaded model
     without the serving layout, eager, the prompt encoded again each call (cache emptied)."""
     cfg = parts.cfg
     model = load_model(cfg.model, parts.device)
-    one_prompt = replace(cfg.rollout, max_batch=cfg.rollout.group_size, compile=False)
+    one_prompt = replace(
+        cfg.rollout, max_batch=cfg.rollout.group_size, compile=False, cuda_graphs=False
+    )
     plain = RolloutEngine(
         model, one_prompt, [], parts.device, serving_layout=False, share_model=True
     )

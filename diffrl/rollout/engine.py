@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from diffrl.channel import Channel
-from diffrl.errors import check, check_choice
+from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel
+from diffrl.models.graphs import graph_transformer
 from diffrl.rollout.samplers import (
     STOCHASTIC_STEPS,
     coarse_tail,
@@ -85,8 +86,15 @@ class RolloutConfig:
     # (identical blocks share one compiled graph, so compile time stays short); the rollout's
     # copy only. Needs a compiler toolchain (inductor); off by default
     compile: bool = False
+    # CUDA-graph replay of the transformer's forward (diffrl/models/graphs.py): each input
+    # shape runs eagerly once, is captured at its second call and replayed from then on, at
+    # most `graph_cache` shapes kept. A batch-1 forward is launch-bound, so this is most of its
+    # speed-up; with `compile` the graph replays the compiled kernels. CUDA only
+    cuda_graphs: bool = False
+    graph_cache: int = 16
 
     def validate(self) -> None:
+        check(self.graph_cache >= 1, "graph_cache", self.graph_cache, "must be >= 1")
         check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
         check(self.num_steps >= 1, "num_steps", self.num_steps, "must be >= 1")
         check_choice("sampler", self.sampler, ("ode", "sde"))
@@ -206,6 +214,14 @@ class RolloutEngine:
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
         self.target = MergedLoraTarget(self.model, lora_targets, slot_map, cfg.base_copy)
         self.compiled = compile_blocks(self.model) if cfg.compile else 0
+        self.graphs = None
+        if cfg.cuda_graphs:
+            if device.type != "cuda":
+                raise ConfigError(
+                    f"rollout.cuda_graphs needs a CUDA device; this run's is {device} "
+                    "(set run.device=cuda, or rollout.cuda_graphs=false)"
+                )
+            self.graphs = graph_transformer(self.model, cfg.graph_cache)
 
     @property
     def produces(self) -> frozenset[str]:

@@ -141,3 +141,28 @@ def test_cli_and_bad_kind(tiny_checkpoint, tmp_path, capsys) -> None:
         B.bench("sample", cfg_for(tiny_checkpoint, tmp_path))
     with pytest.raises(ConfigError, match="repeats"):
         B.bench("train", cfg_for(tiny_checkpoint, tmp_path), repeats=0)
+
+
+def test_profile_writes_time_by_kernel_kind(tiny_checkpoint, tmp_path, capsys) -> None:
+    over = tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.num_steps=2")
+    out = tmp_path / "profile.txt"
+    # the update: on a CPU the profile sees the calling thread's operators only (the rollout's
+    # run in a worker thread); on a GPU it sees every kernel
+    args = ["bench", "train", *over, "--repeats", "1", "--no-baseline", "--profile", str(out)]
+    assert main(args) == 0
+    text = out.read_text()
+    assert "operator calls" in text and "share  kind" in text
+    shares = [float(line.split("%")[0]) for line in text.split("share  kind")[1].split("\n\n")[0]
+              .strip().splitlines()]  # fmt: skip
+    assert sum(shares) == pytest.approx(100, abs=0.5)
+    assert "matmul" in text  # the DiT's linear layers
+
+
+def test_kernel_kinds() -> None:
+    assert B.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert B.kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert B.kernel_kind("flash_fwd_kernel") == "attention"
+    assert B.kernel_kind("triton_poi_fused_add_mul_0") == "compiled (triton)"
+    assert B.kernel_kind("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert B.kernel_kind("Memcpy DtoD (Device -> Device)") == "copy/cast"
+    assert B.kernel_kind("aten::addmm") == "matmul"

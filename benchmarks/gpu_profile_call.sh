@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device call: where the time goes, on a real-size SD3.5-Medium (random weights, bf16,
+# 512 px, a rule reward), and what CUDA graphs buy at batch 1.
+#
+#   bash benchmarks/gpu_profile_call.sh OUTDIR [PARTS]
+#     PARTS (default "batch1 train"):
+#     batch1  `diffrl bench rollout` of 8 one-image requests (CFG 4.5, 10 steps, decode), one at a
+#             time (rollout.max_batch=1), compiled blocks and rollout.cuda_graphs, against the
+#             plain loop (eager, one prompt per call, encoded every call) in the same process;
+#             then the same without graphs (--no-baseline); profiles of both.
+#     train   `diffrl bench train` of the FlowGRPO epoch recipe (benchmarks/recipes/
+#             sd35m_grpo_epoch.yaml) on 2 prompts x 8 images, actor.compile, with a profile.
+#     Rows in OUTDIR/bench.txt, profiles in OUTDIR/profile_*.txt, logs OUTDIR/*.log. The parts
+#     share one deadline (DEADLINE, default 560 s).
+#
+# DRY_RUN=1 runs the same command lines on the CPU with the sd35-tiny preset (no graphs: they
+# need CUDA).
+set -uo pipefail
+OUT=${1:?outdir}; PARTS=${2:-"batch1 train"}; DEADLINE=${DEADLINE:-560}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+DIFFRL=(python3 -c "from diffrl.cli import main; main()")
+REWARD='reward.scorers=[{name: jpeg_incompressibility}]'
+SIZE=(run.device=cuda)
+GRAPHS=(rollout.cuda_graphs=true)
+if [[ -n "${DRY_RUN:-}" ]]; then
+  SIZE=(model.preset=sd35-tiny model.resolution=64 run.device=cpu rollout.num_steps=3)
+  GRAPHS=()
+fi
+
+run() {  # NAME ARGS...: one bench command under what is left of the deadline
+  local name=$1; shift
+  local left=$((DEADLINE - SECONDS))
+  if (( left < 30 )); then echo "$name: skipped, ${left}s left"; return; fi
+  timeout "$left" "${DIFFRL[@]}" bench "$@" --profile "$OUT/profile_$name.txt" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep "^bench/" "$OUT/$name.log" | sed "s/^/$name /" | tee -a "$OUT/bench.txt"
+  (( rc )) && { echo "$name: exit $rc at ${SECONDS}s"; grep -v "float32\|^bench/" "$OUT/$name.log" | tail -6; }
+  [[ -f "$OUT/profile_$name.txt" ]] && head -12 "$OUT/profile_$name.txt"
+}
+
+for part in $PARTS; do
+  case $part in
+    batch1)
+      ONE=(recipes/sd35_nft.yaml 'model.path=""' model.preset=sd35-medium "$REWARD" "${SIZE[@]}"
+           data.prompts_per_step=8 rollout.group_size=1 rollout.max_batch=1 rollout.compile=true)
+      run batch1_graphs rollout "${ONE[@]}" "${GRAPHS[@]}" --repeats 2
+      run batch1_compiled rollout "${ONE[@]}" --repeats 2 --no-baseline
+      ;;
+    train)
+      GRPO=(benchmarks/recipes/sd35m_grpo_epoch.yaml "$REWARD" "${SIZE[@]}" data.prompts_per_step=2
+            actor.compile=true rollout.compile=true)
+      [[ -n "${DRY_RUN:-}" ]] && GRPO+=(model.preset=sd35-tiny model.resolution=64 rollout.group_size=2)
+      run grpo_train train "${GRPO[@]}" --repeats 1 --no-baseline
+      ;;
+    *) echo "unknown part $part (batch1 | train)"; exit 2 ;;
+  esac
+done
+echo "done in ${SECONDS}s"
