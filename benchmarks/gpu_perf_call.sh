@@ -5,9 +5,10 @@
 #   bash benchmarks/gpu_perf_call.sh OUTDIR [ALGOS] [REPEATS]
 #     `diffrl bench epoch` for each of ALGOS (default "grpo nft"): FlowGRPO at the issue's
 #     settings (benchmarks/recipes/sd35m_grpo_epoch.yaml) and DiffusionNFT (recipes/sd35_nft.yaml
-#     with a CFG-free rollout), each first eager against the diffusers-loop baseline, then with
-#     rollout.compile=true actor.compile=true and --no-baseline (the baseline is eager either
-#     way: `compiled_speedup` = the eager run's baseline seconds over the compiled run's).
+#     with a CFG-free rollout), for each of MODES (default "compiled"): "compiled" =
+#     rollout.compile=true actor.compile=true rollout.cuda_graphs=true against the diffusers-loop
+#     baseline in the same process (the baseline is eager either way); "eager" = diffrl's
+#     engines eager, also against the baseline. `speedup` is the baseline's seconds over diffrl's.
 #     REPEATS (default 2) timed epochs after the warm-up. Rows in OUTDIR/bench_epoch.txt, logs
 #     in OUTDIR/epoch_*.log. The commands share one deadline (DEADLINE, default 570 s): each
 #     gets what the ones before it left. Estimated on one H200: FlowGRPO ~7.5 min at REPEATS 1
@@ -26,7 +27,9 @@ mkdir -p "$OUT"
 DIFFRL=(python3 -c "from diffrl.cli import main; main()")
 REWARD='reward.scorers=[{name: jpeg_incompressibility}]'
 SIZE=(run.device=cuda)
+GRAPHS=(rollout.cuda_graphs=true)
 if [[ -n "${DRY_RUN:-}" ]]; then
+  GRAPHS=()
   SIZE=(model.preset=sd35-tiny model.resolution=64 run.device=cpu data.prompts_per_step=2
         rollout.group_size=2 rollout.num_steps=3 actor.micro_batch=2)
 fi
@@ -47,7 +50,6 @@ fi
 
 GRPO=(benchmarks/recipes/sd35m_grpo_epoch.yaml)
 NFT=(recipes/sd35_nft.yaml 'model.path=""' model.preset=sd35-medium rollout.cfg_scale=1)
-row() { awk -v k="$1" '$1 == k {print $2}' "$2" 2>/dev/null; }
 
 for algo in $ALGOS; do
   case $algo in
@@ -55,11 +57,11 @@ for algo in $ALGOS; do
     nft) ARGS=("${NFT[@]}") ;;
     *) echo "unknown algorithm $algo (grpo | nft)"; exit 2 ;;
   esac
-  for mode in eager compiled; do
+  for mode in ${MODES:-compiled}; do
     left=$((DEADLINE - SECONDS))
     if (( left < 30 )); then echo "$algo $mode: skipped, ${left}s of the deadline left"; continue; fi
     over=(); flags=()
-    [[ $mode == compiled ]] && over=(rollout.compile=true actor.compile=true) flags=(--no-baseline)
+    [[ $mode == compiled ]] && over=(rollout.compile=true actor.compile=true "${GRAPHS[@]}")
     log="$OUT/epoch_${algo}_$mode.log"
     timeout "$left" "${DIFFRL[@]}" bench epoch "${ARGS[@]}" "$REWARD" "${SIZE[@]}" "${over[@]}" \
       --repeats "$REPEATS" "${flags[@]}" > "$log" 2>&1
@@ -69,12 +71,5 @@ for algo in $ALGOS; do
       echo "$algo $mode: exit $rc at ${SECONDS}s"; grep -v "float32\|^bench/" "$log" | tail -4
     fi
   done
-  base=$(row bench/epoch/baseline_samples_per_s "$OUT/epoch_${algo}_eager.log")
-  fast=$(row bench/epoch/samples_per_s "$OUT/epoch_${algo}_compiled.log")
-  if [[ -n "$base" && -n "$fast" ]]; then
-    awk -v a="$algo" -v f="$fast" -v b="$base" \
-      'BEGIN {printf "%s compiled bench/epoch/compiled_speedup %.4g\n", a, f / b}' \
-      | tee -a "$OUT/bench_epoch.txt"
-  fi
 done
 echo "done in ${SECONDS}s"
