@@ -131,6 +131,9 @@ class StepSpec:
     noise_level: float
     cfg_scale: float  # classifier-free guidance used at every step (1 = off)
     null_ids: tuple[int, ...]  # (L,) ids of the empty prompt (the unconditional CFG branch)
+    # whether samples may share a forward input at some step (shared initial noise, tree
+    # noise): only then does training look for rows to merge (flow_grpo.shared_rows)
+    shares_inputs: bool = True
 
 
 @dataclass(frozen=True)
@@ -221,9 +224,10 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.x0.shape[0]
 
-    def select(self, index: Tensor, device=None) -> TrainBatch:
-        """Rows ``index`` (optionally moved to ``device``); pairs are re-indexed as consecutive
-        (winner, loser) rows, which is how the actor orders pairwise batches."""
+    def select(self, index: Tensor, device=None, host: tuple[str, ...] = ()) -> TrainBatch:
+        """Rows ``index`` (optionally moved to ``device``, but for the fields named in ``host``);
+        pairs are re-indexed as consecutive (winner, loser) rows, which is how the actor orders
+        pairwise batches."""
         out = select_rows(self, index)
         if self.pairs is not None:
             out = replace(out, pairs=torch.arange(len(index)).reshape(-1, 2))
@@ -232,7 +236,9 @@ class TrainBatch:
         moved = {
             f.name: getattr(out, f.name).to(device)
             for f in dataclasses.fields(out)
-            if f.metadata.get("rows") and isinstance(getattr(out, f.name), Tensor)
+            if f.metadata.get("rows")
+            and isinstance(getattr(out, f.name), Tensor)
+            and f.name not in host
         }
         return replace(out, **moved)
 

@@ -194,6 +194,7 @@ class ActorEngine:
         place once its adapters exist; ``dp_group`` is the process group whose ranks each train
         on a slice of the batch: the adapters' gradients and the loss are averaged over it."""
         self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
+        self.ids_device = model.ids_device(device)
         self.dp_group = dp_group
         lora = LoraConfig(
             r=cfg.lora.rank,
@@ -383,12 +384,18 @@ class ActorEngine:
         total = self._backward_all(batch, len(batch), total, metrics)
         return self._update(total, metrics)
 
+    def _on_device(self, batch: TrainBatch, index: Tensor) -> TrainBatch:
+        """Rows ``index`` on the actor's device, the ids where the model wants them
+        (``FamilyModel.ids_device``: a diffusers net keys its text conditions on host ids)."""
+        host = ("input_ids",) if self.ids_device.type == "cpu" else ()
+        return batch.select(index, self.device, host=host)
+
     def _diagnostics(self, batch: TrainBatch) -> dict[str, float]:
         """The algorithm's no-grad diagnostics on the batch's first micro-batch (before the
         update: under the weights that sampled it); none without diagnostics."""
         if self.algorithm.diagnostics is None:
             return {}
-        mb = batch.select(torch.arange(min(len(batch), self.cfg.micro_batch)), self.device)
+        mb = self._on_device(batch, torch.arange(min(len(batch), self.cfg.micro_batch)))
         with torch.no_grad():
             return host_floats(self.algorithm.diagnostics(self, mb, self.algo_cfg))
 
@@ -397,9 +404,7 @@ class ActorEngine:
         an optimizer step of ``rows`` rows."""
         n = len(batch)
         for start in range(0, n, self.cfg.micro_batch):
-            mb = batch.select(
-                torch.arange(start, min(start + self.cfg.micro_batch, n)), self.device
-            )
+            mb = self._on_device(batch, torch.arange(start, min(start + self.cfg.micro_batch, n)))
             total = self._backward(mb, len(mb) / rows, total, metrics)
         return total
 
@@ -475,9 +480,9 @@ class ActorEngine:
         for i in range(passes):
             if i < mine:
                 idx = torch.arange(i * mbs, min((i + 1) * mbs, n))
-                mb, w = batch.select(idx, self.device), float(len(idx))
+                mb, w = self._on_device(batch, idx), float(len(idx))
             else:  # lockstep: the same passes as the other ranks, contributing nothing
-                mb, w = self._spare.select(torch.tensor([0]), self.device), 0.0
+                mb, w = self._on_device(self._spare, torch.tensor([0])), 0.0
             total = self._backward(mb, w, total, metrics)
         for p in self.params:  # a pass-less or zero-weight rank still reduces every adapter
             if p.grad is None:

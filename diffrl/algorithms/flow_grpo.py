@@ -100,32 +100,31 @@ def clipped_objective(ratio: Tensor, adv: Tensor, clip_range: float) -> Tensor:
     return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
 
 
-def step_logprob(
-    policy: Policy,
-    batch: TrainBatch,
-    rows: Tensor,
-    j: Tensor,
-    adapter: str | None = "default",
-):
-    """Log-prob of the stored x_{j+1} given x_j under ``adapter``, with the step kind, noise
-    level and CFG scale the rollout recorded: (logp (b,), mean, std)."""
+def step_logprob(policy: Policy, batch: TrainBatch, j: Tensor, adapter: str | None = "default"):
+    """Log-prob of each row's stored x_{j+1} given x_j (``j`` (b,), per row) under
+    ``adapter``, with the step kind, noise level and CFG scale the rollout recorded:
+    (logp (b,), mean, std)."""
     spec, sig, x = batch.step_spec, batch.sigmas.to(batch.x0), batch.latents
+    rows = torch.arange(len(j), device=x.device)
     x_t, x_next = x[rows, j], x[rows, j + 1]
     sigma, sigma_next = sig[j], sig[j + 1]
 
     def velocity(x_, s_, ids_, cond_=None):
         return policy.velocity(x_, s_, ids_, adapter=adapter, cond=cond_)
 
-    ids = batch.input_ids[rows]
-    cond = None if batch.cond is None else batch.cond[rows]
-    # the input alone decides (no group ids needed); rows with conditions are not merged
-    shared = shared_rows(x_t, ids, j) if cond is None else None
+    ids, cond = batch.input_ids, batch.cond  # (on the host for a diffusers net)
+    # the input alone decides (no group ids needed); rows with conditions are not merged, and
+    # a rollout whose samples never share an input is not searched (torch.unique waits for
+    # the GPU)
+    may_share = cond is None and spec.shares_inputs
+    shared = shared_rows(x_t, ids.to(x_t.device), j) if may_share else None
     if shared is None:
         v = guided_velocity(velocity, x_t, sigma, ids, spec.cfg_scale, spec.null_ids, cond)
     else:  # one forward per distinct input; the gradient sums back over the copies
         first, inverse = shared
+        ids_first = ids[first.to(ids.device)]
         v = guided_velocity(
-            velocity, x_t[first], sigma[first], ids[first], spec.cfg_scale, spec.null_ids
+            velocity, x_t[first], sigma[first], ids_first, spec.cfg_scale, spec.null_ids
         )[inverse]
     _, logp, mean, std = STOCHASTIC_STEPS[spec.kind](
         x_t, v, sigma, sigma_next, spec.noise_level, float(sig[1]), x_next=x_next
@@ -165,17 +164,16 @@ def loss(
 ) -> tuple[Tensor, dict[str, float]]:
     n, sde_steps = len(batch), batch.sde_mask.nonzero().squeeze(1)
     steps = train_steps(sde_steps, n, cfg, gen).to(batch.x0.device)  # (n, k)
-    rows = torch.arange(n, device=batch.x0.device)
     total = batch.x0.new_zeros(())
     m = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
     for c in range(steps.shape[1]):
         j = steps[:, c]
-        logp, mean, std = step_logprob(policy, batch, rows, j)
-        ratio = torch.exp(logp - batch.log_probs[rows, j])
+        logp, mean, std = step_logprob(policy, batch, j)
+        ratio = torch.exp(logp - batch.log_probs[torch.arange(n, device=j.device), j])
         step_loss = clipped_objective(ratio, batch.advantages, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
             with torch.no_grad():
-                _, mean_ref, _ = step_logprob(policy, batch, rows, j, adapter=None)
+                _, mean_ref, _ = step_logprob(policy, batch, j, adapter=None)
             std_b = broadcast(std, mean)
             kl = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1).mean(1).mean()
             step_loss = step_loss + cfg.kl_coef * kl
@@ -193,8 +191,7 @@ def consistency(policy: Policy, batch: TrainBatch, cfg: GRPOConfig) -> dict[str,
     trained SDE step and compare with the rollout's. ~0 in fp32; a large value means rollout
     and training disagree (sampler settings, weights not synced, non-determinism)."""
     j0 = int(batch.sde_mask.nonzero()[0])
-    rows = torch.arange(len(batch), device=batch.x0.device)
-    logp, _, _ = step_logprob(policy, batch, rows, torch.full_like(rows, j0))
+    logp, _, _ = step_logprob(policy, batch, torch.full((len(batch),), j0, device=batch.x0.device))
     diff = (logp - batch.log_probs[:, j0].to(logp)).abs()
     return {"grpo/logp_diff_max": float(diff.max()), "grpo/logp_diff_mean": float(diff.mean())}
 

@@ -151,6 +151,13 @@ class FamilyModel(nn.Module):
     def family(self) -> ModelFamily:
         return self._family.family
 
+    def ids_device(self, device: torch.device | str) -> torch.device:
+        """Where this model wants ``input_ids``. A diffusers net looks its text conditions up
+        by the ids' content (``EncodeCache``, keyed on their hashes, taken on the host), so its
+        ids stay in host memory: a forward then never waits for ids copied back from the GPU.
+        A net that embeds the ids itself (the tiny DiT) takes them on ``device``."""
+        return torch.device("cpu") if getattr(self.net, "host_ids", False) else torch.device(device)
+
     def forward(
         self, x: Tensor, sigma: Tensor, input_ids: Tensor, cond: Tensor | None = None
     ) -> Tensor:

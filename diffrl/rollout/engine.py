@@ -330,7 +330,11 @@ class RolloutEngine:
             log_probs=log_probs.cpu(),
             sde_mask=mask,
             step_spec=StepSpec(
-                self.cfg.sde_step, self.cfg.noise_level, self.cfg.cfg_scale, self.null_ids
+                self.cfg.sde_step,
+                self.cfg.noise_level,
+                self.cfg.cfg_scale,
+                self.null_ids,
+                shares_inputs=self.cfg.shared_init_noise or self.cfg.tree_noise,
             ),
             extra_fields=self.family.decode(x0),
         )
@@ -349,6 +353,7 @@ class RolloutEngine:
             shift=self.cfg.shift,
             dtype=next(self.model.parameters()).dtype,
             decode=self.family.decode,
+            ids_device=self.model.ids_device(self.device),
         )
 
     def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor, cond: Tensor | None = None) -> Tensor:
@@ -384,15 +389,17 @@ class RolloutEngine:
                 noise[:, i + 1] = noise[row - row % run, i + 1]
                 after[i] = run
         first = row - member if self.cfg.shared_init_noise else slice(None)
-        x, ids = noise[first, 0], ids.to(self.device)
+        x, ids = noise[first, 0], ids.to(self.model.ids_device(self.device))
         cond = None if cond is None else cond.to(self.device, dtype)
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs = [x], []
         copies = g if self.cfg.shared_init_noise else 1  # x is bitwise copies in runs of this
         low = self.cfg.ode_dtype == "bfloat16"
+        # on the device once: a copy from host memory inside the loop waits for the GPU
+        sig_dev = sigmas.to(self.device, dtype)
         for i in range(t_steps):
-            sigma = sigmas[i].expand(x.shape[0]).to(self.device, dtype)
-            sigma_next = sigmas[i + 1].expand(x.shape[0]).to(self.device, dtype)
+            sigma = sig_dev[i].expand(x.shape[0])
+            sigma_next = sig_dev[i + 1].expand(x.shape[0])
             with torch.autocast(self.device.type, torch.bfloat16, enabled=low and not mask[i]):
                 if copies > 1:  # one forward per run of copies, copied to its members
                     c = None if cond is None else cond[::copies]

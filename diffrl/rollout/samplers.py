@@ -177,6 +177,33 @@ def tree_noise_blocks(mask: Tensor, group_size: int) -> list[int]:
     return [group_size >> (p + 1) for p in range(k - 1)] + [1] * min(k, 1)
 
 
+def host_to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """``t`` on ``device``, without the host waiting for the GPU: a copy from pageable host
+    memory synchronises the stream, so to a GPU it goes through pinned memory, asynchronously
+    (the pinned buffer is kept until the copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+_NULL_ROWS: dict[tuple, Tensor] = {}  # (null ids, dtype, device) -> the row, made once
+
+
+def null_row(null_ids: Sequence[int] | Tensor, like: Tensor) -> Tensor:
+    """The empty prompt's ids (L,) in ``like``'s dtype and device; from a tuple, made once per
+    dtype and device (not copied to the GPU at every guided step)."""
+    if isinstance(null_ids, Tensor):
+        return null_ids.to(like.device, like.dtype)
+    key = (tuple(int(i) for i in null_ids), like.dtype, like.device)
+    row = _NULL_ROWS.get(key)
+    if row is None:
+        if len(_NULL_ROWS) > 64:
+            _NULL_ROWS.clear()
+        row = _NULL_ROWS[key] = host_to_device(torch.tensor(key[0], dtype=like.dtype), like.device)
+    return row
+
+
 def guided_velocity(
     velocity: Callable[..., Tensor],
     x: Tensor,
@@ -196,7 +223,7 @@ def guided_velocity(
 
     if scale == 1.0:
         return call(x, sigma, ids, cond)
-    null = torch.as_tensor(null_ids, dtype=ids.dtype, device=ids.device)
+    null = null_row(null_ids, ids)
     if null.shape != ids.shape[1:]:
         raise ValueError(f"null prompt ids {tuple(null.shape)} do not fit ids {tuple(ids.shape)}")
     null = null.expand_as(ids)

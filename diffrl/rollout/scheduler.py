@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diffrl.rollout.samplers import euler_step, guided_velocity, noise_from_seeds, sigma_schedule
+from diffrl.rollout.samplers import (
+    euler_step,
+    guided_velocity,
+    host_to_device,
+    noise_from_seeds,
+    sigma_schedule,
+)
 
 
 @dataclass
@@ -101,7 +107,10 @@ class ContinuousBatcher:
         dtype: torch.dtype = torch.float32,
         decode: Callable[[Tensor], dict[str, Tensor]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        ids_device: torch.device | None = None,
     ) -> None:
+        """``ids_device``: where the model wants ``input_ids`` (``FamilyModel.ids_device``;
+        default ``device``)."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if max_wait_s < 0:
@@ -112,6 +121,7 @@ class ContinuousBatcher:
         self.budget, self.max_wait = token_budget, max_wait_s
         self.cfg_scale, self.null_ids, self.shift = cfg_scale, tuple(null_ids), shift
         self.decode, self.clock = decode, clock
+        self.ids_device = device if ids_device is None else ids_device
         self.waiting: deque[Request] = deque()
         self.buckets: dict[tuple[int, ...], _Rows] = {}
         self._sigmas: dict[int, Tensor] = {}
@@ -174,8 +184,9 @@ class ContinuousBatcher:
     def _start(self, req: Request) -> None:
         rows = self.buckets.setdefault(tuple(req.shape), _Rows())
         g = len(req.seeds)
-        x = initial_noise(req.seeds, req.num_steps, tuple(req.shape)).to(self.device, self.dtype)
-        ids = req.input_ids.to(self.device).expand(g, -1)
+        x = initial_noise(req.seeds, req.num_steps, tuple(req.shape)).to(self.dtype)
+        x = host_to_device(x, self.device)
+        ids = req.input_ids.to(self.ids_device).expand(g, -1)
         cond = None if req.cond is None else req.cond.to(self.device, self.dtype)
         if rows.x is None or not rows.owner:
             rows.x, rows.ids, rows.cond = x, ids, cond
@@ -219,7 +230,7 @@ class ContinuousBatcher:
         nxt = torch.stack(
             [self._sigmas[q.num_steps][i + 1] for q, i in zip(rows.owner, rows.step, strict=True)]
         )
-        sig, nxt = sig.to(self.device, self.dtype), nxt.to(self.device, self.dtype)
+        sig, nxt = (host_to_device(t.to(self.dtype), self.device) for t in (sig, nxt))
         v = guided_velocity(
             self.velocity, rows.x, sig, rows.ids, self.cfg_scale, self.null_ids, rows.cond
         )

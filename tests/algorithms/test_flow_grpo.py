@@ -271,3 +271,26 @@ def test_shared_rows_only_merges_bitwise_equal_inputs() -> None:
     assert partition(shared_rows(x, ids, key)) == [[0, 1], [2], [3]]
     x[1, 0] = x[0, 0] * (1 + 2**-20) + 1e-30  # a bit or so apart
     assert shared_rows(x, ids, key) is None  # all four inputs differ now
+
+
+def test_rows_are_searched_for_shared_inputs_only_where_the_rollout_shares(
+    tiny_model, actor_factory, monkeypatch
+) -> None:
+    """StepSpec.shares_inputs is the rollout's shared_init_noise or tree_noise: without either,
+    the loss never calls shared_rows (its torch.unique waits for the GPU every pass)."""
+    calls = []
+    real = shared_rows
+    monkeypatch.setattr(
+        "diffrl.algorithms.flow_grpo.shared_rows", lambda *a: calls.append(1) or real(*a)
+    )
+    cfg = GRPOConfig(timestep_fraction=1.0)
+    actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=cfg)
+    for shared, searched in ((False, False), (True, True)):
+        rollout = RolloutConfig(
+            group_size=2, num_steps=4, sampler="sde", keep_latents=True, shared_init_noise=shared
+        )
+        _, batch = _engine_batch(tiny_model, rollout)
+        assert batch.step_spec.shares_inputs is shared
+        calls.clear()
+        loss(actor, batch, cfg, torch.Generator().manual_seed(0))
+        assert bool(calls) is searched

@@ -286,7 +286,10 @@ class DiffusersNet(nn.Module):
     names start with ``net.transformer.``). The frozen text encoders and VAE are in
     ``self.frozen`` (a ``Shared``: every copy of the model uses the same ones), and
     ``conditions`` encodes each distinct prompt row once (``EncodeCache``). Subclasses
-    implement ``encode_uncached`` and ``forward``."""
+    implement ``encode_uncached`` and ``forward``. Its ``input_ids`` stay on the host
+    (``FamilyModel.ids_device``): they only key the cache and feed the encoders."""
+
+    host_ids = True
 
     def __init__(self, transformer: nn.Module, **frozen) -> None:
         super().__init__()
