@@ -67,6 +67,17 @@ def concat_rows(records: list):
     return replace(first, **changes)
 
 
+def host_to_device(t: Tensor, device: torch.device | str, dtype: torch.dtype | None = None):
+    """``t`` on ``device`` (in ``dtype``, cast on the host), without the host waiting for the
+    GPU: a copy from pageable host memory synchronises the stream, so to a GPU it goes through
+    pinned memory, asynchronously (the pinned buffer is kept until the copy is done)."""
+    device = torch.device(device)
+    t = t if dtype is None else t.to(dtype)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_device(record, device):
     """``record`` (any record in this module, or a tensor, dict or tuple of them) with every
     tensor on ``device``: a trajectory sampled on a GPU crosses a process boundary on the host."""

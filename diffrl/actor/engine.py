@@ -227,11 +227,11 @@ class ActorEngine:
         self.compiled = compile_blocks(model, "actor.compile") if cfg.compile else 0
         if shard is not None:
             shard(self.model)
-        trained = [p for n, p in self.model.named_parameters() if ".default." in n]
-        for p in trained:
+        self.trained = [p for n, p in self.model.named_parameters() if ".default." in n]
+        for p in self.trained:
             p.requires_grad_(True)
         # what the optimizer steps: the fp32 masters when the factors compute in bf16
-        self.params = [self.masters[p] for p in trained] if self.masters else trained
+        self.params = [self.masters[p] for p in self.trained] if self.masters else self.trained
         self.opt = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
@@ -243,7 +243,7 @@ class ActorEngine:
     def _init_precision(self, model: FamilyModel) -> None:
         """``lora_compute``: on a model in a 16-bit dtype with "auto", the LoRA factors move to
         that dtype, each with an fp32 master holding its value; the trained factors' gradients
-        accumulate into their masters' (a hook after each backward), in fp32."""
+        accumulate into their masters', in fp32, after each backward (``_fold_grads``)."""
         base = next(p.dtype for n, p in self.model.named_parameters() if "lora_" not in n)
         if self.cfg.lora_compute != "auto" or base not in (torch.bfloat16, torch.float16):
             return
@@ -254,14 +254,22 @@ class ActorEngine:
                     master = w.detach().float().clone()
                     w.data = w.data.to(base)
                     self.masters[w] = master
-        for n, w in self.model.named_parameters():
-            if ".default." in n and w in self.masters:
-                w.register_post_accumulate_grad_hook(self._to_master)
 
-    def _to_master(self, w: Tensor) -> None:
-        m = self.masters[w]
-        m.grad = w.grad.float() if m.grad is None else m.grad.add_(w.grad)
-        w.grad = None
+    def _fold_grads(self) -> None:
+        """Move the bf16 factors' gradients into their fp32 masters' (one multi-tensor add per
+        backward, not a hook per factor), leaving the factors without gradients."""
+        if not self.masters:
+            return
+        ws = [w for w in self.trained if w.grad is not None]
+        if not ws:
+            return
+        ms = [self.masters[w] for w in ws]
+        for m in ms:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        torch._foreach_add_([m.grad for m in ms], [w.grad for w in ws])
+        for w in ws:
+            w.grad = None
 
     @torch.no_grad()
     def _sync_from_masters(self, adapters: tuple[str, ...] | None = None) -> None:
@@ -415,12 +423,14 @@ class ActorEngine:
 
             def part_backward(part: Tensor, w: float = w) -> None:
                 (part * w).backward()
+                self._fold_grads()
 
             loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen, part_backward)
         else:
             loss, m = self.algorithm.loss(self, mb, self.algo_cfg, self.gen)
         if loss.requires_grad:
             (loss * w).backward()
+            self._fold_grads()
         for k, v in m.items():
             metrics[k] = metrics.get(k, 0.0) + v * w
         return total + loss.detach().float() * w

@@ -34,7 +34,7 @@ from diffrl.algorithms.registry import (
 )
 from diffrl.errors import check, check_choice
 from diffrl.models.family import noised
-from diffrl.types import ScoredBatch, TrainBatch, train_batch
+from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,9 @@ def _pair_terms(
     x0 = batch.x0
     span = cfg.sigma_max - cfg.sigma_min
     sigma = (torch.rand(n_pairs, generator=gen) * span + cfg.sigma_min).repeat_interleave(2)
-    sigma = sigma.to(x0)
-    eps = torch.randn((n_pairs, *x0.shape[1:]), generator=gen).repeat_interleave(2, 0).to(x0)
+    sigma = host_to_device(sigma, x0.device, x0.dtype)
+    eps = torch.randn((n_pairs, *x0.shape[1:]), generator=gen).repeat_interleave(2, 0)
+    eps = host_to_device(eps, x0.device, x0.dtype)
     x, v = noised(x0, sigma, eps), eps - x0
     ids, cond = batch.input_ids, batch.cond
     m = (policy.velocity(x, sigma, ids, cond=cond) - v).pow(2).flatten(1).mean(1)

@@ -35,7 +35,7 @@ from diffrl.algorithms.registry import (
 )
 from diffrl.errors import check, check_choice
 from diffrl.models.family import broadcast, noised
-from diffrl.types import ScoredBatch, TrainBatch, train_batch
+from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,17 @@ def training_noise(
     x0 = batch.x0
     if not cfg.shared_noise:
         sigma = torch.empty(len(x0)).uniform_(cfg.sigma_min, cfg.sigma_max, generator=gen)
-        return sigma.to(x0), torch.randn(x0.shape, generator=gen).to(x0)
+        eps = torch.randn(x0.shape, generator=gen)
+        return host_to_device(sigma, x0.device, x0.dtype), host_to_device(eps, x0.device, x0.dtype)
     sig, eps = [], []
     for key in batch.noise_key.tolist():  # the group's key: identical draws for its members
         g = torch.Generator().manual_seed((key * 31 + j) % (2**63 - 1))
         sig.append(torch.empty(()).uniform_(cfg.sigma_min, cfg.sigma_max, generator=g))
         eps.append(torch.randn(x0.shape[1:], generator=g))
-    return torch.stack(sig).to(x0), torch.stack(eps).to(x0)
+    return (
+        host_to_device(torch.stack(sig), x0.device, x0.dtype),
+        host_to_device(torch.stack(eps), x0.device, x0.dtype),
+    )
 
 
 def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:

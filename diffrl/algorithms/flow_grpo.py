@@ -44,7 +44,7 @@ from diffrl.algorithms.registry import (
 from diffrl.errors import check, check_choice
 from diffrl.models.family import broadcast
 from diffrl.rollout.samplers import STOCHASTIC_STEPS, guided_velocity
-from diffrl.types import ScoredBatch, TrainBatch, train_batch
+from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,8 @@ def step_logprob(policy: Policy, batch: TrainBatch, j: Tensor, adapter: str | No
     """Log-prob of each row's stored x_{j+1} given x_j (``j`` (b,), per row) under
     ``adapter``, with the step kind, noise level and CFG scale the rollout recorded:
     (logp (b,), mean, std)."""
-    spec, sig, x = batch.step_spec, batch.sigmas.to(batch.x0), batch.latents
+    spec, x = batch.step_spec, batch.latents
+    sig = host_to_device(batch.sigmas, x.device, batch.x0.dtype)
     rows = torch.arange(len(j), device=x.device)
     x_t, x_next = x[rows, j], x[rows, j + 1]
     sigma, sigma_next = sig[j], sig[j + 1]
@@ -127,7 +128,7 @@ def step_logprob(policy: Policy, batch: TrainBatch, j: Tensor, adapter: str | No
             velocity, x_t[first], sigma[first], ids_first, spec.cfg_scale, spec.null_ids
         )[inverse]
     _, logp, mean, std = STOCHASTIC_STEPS[spec.kind](
-        x_t, v, sigma, sigma_next, spec.noise_level, float(sig[1]), x_next=x_next
+        x_t, v, sigma, sigma_next, spec.noise_level, float(batch.sigmas[1]), x_next=x_next
     )
     return logp, mean, std
 
@@ -163,7 +164,7 @@ def loss(
     backward: Backward | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     n, sde_steps = len(batch), batch.sde_mask.nonzero().squeeze(1)
-    steps = train_steps(sde_steps, n, cfg, gen).to(batch.x0.device)  # (n, k)
+    steps = host_to_device(train_steps(sde_steps, n, cfg, gen), batch.x0.device)  # (n, k)
     total = batch.x0.new_zeros(())
     m = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
     for c in range(steps.shape[1]):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from diffrl.types import host_to_device
+
 
 def noise_from_seeds(seeds: Tensor, shape: tuple[int, ...], device) -> Tensor:
     """(B, *shape) standard normal; row i depends only on seeds[i] (batching-invariant)."""
@@ -175,16 +177,6 @@ def tree_noise_blocks(mask: Tensor, group_size: int) -> list[int]:
             f"{2 ** (k - 1)}, got {group_size}"
         )
     return [group_size >> (p + 1) for p in range(k - 1)] + [1] * min(k, 1)
-
-
-def host_to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """``t`` on ``device``, without the host waiting for the GPU: a copy from pageable host
-    memory synchronises the stream, so to a GPU it goes through pinned memory, asynchronously
-    (the pinned buffer is kept until the copy is done)."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 _NULL_ROWS: dict[tuple, Tensor] = {}  # (null ids, dtype, device) -> the row, made once

@@ -28,13 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diffrl.rollout.samplers import (
-    euler_step,
-    guided_velocity,
-    host_to_device,
-    noise_from_seeds,
-    sigma_schedule,
-)
+from diffrl.rollout.samplers import euler_step, guided_velocity, noise_from_seeds, sigma_schedule
+from diffrl.types import host_to_device
 
 
 @dataclass

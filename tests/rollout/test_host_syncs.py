@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from diffrl.models.registry import ModelConfig, load_model
-from diffrl.rollout.samplers import host_to_device, null_row
+from diffrl.rollout.samplers import null_row
+from diffrl.types import host_to_device
 
 
 def test_a_diffusers_net_takes_host_ids_and_the_tiny_dit_device_ids(tiny_model) -> None:
@@ -47,3 +48,4 @@ def test_null_row_is_made_once_per_dtype_and_device() -> None:
 def test_host_to_device_on_a_cpu_is_a_plain_copy() -> None:
     t = torch.arange(4.0)
     assert torch.equal(host_to_device(t, "cpu"), t)
+    assert host_to_device(torch.arange(3), "cpu", torch.float16).dtype == torch.float16
