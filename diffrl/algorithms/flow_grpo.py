@@ -56,6 +56,11 @@ class GRPOConfig(AlgorithmConfig):
     kl_coef: float = 0.04  # beta of the KL to the reference policy
     timestep_fraction: float = 0.6  # fraction of SDE steps trained per sample
     timestep_order: str = "shuffled"  # shuffled (per sample) | ordered (first steps first)
+    # the KL reference's forwards (no grad, adapters disabled) batched across the trained steps:
+    # about this many samples per forward, all computed before the policy's passes (the
+    # reference does not change within an update). 0 = one reference forward per step beside
+    # the policy's, as a diffusers training script does (the bench baseline)
+    ref_rows: int = 32
 
     def validate(self) -> None:
         check(self.clip_range > 0, "clip_range", self.clip_range, "must be > 0")
@@ -68,6 +73,7 @@ class GRPOConfig(AlgorithmConfig):
             "must be in (0, 1]",
         )
         check_choice("timestep_order", self.timestep_order, ("shuffled", "ordered"))
+        check(self.ref_rows >= 0, "ref_rows", self.ref_rows, "must be >= 0")
 
 
 def prepare(scored: ScoredBatch, cfg: GRPOConfig) -> TrainBatch:
@@ -100,20 +106,32 @@ def clipped_objective(ratio: Tensor, adv: Tensor, clip_range: float) -> Tensor:
     return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
 
 
-def step_logprob(policy: Policy, batch: TrainBatch, j: Tensor, adapter: str | None = "default"):
-    """Log-prob of each row's stored x_{j+1} given x_j (``j`` (b,), per row) under
-    ``adapter``, with the step kind, noise level and CFG scale the rollout recorded:
-    (logp (b,), mean, std)."""
+def step_logprob(
+    policy: Policy,
+    batch: TrainBatch,
+    j: Tensor,
+    adapter: str | None = "default",
+    rows: Tensor | None = None,
+):
+    """Log-prob of the stored x_{j+1} given x_j under ``adapter``, with the step kind, noise
+    level and CFG scale the rollout recorded: (logp (b,), mean, std). ``j`` (b,) is each
+    row's step; ``rows`` (b,), host indices into the batch, say which sample each row is
+    (default: every sample once, in order)."""
     spec, x = batch.step_spec, batch.latents
     sig = host_to_device(batch.sigmas, x.device, batch.x0.dtype)
-    rows = torch.arange(len(j), device=x.device)
-    x_t, x_next = x[rows, j], x[rows, j + 1]
+    ids, cond = batch.input_ids, batch.cond  # (ids on the host for a diffusers net)
+    if rows is None:
+        at = torch.arange(len(j), device=x.device)
+    else:
+        at = host_to_device(rows, x.device)
+        ids = ids[rows if ids.device.type == "cpu" else host_to_device(rows, ids.device)]
+        cond = None if cond is None else cond[at]
+    x_t, x_next = x[at, j], x[at, j + 1]
     sigma, sigma_next = sig[j], sig[j + 1]
 
     def velocity(x_, s_, ids_, cond_=None):
         return policy.velocity(x_, s_, ids_, adapter=adapter, cond=cond_)
 
-    ids, cond = batch.input_ids, batch.cond  # (on the host for a diffusers net)
     # the input alone decides (no group ids needed); rows with conditions are not merged, and
     # a rollout whose samples never share an input is not searched (torch.unique waits for
     # the GPU)
@@ -167,14 +185,20 @@ def loss(
     steps = host_to_device(train_steps(sde_steps, n, cfg, gen), batch.x0.device)  # (n, k)
     total = batch.x0.new_zeros(())
     m = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
+    refs = None
+    if cfg.kl_coef > 0 and cfg.ref_rows > 0:
+        refs = reference_means(policy, batch, steps, cfg.ref_rows)
     for c in range(steps.shape[1]):
         j = steps[:, c]
         logp, mean, std = step_logprob(policy, batch, j)
         ratio = torch.exp(logp - batch.log_probs[torch.arange(n, device=j.device), j])
         step_loss = clipped_objective(ratio, batch.advantages, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
-            with torch.no_grad():
-                _, mean_ref, _ = step_logprob(policy, batch, j, adapter=None)
+            if refs is not None:
+                mean_ref = refs[c]
+            else:
+                with torch.no_grad():
+                    _, mean_ref, _ = step_logprob(policy, batch, j, adapter=None)
             std_b = broadcast(std, mean)
             kl = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1).mean(1).mean()
             step_loss = step_loss + cfg.kl_coef * kl
@@ -184,6 +208,26 @@ def loss(
         m["grpo/clip_frac"] += ((r - 1).abs() > cfg.clip_range).float().mean() / steps.shape[1]
         m["grpo/ratio_dev"] += (r - 1).abs().mean() / steps.shape[1]
     return total, m
+
+
+@torch.no_grad()
+def reference_means(policy: Policy, batch: TrainBatch, steps: Tensor, max_rows: int) -> list:
+    """The KL reference's step means (adapters disabled) for every (sample, trained step) of
+    ``steps`` (n, k), batched across steps: about ``max_rows`` samples per no-grad forward
+    (x2 with CFG) instead of one forward of n per step. The reference never changes during
+    an update, so this is the same quantity the per-step forward computes; -> k tensors
+    (n, *S), one per column of ``steps``."""
+    n, k = steps.shape
+    chunks = -(-k // max(1, max_rows // n))
+    per = -(-k // chunks)  # steps per forward, balanced over the chunks
+    out: list[Tensor] = []
+    for c0 in range(0, k, per):
+        cols = min(per, k - c0)
+        rows = torch.arange(n).repeat(cols)  # step-major: column c0's samples, then c0 + 1's
+        j = steps[:, c0 : c0 + cols].t().reshape(-1)
+        _, mean, _ = step_logprob(policy, batch, j, adapter=None, rows=rows)
+        out.extend(mean.split(n))
+    return out
 
 
 @torch.no_grad()

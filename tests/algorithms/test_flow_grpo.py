@@ -215,7 +215,8 @@ def test_a_group_sharing_its_input_runs_one_forward_with_the_same_gradient(
     )
     _, batch = _engine_batch(tiny_model, rollout)
     batch = batch.select(torch.randperm(len(batch), generator=torch.Generator().manual_seed(1)))
-    cfg = GRPOConfig(timestep_fraction=1.0, timestep_order="ordered", kl_coef=0.1)
+    # ref_rows=0: the reference's forward beside the policy's at each step, counted below
+    cfg = GRPOConfig(timestep_fraction=1.0, timestep_order="ordered", kl_coef=0.1, ref_rows=0)
     actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=cfg)
     with torch.no_grad():  # weights unlike the rollout's, so the ratio and the KL move
         for layer in actor.layers.values():
@@ -294,3 +295,49 @@ def test_rows_are_searched_for_shared_inputs_only_where_the_rollout_shares(
         calls.clear()
         loss(actor, batch, cfg, torch.Generator().manual_seed(0))
         assert bool(calls) is searched
+
+
+@pytest.mark.parametrize("ref_rows", [1, 12, 64])
+def test_batched_reference_forwards_give_the_per_step_loss_and_gradient(
+    tiny_model, actor_factory, monkeypatch, ref_rows
+) -> None:
+    """GRPOConfig.ref_rows: the KL reference's means for every trained step, computed up front
+    in no-grad forwards of about ref_rows samples each, give the loss and gradient of one
+    reference forward per step (ref_rows=0), in fewer forwards."""
+    rollout = RolloutConfig(
+        group_size=2, num_steps=5, sampler="sde", keep_latents=True, cfg_scale=2.0
+    )
+    _, batch = _engine_batch(tiny_model, rollout)  # 6 samples, 4 SDE steps
+    cfg = GRPOConfig(timestep_fraction=1.0, kl_coef=0.5)
+    actor = actor_factory(tiny_model, algorithm=get_algorithm("flow_grpo"), algo_cfg=cfg)
+    with torch.no_grad():  # a policy unlike the reference, so the KL and its gradient move
+        for layer in actor.layers.values():
+            layer.lora_B["default"].weight.normal_(
+                0, 0.02, generator=torch.Generator().manual_seed(0)
+            )
+    forward, ref_sizes = actor.velocity, []
+
+    def counted(x, sigma, ids, adapter="default", cond=None):
+        if adapter is None:
+            ref_sizes.append(len(x))
+        return forward(x, sigma, ids, adapter=adapter, cond=cond)
+
+    monkeypatch.setattr(actor, "velocity", counted)
+
+    def loss_and_grad(c):
+        actor.opt.zero_grad(set_to_none=True)
+        value, m = loss(actor, batch, c, torch.Generator().manual_seed(0))
+        value.backward()
+        return value.detach(), host_floats(m), [p.grad.clone() for p in actor.params]
+
+    each = loss_and_grad(replace(cfg, ref_rows=0))
+    assert ref_sizes == [12] * 4  # one forward per step: 6 samples x CFG
+    ref_sizes.clear()
+    batched = loss_and_grad(replace(cfg, ref_rows=ref_rows))
+    want = {1: [12] * 4, 12: [24, 24], 64: [48]}[ref_rows]  # at least one step per forward
+    assert ref_sizes == want
+    torch.testing.assert_close(batched[0], each[0], rtol=1e-5, atol=1e-7)
+    assert batched[1] == pytest.approx(each[1], rel=1e-4, abs=1e-8)
+    assert each[1]["grpo/kl"] > 0
+    for a, b in zip(batched[2], each[2], strict=True):
+        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-9
