@@ -14,7 +14,7 @@ builds do per second, and at what MFU.
   maths in fp32, each backward outside it), eager (no ``actor.compile``), one timestep's graph
   per backward, and the old policy's (NFT) or the reference's (KL, adapters disabled) forward a
   separate no-grad one. It runs the algorithm's own loss with those forwards unbatched
-  (FlowGRPO's ``ref_rows=0``: one reference forward per step beside the policy's).
+  (FlowGRPO's ``ref_rows=0``, NFT's ``old_rows=0``: one per timestep beside the policy's).
   Text conditions come from the run's encoders and their cache, as the script reuses the
   prompt embeddings its sampling computed.
 - ``epoch``: rollout, scoring and update, as the training loop runs one step. The baseline is
@@ -313,9 +313,10 @@ def baseline_actor(parts: Engines) -> ActorEngine:
         model.net.frozen, model.net.cache = run_net.frozen, run_net.cache
     autocast = cfg.model.dtype == "bfloat16"
     algorithm = _under_autocast(parts.algorithm, parts.device) if autocast else parts.algorithm
-    algo_cfg = cfg.algorithm  # the reference's forwards one per step, beside the policy's
-    if getattr(algo_cfg, "ref_rows", 0):
-        algo_cfg = replace(algo_cfg, ref_rows=0)
+    algo_cfg = cfg.algorithm  # the no-grad forwards one per timestep, beside the policy's
+    for key in ("ref_rows", "old_rows"):  # FlowGRPO's reference, NFT's old policy
+        if getattr(algo_cfg, key, 0):
+            algo_cfg = replace(algo_cfg, **{key: 0})
     actor = ActorEngine(
         model, replace(cfg.actor, compile=False), actor_targets(cfg), algorithm, algo_cfg,
         parts.device, cfg.run.seed,

@@ -422,3 +422,45 @@ def test_shared_noise_reaches_the_loss() -> None:
         torch.testing.assert_close(eps[2], eps[0])
         torch.testing.assert_close(eps[4], eps[3])
         assert not torch.allclose(eps[0], eps[3])
+
+
+@pytest.mark.parametrize("old_rows", [1, 8, 64])
+def test_batched_old_and_reference_forwards_give_the_per_step_loss(
+    tiny_model, actor_factory, train_batch_factory, monkeypatch, old_rows
+) -> None:
+    """NFTConfig.old_rows: the old policy's (and the KL reference's) no-grad velocities for
+    every timestep, computed up front in forwards of about old_rows samples, give the loss and
+    gradient of one of each per timestep (old_rows=0), in fewer forwards."""
+    cfg = nft.NFTConfig(timesteps_per_sample=3, kl_coef=0.2, weighting="uniform")
+    actor = actor_factory(tiny_model, algo_cfg=cfg)
+    with torch.no_grad():  # default, old and the reference all different
+        g = torch.Generator().manual_seed(0)
+        for layer in actor.layers.values():
+            for adapter in ("default", "old"):
+                layer.lora_B[adapter].weight.normal_(0, 0.05, generator=g)
+    batch = train_batch_factory(4)
+    forward, sizes = actor.velocity, []
+
+    def counted(x, sigma, ids, adapter="default", cond=None):
+        sizes.append((adapter, len(x)))
+        return forward(x, sigma, ids, adapter=adapter, cond=cond)
+
+    monkeypatch.setattr(actor, "velocity", counted)
+
+    def loss_and_grad(c):
+        actor.opt.zero_grad(set_to_none=True)
+        value, m = nft.loss(actor, batch, c, torch.Generator().manual_seed(5))
+        value.backward()
+        return value.detach(), [p.grad.clone() for p in actor.params]
+
+    each = loss_and_grad(replace(cfg, old_rows=0))
+    assert sorted(map(str, sizes)) == sorted(map(str, [("old", 4), ("default", 4), (None, 4)] * 3))
+    sizes.clear()
+    batched = loss_and_grad(replace(cfg, old_rows=old_rows))
+    frozen = {1: [4, 4, 4], 8: [8, 4], 64: [12]}[old_rows]  # whole timesteps per forward
+    assert [n for a, n in sizes if a == "old"] == frozen
+    assert [n for a, n in sizes if a is None] == frozen
+    assert [n for a, n in sizes if a == "default"] == [4, 4, 4]
+    torch.testing.assert_close(batched[0], each[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(batched[1], each[1], strict=True):
+        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-9
