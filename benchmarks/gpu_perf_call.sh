@@ -11,9 +11,9 @@
 #     engines eager, also against the baseline. `speedup` is the baseline's seconds over diffrl's.
 #     REPEATS (default 2) timed epochs after the warm-up. Rows in OUTDIR/bench_epoch.txt, logs
 #     in OUTDIR/epoch_*.log. The commands share one deadline (DEADLINE, default 570 s): each
-#     gets what the ones before it left. Estimated on one H200: FlowGRPO ~7.5 min at REPEATS 1
-#     (its update trains 64 samples x 9 steps x CFG, about 45 s eager), DiffusionNFT ~6 min at
-#     REPEATS 2, so one algorithm per call: `... OUTDIR grpo 1`, then `... OUTDIR nft 2`.
+#     gets what the ones before it left. Measured on one H200 (2026-12-01, fifth session): both
+#     algorithms at REPEATS 1, compiled against the baseline, took 456-476 s in one call
+#     (`... OUTDIR "grpo nft" 1`); with MODES="eager compiled", one algorithm per call.
 #   bash benchmarks/gpu_perf_call.sh OUTDIR REQUESTS
 #     the earlier call: `diffrl bench` rollout / train on the NFT recipe, then the continuous-
 #     batching stream of REQUESTS requests with the rollout's blocks compiled.
