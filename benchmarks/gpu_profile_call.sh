@@ -3,13 +3,20 @@
 # 512 px, a rule reward), and what CUDA graphs buy at batch 1.
 #
 #   bash benchmarks/gpu_profile_call.sh OUTDIR [PARTS]
-#     PARTS (default "batch1 train"):
+#     PARTS (default "batch1 train"), any of:
 #     batch1  `diffrl bench rollout` of 8 one-image requests (CFG 4.5, 10 steps, decode), one at a
 #             time (rollout.max_batch=1), compiled blocks and rollout.cuda_graphs, against the
 #             plain loop (eager, one prompt per call, encoded every call) in the same process;
 #             then the same without graphs (--no-baseline); profiles of both.
 #     train   `diffrl bench train` of the FlowGRPO epoch recipe (benchmarks/recipes/
 #             sd35m_grpo_epoch.yaml) on 2 prompts x 8 images, actor.compile, with a profile.
+#     ckpt    the same update with actor.activation_checkpointing=true (its cost: compare with
+#             train's seconds).
+#     batch16 `diffrl bench rollout` of the SD3.5 NFT recipe (8 prompts x 8 images, CFG 4.5,
+#             16 images = 32 rows per forward), compiled + cuda_graphs, against the plain loop:
+#             the rollout MFU at batch >= 8.
+#     equiv   benchmarks/graphs_equivalence.py: the same seeds' latents with and without
+#             rollout.cuda_graphs (sd35-tiny and sd35-medium).
 #     Rows in OUTDIR/bench.txt, profiles in OUTDIR/profile_*.txt, logs OUTDIR/*.log. The parts
 #     share one deadline (DEADLINE, default 560 s).
 #
@@ -53,7 +60,24 @@ for part in $PARTS; do
       [[ -n "${DRY_RUN:-}" ]] && GRPO+=(model.preset=sd35-tiny model.resolution=64 rollout.group_size=2)
       run grpo_train train "${GRPO[@]}" --repeats 1 --no-baseline
       ;;
-    *) echo "unknown part $part (batch1 | train)"; exit 2 ;;
+    ckpt)
+      GRPO=(benchmarks/recipes/sd35m_grpo_epoch.yaml "$REWARD" "${SIZE[@]}" data.prompts_per_step=2
+            actor.compile=true rollout.compile=true actor.activation_checkpointing=true)
+      [[ -n "${DRY_RUN:-}" ]] && GRPO+=(model.preset=sd35-tiny model.resolution=64 rollout.group_size=2)
+      run grpo_train_ckpt train "${GRPO[@]}" --repeats 1 --no-baseline
+      ;;
+    batch16)
+      B16=(recipes/sd35_nft.yaml 'model.path=""' model.preset=sd35-medium "$REWARD" "${SIZE[@]}"
+           rollout.compile=true "${GRAPHS[@]}")
+      [[ -n "${DRY_RUN:-}" ]] && B16+=(data.prompts_per_step=2 rollout.group_size=2)
+      run batch16 rollout "${B16[@]}" --repeats 2
+      ;;
+    equiv)
+      [[ -n "${DRY_RUN:-}" ]] && { echo "equiv: needs CUDA"; continue; }
+      timeout $((DEADLINE - SECONDS)) python3 benchmarks/graphs_equivalence.py \
+        2>&1 | grep "^{" | tee "$OUT/graphs_equivalence.jsonl"
+      ;;
+    *) echo "unknown part $part (batch1 | train | ckpt | batch16 | equiv)"; exit 2 ;;
   esac
 done
 echo "done in ${SECONDS}s"
