@@ -22,12 +22,7 @@
 # x 2 images, 3 steps): every one parses and runs, in a few minutes on 2 cores.
 set -uo pipefail
 OUT=${1:?outdir}; ALGOS=${2:-"grpo nft"}; REPEATS=${3:-2}; DEADLINE=${DEADLINE:-570}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-DIFFRL=(python3 -c "from diffrl.cli import main; main()")
-REWARD='reward.scorers=[{name: jpeg_incompressibility}]'
-SIZE=(run.device=cuda)
-GRAPHS=(rollout.cuda_graphs=true)
+source "$(dirname "$0")/gpu_common.sh"
 if [[ -n "${DRY_RUN:-}" ]]; then
   GRAPHS=()
   SIZE=(model.preset=sd35-tiny model.resolution=64 run.device=cpu data.prompts_per_step=2

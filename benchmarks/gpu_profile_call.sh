@@ -24,12 +24,7 @@
 # need CUDA).
 set -uo pipefail
 OUT=${1:?outdir}; PARTS=${2:-"batch1 train"}; DEADLINE=${DEADLINE:-560}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-DIFFRL=(python3 -c "from diffrl.cli import main; main()")
-REWARD='reward.scorers=[{name: jpeg_incompressibility}]'
-SIZE=(run.device=cuda)
-GRAPHS=(rollout.cuda_graphs=true)
+source "$(dirname "$0")/gpu_common.sh"
 if [[ -n "${DRY_RUN:-}" ]]; then
   SIZE=(model.preset=sd35-tiny model.resolution=64 run.device=cpu rollout.num_steps=3)
   GRAPHS=()
