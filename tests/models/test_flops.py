@@ -44,10 +44,14 @@ def meta(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.empty(*shape, device=META, dtype=dtype)
 
 
-def cached_forward(model: FamilyModel, *rows: Tensor) -> Callable[[], Tensor]:
-    """The model's own forward at sigma 0.5 over BATCH copies of one prompt whose text
-    conditions (one row each, no batch axis) are already in the encode cache."""
-    ids = torch.zeros(BATCH, 1, dtype=torch.long)  # on the CPU: the cache hashes them
+def cached_forward(
+    model: FamilyModel, *rows: Tensor, ids: Tensor | None = None
+) -> Callable[[], Tensor]:
+    """The model's own forward at sigma 0.5 over BATCH copies of one prompt (``ids``, default
+    one token) whose text conditions (one row each, no batch axis) are already in the encode
+    cache."""
+    if ids is None:
+        ids = torch.zeros(BATCH, 1, dtype=torch.long)  # on the CPU: the cache hashes them
     model.net.cache.store[hash_rows(ids)[0]] = rows
     x = meta(BATCH, *model.family.latent_shape())
     sigma = torch.full((BATCH,), 0.5, device=META)
@@ -104,8 +108,12 @@ def qwen_image_1024() -> Case:
     tok = qwen_image.tiny_tokenizer(n_txt)
     model = qwen_image.build(dit, None, vae, tok, p["resolution"], n_txt)
     txt = meta(n_txt, p["transformer"]["joint_attention_dim"])
-    mask = torch.ones(n_txt, dtype=torch.bool)  # on the CPU: the net reads the longest prompt
-    return model, cached_forward(model, txt, mask), TRANSFORMER
+    mask = torch.ones(n_txt, dtype=torch.bool)
+    # ids whose n_txt tokens after the template are all real: the net reads the longest prompt
+    # off the (host) ids
+    net = model.net
+    ids = torch.full((BATCH, net.prefix_len + n_txt), net.pad_id + 1, dtype=torch.long)
+    return model, cached_forward(model, txt, mask, ids=ids), TRANSFORMER
 
 
 def wan21_1_3b() -> Case:

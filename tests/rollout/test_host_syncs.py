@@ -49,3 +49,21 @@ def test_host_to_device_on_a_cpu_is_a_plain_copy() -> None:
     t = torch.arange(4.0)
     assert torch.equal(host_to_device(t, "cpu"), t)
     assert host_to_device(torch.arange(3), "cpu", torch.float16).dtype == torch.float16
+
+
+def test_cache_misses_are_encoded_on_the_compute_device() -> None:
+    """The ids stay on the host, so a diffusers net moves the rows its cache misses to where
+    it computes (its transformer's device; "meta" stands in for a GPU) before encoding them:
+    encoders that take the ids as given (Qwen, UMT5, Gemma, Qwen3-VL) get them there."""
+    from diffrl.models.families._diffusers import DiffusersNet
+
+    seen = []
+
+    class Net(DiffusersNet):
+        def encode_uncached(self, ids):
+            seen.append(ids.device.type)
+            return (torch.zeros(len(ids), 2, device=ids.device),)
+
+    net = Net(torch.nn.Linear(2, 2, device="meta"))
+    (out,) = net.conditions(torch.arange(12).reshape(3, 4))
+    assert seen == ["meta"] and out.device.type == "meta" and out.shape == (3, 2)

@@ -306,11 +306,18 @@ class DiffusersNet(nn.Module):
         """(b, L) ids -> a tuple of (b, ...) tensors (the transformer's text conditions)."""
         raise NotImplementedError
 
+    def compute_device(self) -> torch.device:
+        """Where this net computes: its transformer's device (an offloaded encoder is brought
+        there to encode)."""
+        return next(self.transformer.parameters()).device
+
     @torch.no_grad()
     def _encode(self, input_ids: Tensor) -> tuple[Tensor, ...]:
+        """The rows the cache misses, encoded on the compute device (the ids arrive from the
+        host, see ``host_ids``)."""
         for m in self.frozen_modules():
             m.eval()
-        return self.encode_uncached(input_ids)
+        return self.encode_uncached(input_ids.to(self.compute_device()))
 
     def conditions(self, input_ids: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
         """(B, L) ids -> the text conditions batched as (B, ...) tensors, in ``dtype``."""

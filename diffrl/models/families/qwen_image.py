@@ -193,7 +193,9 @@ class QwenImageNet(DiffusersNet):
 
     def forward(self, x: Tensor, t: Tensor, input_ids: Tensor) -> Tensor:
         txt, mask = self.conditions(input_ids, dtype=x.dtype)
-        n = int(mask.sum(1).max())  # the pipeline pads a batch to its longest prompt
+        # the pipeline pads a batch to its longest prompt; counted on the (host) ids, the same
+        # count as the cached mask's without waiting for the GPU
+        n = int((input_ids[:, self.prefix_len :] != self.pad_id).sum(1).max())
         txt, mask = txt[:, :n], mask[:, :n]
         b, _, h, w = x.shape
         out = self.transformer(
