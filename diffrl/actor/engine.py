@@ -394,8 +394,9 @@ class ActorEngine:
 
     def _on_device(self, batch: TrainBatch, index: Tensor) -> TrainBatch:
         """Rows ``index`` on the actor's device, the ids where the model wants them
-        (``FamilyModel.ids_device``: a diffusers net keys its text conditions on host ids)."""
-        host = ("input_ids",) if self.ids_device.type == "cpu" else ()
+        (``FamilyModel.ids_device``: a diffusers net keys its text conditions on host ids) and
+        NFT's ``noise_key`` on the host (it only seeds host generators)."""
+        host = ("input_ids", "noise_key") if self.ids_device.type == "cpu" else ("noise_key",)
         return batch.select(index, self.device, host=host)
 
     def _diagnostics(self, batch: TrainBatch) -> dict[str, float]:
