@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -65,6 +65,9 @@ class BenchResult:
     peak_flops: float  # measured matmul rate, FLOP/s
     steps: int  # sampler steps (rollout, epoch)
     baseline_seconds: float | None = None
+    # the epoch's parts, mean seconds per repeat: "rollout" (sampling with scoring beside it),
+    # "update"; the baseline's "baseline_rollout", "baseline_score", "baseline_update"
+    split: dict[str, float] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -86,6 +89,8 @@ class BenchResult:
         if self.baseline_seconds is not None:
             out[f"bench/{self.kind}/baseline_samples_per_s"] = self.samples / self.baseline_seconds
             out[f"bench/{self.kind}/speedup"] = self.baseline_seconds / self.seconds
+        for part, secs in self.split.items():
+            out[f"bench/{self.kind}/{part}_seconds"] = secs
         return out
 
 
@@ -183,10 +188,18 @@ def bench(
         base = _baseline_train_seconds(parts, batch, repeats) if baseline else None
         return BenchResult(kind, secs, len(batch), len(batch) * train_fwd, peak, 0, base)
 
+    timing = {"rollout": 0.0, "update": 0.0}
+
     def epoch() -> None:
-        update(parts.algorithm.prepare(scored(), cfg.algorithm))
+        t = sync(dev)
+        rows = parts.algorithm.prepare(scored(), cfg.algorithm)
+        mid = sync(dev)
+        update(rows)
+        timing["rollout"] += (mid - t) / repeats
+        timing["update"] += (sync(dev) - mid) / repeats
 
     secs = _timed(epoch, dev, repeats, warmup=lambda: update(head))
+    split = dict(timing)  # the timed repeats only, not the profile's run below
     if profile:
         write_profile(profile, epoch, dev)
     flops, steps = rollout_flops(parts, n)
@@ -196,12 +209,11 @@ def bench(
         def score() -> None:
             asyncio.run(parts.rewards.score(first.traj))
 
-        base = (
-            _plain_loop_seconds(parts, repeats)
-            + _timed(score, dev, repeats)
-            + _baseline_train_seconds(parts, batch, repeats)
-        )
-    return BenchResult(kind, secs, n, flops + n * train_fwd, peak, steps, base)
+        split["baseline_rollout"] = _plain_loop_seconds(parts, repeats)
+        split["baseline_score"] = _timed(score, dev, repeats)
+        split["baseline_update"] = _baseline_train_seconds(parts, batch, repeats)
+        base = split["baseline_rollout"] + split["baseline_score"] + split["baseline_update"]
+    return BenchResult(kind, secs, n, flops + n * train_fwd, peak, steps, base, split)
 
 
 # kernel kinds by name, in order (the first that matches): what a profile's device time went to

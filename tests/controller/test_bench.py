@@ -166,3 +166,12 @@ def test_kernel_kinds() -> None:
     assert B.kernel_kind("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert B.kernel_kind("Memcpy DtoD (Device -> Device)") == "copy/cast"
     assert B.kernel_kind("aten::addmm") == "matmul"
+
+
+def test_the_epoch_reports_its_parts_and_the_baselines(tiny_checkpoint, tmp_path) -> None:
+    r = B.bench("epoch", cfg_for(tiny_checkpoint, tmp_path), repeats=1)
+    rows = r.rows()
+    parts = [rows[f"bench/epoch/{p}_seconds"] for p in ("rollout", "update")]
+    assert all(p > 0 for p in parts) and sum(parts) <= r.seconds * 1.05 + 1e-3
+    base = [rows[f"bench/epoch/baseline_{p}_seconds"] for p in ("rollout", "score", "update")]
+    assert sum(base) == pytest.approx(r.baseline_seconds)
