@@ -1,0 +1,22 @@
+"""The device benchmark scripts still run: their CPU-sized modes, end to end (the GPU runs them
+at real size; a script that rots here would waste a device call)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_continuous_batching_smoke_with_a_diffusers_time_budget() -> None:
+    cmd = [sys.executable, "benchmarks/continuous_batching.py", "--smoke", "--modes",
+           "scheduler", "diffusers", "--diffusers-seconds", "0.01"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["scheduler"]["images_per_s"] > 0
+    done = row["diffusers"]["requests_done"]
+    assert 1 <= done <= row["requests"]  # stopped after the budget, the rate over those done
+    assert row["scheduler_over_diffusers"] > 0
