@@ -31,6 +31,7 @@ from diffrl.algorithms.registry import (
     WeightPlan,
     add_part,
     check_training_draws,
+    per_forward,
     register_algorithm,
 )
 from diffrl.errors import check, check_choice
@@ -198,8 +199,7 @@ def batched_velocities(
     """``adapter``'s velocity at each timestep's noised inputs, in no-grad forwards of about
     ``cfg.old_rows`` samples (whole timesteps each): -> one (n, *S) tensor per timestep."""
     n, k = len(batch), len(inputs)
-    per = max(1, cfg.old_rows // max(1, n))
-    per = -(-k // -(-k // per))  # balanced over the forwards
+    per = per_forward(k, n, cfg.old_rows)
     ids, cond = batch.input_ids, batch.cond
     out: list[Tensor] = []
     for j0 in range(0, k, per):

@@ -39,6 +39,7 @@ from diffrl.algorithms.registry import (
     Policy,
     WeightPlan,
     add_part,
+    per_forward,
     register_algorithm,
 )
 from diffrl.errors import check, check_choice
@@ -218,8 +219,7 @@ def reference_means(policy: Policy, batch: TrainBatch, steps: Tensor, max_rows: 
     an update, so this is the same quantity the per-step forward computes; -> k tensors
     (n, *S), one per column of ``steps``."""
     n, k = steps.shape
-    chunks = -(-k // max(1, max_rows // n))
-    per = -(-k // chunks)  # steps per forward, balanced over the chunks
+    per = per_forward(k, n, max_rows)
     out: list[Tensor] = []
     for c0 in range(0, k, per):
         cols = min(per, k - c0)

@@ -84,6 +84,15 @@ def add_part(total: Tensor, part: Tensor, backward: Backward | None) -> Tensor:
     return total + part.detach()
 
 
+def per_forward(steps: int, samples: int, max_rows: int) -> int:
+    """How many of ``steps`` timesteps of ``samples`` samples one batched no-grad forward
+    takes, about ``max_rows`` samples at most (at least one timestep), balanced so that the
+    forwards are about equal: 9 steps of 4 samples at 32 rows -> 5 (forwards of 5 and 4)."""
+    fit = max(1, max_rows // max(1, samples))
+    forwards = -(-steps // fit)
+    return -(-steps // forwards)
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str

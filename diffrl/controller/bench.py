@@ -262,7 +262,8 @@ def write_profile(path: str, fn, device: torch.device) -> dict[str, float]:
     total = sum(us for us, _, _ in timed) or 1.0
     shares: dict[str, float] = {}
     for us, _, name in timed:
-        shares[kernel_kind(name)] = shares.get(kernel_kind(name), 0.0) + us / total
+        kind = kernel_kind(name)
+        shares[kind] = shares.get(kind, 0.0) + us / total
     lines = [
         f"wall {wall:.3f} s, {'device' if cuda else 'CPU'} time {total / 1e6:.3f} s, "
         f"{sum(c for _, c, _ in timed)} {'kernels' if cuda else 'operator calls'}",

@@ -142,10 +142,7 @@ class GraphedForward:
     def capture(self, leaves: list, spec) -> Captured:
         """Static copies of the call's tensors, a few warm-up runs on a side stream, then the
         capture (torch.cuda.graph) into the shared pool."""
-        inputs = [v.clone() for v in leaves if isinstance(v, Tensor)]
-        it = iter(inputs)
-        static = [next(it) if isinstance(v, Tensor) else v for v in leaves]
-        args, kwargs = tree_unflatten(static, spec)
+        inputs, args, kwargs = static_call(leaves, spec)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -163,13 +160,22 @@ class GraphedForward:
         return Captured(graph.replay, inputs, outputs)
 
 
+def static_call(leaves: list, spec) -> tuple[list[Tensor], tuple, dict]:
+    """A call's static buffers (clones of its tensor leaves, in order) and the arguments that
+    read them: what a capture records and each replay's inputs are copied into."""
+    inputs = [v.clone() for v in leaves if isinstance(v, Tensor)]
+    it = iter(inputs)
+    args, kwargs = tree_unflatten([next(it) if isinstance(v, Tensor) else v for v in leaves], spec)
+    return inputs, args, kwargs
+
+
 def check_outputs(outputs) -> None:
     """The forward's outputs must be tensors in containers pytree knows, so that each call
     gets clones, never the static buffers the next replay overwrites."""
     leaves, _ = tree_flatten(outputs)
-    odd = [type(v).__name__ for v in leaves if not isinstance(v, (Tensor, int, float, bool))]
-    if odd and any(v is not None for v in leaves if not isinstance(v, Tensor)):
-        raise TypeError(f"outputs hold {odd[0]}, not tensors a replay can clone")
+    odd = [v for v in leaves if v is not None and not isinstance(v, (Tensor, int, float, bool))]
+    if odd:
+        raise TypeError(f"outputs hold {type(odd[0]).__name__}, not tensors a replay can clone")
 
 
 def graph_transformer(model: torch.nn.Module, max_graphs: int = 16) -> GraphedForward:

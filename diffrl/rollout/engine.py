@@ -9,8 +9,9 @@ scorers of the previous step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ from diffrl.rollout.samplers import (
 )
 from diffrl.rollout.scheduler import ContinuousBatcher
 from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncError, SyncReport, WeightUpdate
-from diffrl.types import PromptBatch, StepSpec, Trajectory
+from diffrl.types import PromptBatch, StepSpec, Trajectory, host_to_device
 
 
 @dataclass(frozen=True)
@@ -307,13 +308,14 @@ class RolloutEngine:
         on the GPU on a stream of its own, while the sampling thread denoises the next
         micro-batch on the default stream. ``x0`` is complete (the sampling thread copied it
         to the host), and the decode ends in a copy to the host, so no event is needed."""
-        if x0.device.type != "cuda":
-            return replace(traj, extra_fields=self.family.decode(x0))
-        if self._decode_stream is None:
-            self._decode_stream = torch.cuda.Stream(x0.device)
-        x0.record_stream(self._decode_stream)
-        with torch.cuda.stream(self._decode_stream):
-            return replace(traj, extra_fields=self.family.decode(x0))
+        side = contextlib.nullcontext()
+        if x0.device.type == "cuda":
+            if self._decode_stream is None:
+                self._decode_stream = torch.cuda.Stream(x0.device)
+            x0.record_stream(self._decode_stream)
+            side = torch.cuda.stream(self._decode_stream)
+        with side:
+            return traj.with_fields(**self.family.decode(x0))
 
     async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory:
         """The whole batch as one trajectory (micro-batches joined)."""
@@ -432,8 +434,8 @@ class RolloutEngine:
         latents, log_probs = [x], []
         copies = g if self.cfg.shared_init_noise else 1  # x is bitwise copies in runs of this
         low = self.cfg.ode_dtype == "bfloat16"
-        # on the device once: a copy from host memory inside the loop waits for the GPU
-        sig_dev = sigmas.to(self.device, dtype)
+        # on the device once, not at every step (a copy from host memory waits for the GPU)
+        sig_dev = host_to_device(sigmas, self.device, dtype)
         for i in range(t_steps):
             sigma = sig_dev[i].expand(x.shape[0])
             sigma_next = sig_dev[i + 1].expand(x.shape[0])

@@ -179,8 +179,8 @@ class ContinuousBatcher:
     def _start(self, req: Request) -> None:
         rows = self.buckets.setdefault(tuple(req.shape), _Rows())
         g = len(req.seeds)
-        x = initial_noise(req.seeds, req.num_steps, tuple(req.shape)).to(self.dtype)
-        x = host_to_device(x, self.device)
+        x = initial_noise(req.seeds, req.num_steps, tuple(req.shape))
+        x = host_to_device(x, self.device, self.dtype)
         ids = req.input_ids.to(self.ids_device).expand(g, -1)
         cond = None if req.cond is None else req.cond.to(self.device, self.dtype)
         if rows.x is None or not rows.owner:
@@ -225,7 +225,7 @@ class ContinuousBatcher:
         nxt = torch.stack(
             [self._sigmas[q.num_steps][i + 1] for q, i in zip(rows.owner, rows.step, strict=True)]
         )
-        sig, nxt = (host_to_device(t.to(self.dtype), self.device) for t in (sig, nxt))
+        sig, nxt = (host_to_device(t, self.device, self.dtype) for t in (sig, nxt))
         v = guided_velocity(
             self.velocity, rows.x, sig, rows.ids, self.cfg_scale, self.null_ids, rows.cond
         )

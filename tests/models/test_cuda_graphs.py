@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from diffrl.errors import ConfigError
-from diffrl.models.graphs import Captured, GraphedForward, graph_transformer
+from diffrl.models.graphs import Captured, GraphedForward, graph_transformer, static_call
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 
@@ -39,15 +39,11 @@ class CpuGraphs(GraphedForward):
         return True
 
     def capture(self, leaves, spec):
-        from torch.utils._pytree import tree_flatten, tree_unflatten
+        from torch.utils._pytree import tree_flatten
 
         if self.fail_on is not None and self.fail_on(leaves):
             raise RuntimeError("operation not permitted when stream is capturing")
-        inputs = [v.clone() for v in leaves if isinstance(v, torch.Tensor)]
-        it = iter(inputs)
-        args, kwargs = tree_unflatten(
-            [next(it) if isinstance(v, torch.Tensor) else v for v in leaves], spec
-        )
+        inputs, args, kwargs = static_call(leaves, spec)
         outputs = self.forward(*args, **kwargs)
         out_leaves, _ = tree_flatten(outputs)
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import stream_parts
 
 from diffrl.channel import Channel
 from diffrl.models.registry import ModelConfig, load_model
@@ -28,20 +29,9 @@ def engines():
     return plain, overlapped, prompts
 
 
-def parts(engine, prompts):
-    async def run():
-        channel = Channel()
-        producer = asyncio.create_task(engine.stream(prompts, 3, channel))
-        out = [t async for t in channel]
-        await producer
-        return out
-
-    return asyncio.run(run())
-
-
 def test_overlapped_decode_streams_the_same_trajectories_in_order():
     plain, overlapped, prompts = engines()
-    a, b = parts(plain, prompts), parts(overlapped, prompts)
+    a, b = stream_parts(plain, prompts, 3), stream_parts(overlapped, prompts, 3)
     assert len(a) == len(b) == 3  # 5 prompts, 2 per micro-batch
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.group, y.group) and torch.equal(x.x0, y.x0)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import torch
+from conftest import stream_parts
 
-from diffrl.channel import Channel
 from diffrl.data.shapes import split_prompts
 from diffrl.errors import FieldError
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, noise_from_seeds, sample_seeds
@@ -105,15 +105,7 @@ def test_batching_invariance(tiny_model, prompt_set, sampler) -> None:
 def test_stream_yields_micro_batches_of_whole_groups(tiny_model, prompt_set) -> None:
     eng = engine(tiny_model, max_batch=4, group_size=2)  # 2 prompts per micro-batch
     prompts = prompt_set.batch([0, 1, 2, 3, 4])
-
-    async def collect():
-        ch = Channel()
-        task = asyncio.create_task(eng.stream(prompts, 9, ch))
-        parts = [t async for t in ch]
-        await task
-        return parts
-
-    parts = asyncio.run(collect())
+    parts = stream_parts(eng, prompts, 9)
     assert [len(p) for p in parts] == [4, 4, 2]
     assert [p.group.tolist() for p in parts] == [[0, 0, 1, 1], [2, 2, 3, 3], [4, 4]]
     whole = gen(eng, prompts, 9)
