@@ -54,22 +54,6 @@ def tok() -> WordTokenizer:
     return WordTokenizer()
 
 
-def stream_parts(engine, prompts, seed: int) -> list:
-    """The trajectories ``engine.stream`` puts into its channel, in order."""
-    import asyncio
-
-    from diffrl.channel import Channel
-
-    async def collect():
-        channel = Channel()
-        task = asyncio.create_task(engine.stream(prompts, seed, channel))
-        parts = [t async for t in channel]
-        await task
-        return parts
-
-    return asyncio.run(collect())
-
-
 # --- actor helpers ---------------------------------------------------------------------------
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import stream_parts
+from stream_helpers import stream_parts
 
 from diffrl.channel import Channel
 from diffrl.models.registry import ModelConfig, load_model

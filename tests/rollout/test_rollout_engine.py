@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from conftest import stream_parts
+from stream_helpers import stream_parts
 
 from diffrl.data.shapes import split_prompts
 from diffrl.errors import FieldError
