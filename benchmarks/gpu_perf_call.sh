@@ -9,8 +9,9 @@
 #     rollout.compile=true actor.compile=true rollout.cuda_graphs=true against the diffusers-loop
 #     baseline in the same process (the baseline is eager either way); "eager" = diffrl's
 #     engines eager, also against the baseline. `speedup` is the baseline's seconds over diffrl's.
-#     REPEATS (default 2) timed epochs after the warm-up. Rows in OUTDIR/bench_epoch.txt, logs
-#     in OUTDIR/epoch_*.log. The commands share one deadline (DEADLINE, default 570 s): each
+#     REPEATS (default 2) timed epochs after the warm-up. OVER_grpo / OVER_nft (space-separated
+#     key=value) add overrides to one algorithm's command, e.g. OVER_grpo=actor.micro_batch=8.
+#     Rows in OUTDIR/bench_epoch.txt, logs in OUTDIR/epoch_*.log. The commands share one deadline (DEADLINE, default 570 s): each
 #     gets what the ones before it left. Measured on one H200 (2026-12-01, fifth session): both
 #     algorithms at REPEATS 1, compiled against the baseline, took 456-476 s in one call
 #     (`... OUTDIR "grpo nft" 1`); with MODES="eager compiled", one algorithm per call.
@@ -58,7 +59,9 @@ for algo in $ALGOS; do
     over=(); flags=()
     [[ $mode == compiled ]] && over=(rollout.compile=true actor.compile=true "${GRAPHS[@]}")
     log="$OUT/epoch_${algo}_$mode.log"
-    timeout "$left" "${DIFFRL[@]}" bench epoch "${ARGS[@]}" "$REWARD" "${SIZE[@]}" "${over[@]}" \
+    extra=()  # OVER_grpo / OVER_nft: that algorithm's extra overrides, e.g. actor.micro_batch=8
+    var="OVER_$algo"; read -ra extra <<< "${!var:-}"
+    timeout "$left" "${DIFFRL[@]}" bench epoch "${ARGS[@]}" "$REWARD" "${SIZE[@]}" "${over[@]}" "${extra[@]}" \
       --repeats "$REPEATS" "${flags[@]}" > "$log" 2>&1
     rc=$?
     grep "^bench/" "$log" | sed "s/^/$algo $mode /" | tee -a "$OUT/bench_epoch.txt"

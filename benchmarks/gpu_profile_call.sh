@@ -10,6 +10,7 @@
 #             then the same without graphs (--no-baseline); profiles of both.
 #     train   `diffrl bench train` of the FlowGRPO epoch recipe (benchmarks/recipes/
 #             sd35m_grpo_epoch.yaml) on 2 prompts x 8 images, actor.compile, with a profile.
+#     trainN  the same with actor.micro_batch=N (the recipe's is 4), e.g. train8.
 #     ckpt    the same update with actor.activation_checkpointing=true (its cost: compare with
 #             train's seconds).
 #     batch16 `diffrl bench rollout` of the SD3.5 NFT recipe (8 prompts x 8 images, CFG 4.5,
@@ -49,11 +50,12 @@ for part in $PARTS; do
       run batch1_graphs rollout "${ONE[@]}" "${GRAPHS[@]}" --repeats 2
       run batch1_compiled rollout "${ONE[@]}" --repeats 2 --no-baseline
       ;;
-    train)
+    train|train[0-9]*)
       GRPO=(benchmarks/recipes/sd35m_grpo_epoch.yaml "$REWARD" "${SIZE[@]}" data.prompts_per_step=2
             actor.compile=true rollout.compile=true)
+      [[ $part != train ]] && GRPO+=(actor.micro_batch=${part#train})
       [[ -n "${DRY_RUN:-}" ]] && GRPO+=(model.preset=sd35-tiny model.resolution=64 rollout.group_size=2)
-      run grpo_train train "${GRPO[@]}" --repeats 1 --no-baseline
+      run "grpo_$part" train "${GRPO[@]}" --repeats 1 --no-baseline
       ;;
     ckpt)
       GRPO=(benchmarks/recipes/sd35m_grpo_epoch.yaml "$REWARD" "${SIZE[@]}" data.prompts_per_step=2
@@ -72,7 +74,7 @@ for part in $PARTS; do
       timeout $((DEADLINE - SECONDS)) python3 benchmarks/graphs_equivalence.py \
         2>&1 | grep "^{" | tee "$OUT/graphs_equivalence.jsonl"
       ;;
-    *) echo "unknown part $part (batch1 | train | ckpt | batch16 | equiv)"; exit 2 ;;
+    *) echo "unknown part $part (batch1 | train | trainN | ckpt | batch16 | equiv)"; exit 2 ;;
   esac
 done
 echo "done in ${SECONDS}s"

@@ -240,8 +240,9 @@ def kernel_kind(name: str) -> str:
 def write_profile(path: str, fn, device: torch.device) -> dict[str, float]:
     """One call of ``fn`` under torch.profiler: writes to ``path`` the share of device time by
     kernel kind (``KERNEL_KINDS``), the kernel count, and the top kernels by their own time;
-    returns the shares. On a CPU the operators' own CPU time stands in, for the calling thread's
-    operators only (the rollout's run in a worker thread)."""
+    returns the shares. On a GPU it adds the operators by their own host time (where the host
+    spends it while the device waits). On a CPU the operators' own CPU time stands in, for the
+    calling thread's operators only (the rollout's run in a worker thread)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -252,7 +253,8 @@ def write_profile(path: str, fn, device: torch.device) -> dict[str, float]:
         fn()
         sync(device)
     wall = time.perf_counter() - t
-    rows = prof.key_averages()
+    every = prof.key_averages()
+    rows = every
     if cuda:  # the kernels themselves: device-side events
         rows = [r for r in rows if str(getattr(r, "device_type", "")).endswith("CUDA")]
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -276,6 +278,10 @@ def write_profile(path: str, fn, device: torch.device) -> dict[str, float]:
         lines.append(
             f"{us / 1e3:6.1f} {us / total:6.1%} {count:6d}  {kernel_kind(name):18s} {name[:110]}"
         )
+    if cuda:  # where the host's time goes, when the device waits for it
+        lines += ["", "host: operators by their own CPU time", "    ms  calls  name"]
+        host = sorted(((r.self_cpu_time_total, r.count, r.key) for r in every), reverse=True)
+        lines += [f"{us / 1e3:6.1f} {count:6d}  {name[:110]}" for us, count, name in host[:30]]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return shares
