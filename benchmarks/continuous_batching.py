@@ -141,7 +141,10 @@ def main() -> None:
         "--cuda-graphs", action="store_true", help="rollout.cuda_graphs: replay captured forwards"
     )
     p.add_argument(
-        "--warm-passes", type=int, default=0, help="untimed passes first (compile each shape)"
+        "--warm-passes",
+        type=int,
+        default=0,
+        help="untimed passes of the stream first, batched modes only (compile each batch shape)",
     )
     args = p.parse_args()
     preset, res, dtype = "sd35-medium", 512, "bfloat16"
@@ -181,7 +184,9 @@ def main() -> None:
             budget = 1 if mode == "per-request" else args.budget
             t = now()
             run_batcher(engine, warm, budget)
-            for _ in range(args.warm_passes):
+            # one request at a time, every shape is in the warm set; batched, the stream's
+            # batch sizes are not
+            for _ in range(args.warm_passes if budget > 1 else 0):
                 run_batcher(engine, fresh(reqs), budget)
             warm_s = now() - t
             stream = sorted(fresh(reqs), key=lambda r: r.shape) if mode == "pre-grouped" else None
