@@ -31,7 +31,9 @@ torch's FLOP counter in tests/models/test_flops.py). The peak is the matmul rate
 in the model's dtype. Rollout: every forward row (x2 with CFG) at every step. Train, per trained
 timestep of a sample: the policy's forward and its backward through frozen weights (input
 gradients only, one forward's worth), plus each no-grad forward the loss makes: NFT's old
-policy, a KL reference, DPO's reference.
+policy, a KL reference, DPO's reference; x2 where the loss runs CFG's two branches (FlowGRPO on
+a CFG rollout). That backward count is a floor: attention's backward takes two forwards' worth
+(both its operands are activations), so train MFU reads a few percent low.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def forwards_per_trained_sample(cfg: Config, batch) -> float:
         return a.timesteps_per_pair * 3  # policy forward + backward, reference
     if name == "flow_grpo":  # a fraction of the trajectory's SDE steps, as train_steps draws
         trained = max(1, round(a.timestep_fraction * int(batch.sde_mask.sum())))
-        return trained * (2 + kl)
+        rows = 1 if batch.step_spec.cfg_scale == 1 else 2  # the rollout's CFG, both branches
+        return trained * (2 + kl) * rows
     raise ConfigError(f"diffrl bench: no FLOP model for algorithm {name!r}")
 
 

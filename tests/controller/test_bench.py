@@ -5,6 +5,7 @@ autocast for a bf16 run); the FLOP model follows the algorithm; bad kinds are re
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,10 +124,42 @@ def test_flop_model_follows_the_algorithm(tiny_checkpoint, tmp_path) -> None:
 
     class Batch:
         sde_mask = torch.tensor([True] * 5 + [False] * 5)
+        step_spec = SimpleNamespace(cfg_scale=1.0)
 
     k = max(1, round(grpo.algorithm.timestep_fraction * 5))
     kl = 1 if grpo.algorithm.kl_coef > 0 else 0
     assert B.forwards_per_trained_sample(grpo, Batch()) == k * (2 + kl)
+    Batch.step_spec = SimpleNamespace(cfg_scale=4.5)  # both CFG branches in every pass
+    assert B.forwards_per_trained_sample(grpo, Batch()) == 2 * k * (2 + kl)
+
+
+def test_train_forward_count_matches_torchs_counter_on_a_cfg_update(tmp_path) -> None:
+    """The FlowGRPO update on a CFG rollout (sd35-tiny, KL on), counted by torch's
+    FlopCounterMode with SDPA on its math path (attention's matmuls counted, backward
+    included), in forwards of the same model counted the same way: the analytic count of
+    forward-equivalents (forward, input-gradient backward and the KL reference, x2 for CFG's
+    branches) is within 20% below it. The count is a floor by design: attention's backward is
+    two forwards' worth, and the LoRA factors' own gradients and the pre-update diagnostics are
+    left out; forgetting CFG's branches halves it. (The forward's own analytic count is checked
+    at real size in tests/models/test_flops.py: at 64 px the per-sample layers dominate.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = sd35_tiny_grpo(tmp_path, "model.dtype=float32", "algorithm.kl_coef=0.04")
+    parts, batch = scored_batch(cfg)
+    assert batch.step_spec.cfg_scale > 1 and parts.actor.cfg.micro_batch < len(batch)
+    model = parts.actor.model
+    one, update = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    x = torch.randn(2, *model.family.latent_shape())
+    with sdpa_kernel(SDPBackend.MATH):
+        with torch.no_grad(), one:
+            model(x, torch.full((2,), 0.5), batch.input_ids[:2])
+        with update:
+            parts.actor.train_step(batch)
+    per_row = one.get_total_flops() / 2
+    analytic = len(batch) * B.forwards_per_trained_sample(cfg, batch) * per_row
+    ratio = analytic / update.get_total_flops()
+    assert 0.8 < ratio <= 1.0, ratio
 
 
 def test_cli_and_bad_kind(tiny_checkpoint, tmp_path, capsys) -> None:
