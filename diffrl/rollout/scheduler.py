@@ -245,20 +245,16 @@ class ContinuousBatcher:
         if not done:
             return []
         x_done = rows.x[torch.tensor(done, device=rows.x.device)].float().cpu()
-        keep = torch.tensor(
-            [
-                k
-                for k, (q, i) in enumerate(zip(rows.owner, rows.step, strict=True))
-                if i < q.num_steps
-            ],
-            dtype=torch.long,
-            device=rows.x.device,
-        )
+        keep = [
+            k for k, (q, i) in enumerate(zip(rows.owner, rows.step, strict=True)) if i < q.num_steps
+        ]
+        at = torch.tensor(keep, dtype=torch.long)  # on the host: the ids may live there
+        on_x = host_to_device(at, rows.x.device)
         finished = [rows.owner[k] for k in done]
-        rows.x, rows.ids = rows.x[keep], rows.ids[keep]
-        rows.cond = None if rows.cond is None else rows.cond[keep]
-        rows.owner = [rows.owner[k] for k in keep.tolist()]
-        rows.step = [rows.step[k] for k in keep.tolist()]
+        rows.x, rows.ids = rows.x[on_x], rows.ids[at.to(rows.ids.device)]
+        rows.cond = None if rows.cond is None else rows.cond[on_x]
+        rows.owner = [rows.owner[k] for k in keep]
+        rows.step = [rows.step[k] for k in keep]
         out, start = [], 0
         while start < len(finished):
             req = finished[start]
