@@ -344,6 +344,9 @@ def baseline_actor(parts: Engines) -> ActorEngine:
         parts.device, cfg.run.seed,
     )  # fmt: skip
     actor.model.load_state_dict(parts.actor.model.state_dict())
+    # the adapters' values of record: a bf16 run's fp32 masters, not its bf16 factors
+    unexpected = actor.model.load_state_dict(parts.actor.adapter_tensors(), strict=False)[1]
+    assert not unexpected, unexpected  # the same adapters under the same names
     actor.gen.set_state(parts.actor.gen.get_state())
     return actor
 

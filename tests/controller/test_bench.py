@@ -105,8 +105,14 @@ def test_a_bf16_runs_baseline_trains_fp32_weights_under_autocast(tiny_checkpoint
     bf16 under autocast; its loss is the run's within bf16 rounding (0.5%)."""
     cfg = cfg_for(tiny_checkpoint, tmp_path, "model.dtype=bfloat16")
     parts, batch = scored_batch(cfg)
+    with torch.no_grad():  # masters off their bf16 rounding: the baseline must take them
+        for m in parts.actor.masters.values():
+            m.add_(1e-4)
     base = B.baseline_actor(parts)
     assert {p.dtype for p in base.model.parameters()} == {torch.float32}
+    assert parts.actor.masters
+    for name, t in parts.actor.adapter_tensors().items():
+        assert torch.equal(base.adapter_tensors()[name], t), name
     seen = []
     layer = next(iter(base.layers.values())).base_layer
     layer.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
