@@ -20,3 +20,11 @@ def test_continuous_batching_smoke_with_a_diffusers_time_budget() -> None:
     done = row["diffusers"]["requests_done"]
     assert 1 <= done <= row["requests"]  # stopped after the budget, the rate over those done
     assert row["scheduler_over_diffusers"] > 0
+
+
+def test_checkpointing_cost_smoke() -> None:
+    cmd = [sys.executable, "benchmarks/ckpt_cost.py", "--smoke", "--rows", "2", "--repeats", "1"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["plain"]["seconds"] > 0 and row["checkpointed"]["seconds"] > 0
+    assert row["time_ratio"] > 0
