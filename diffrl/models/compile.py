@@ -18,10 +18,13 @@ H200). The global ``accumulated_recompile_limit`` (256) still caps a runaway.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from diffrl.models.family import transformer_blocks
+
+log = logging.getLogger(__name__)
 
 RECOMPILE_LIMIT = 64
 PER_CALL_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
@@ -37,15 +40,35 @@ def _limit() -> dict:
     return {}
 
 
+def cpu_toolchain() -> str:
+    """Why inductor cannot build CPU kernels here ("" when it can): it compiles C++ with the
+    compiler ``torch._inductor.config.cpp.cxx`` names (``$CXX``, else g++)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - any failure means: no usable compiler
+        return f"{type(e).__name__}: {e}".strip().rstrip(":")
+    return ""
+
+
 def compile_blocks(model: torch.nn.Module, key: str = "rollout.compile") -> int:
     """Compile, in place, every block of the transformer's block lists (``nn.ModuleList``
     children of ``model.net.transformer``, or of the net itself); returns how many. Weight sync
     and adapter updates change the blocks' weights in place, which compiled code reads as
-    inputs. ``key`` names the config option in the error for a net without block lists."""
+    inputs. ``key`` names the config option in the error for a net without block lists. On the
+    CPU without a C++ compiler the blocks stay eager (one warning, 0 compiled): a laptop
+    without a toolchain still runs the recipe, only slower."""
     blocks = transformer_blocks(model)
     if not blocks:
         root = getattr(model.net, "transformer", model.net)
         raise ValueError(f"{key}: {type(root).__name__} has no block lists to compile")
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    missing = cpu_toolchain() if on_cpu else ""
+    if missing:
+        log.warning("%s: no C++ compiler for torch.compile on the CPU (%s): running eager; "
+                    "install g++ or clang, or set CXX, to compile", key, missing)  # fmt: skip
+        return 0
     for block in blocks:
         block.compile(dynamic=None, **_limit())
     return len(blocks)

@@ -35,3 +35,27 @@ def test_a_net_without_block_lists_is_refused() -> None:
     model.net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="no block lists"):
         compile_blocks(model)
+
+
+def test_without_a_cpu_compiler_the_blocks_stay_eager(tiny_model, monkeypatch, caplog) -> None:
+    """No C++ compiler: one warning that says how to get one, nothing compiled, the same
+    samples as eager (a laptop without a toolchain still runs a recipe that compiles)."""
+    from torch._inductor import config as inductor
+    from torch._inductor.cpp_builder import cpp_compiler_search
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    cpp_compiler_search.cache_clear()
+    try:
+        texts = [Prompt(p.text) for p in split_prompts("train")[:2]]
+        prompts = PromptSet(texts, tiny_model.family.tokenize).all()
+        cfg = RolloutConfig(group_size=2, num_steps=2, compile=True)
+        with caplog.at_level("WARNING"):
+            eng = RolloutEngine(tiny_model, cfg, [], torch.device("cpu"))
+        assert eng.compiled == 0
+        assert "no C++ compiler" in caplog.text and "CXX" in caplog.text
+        got = asyncio.run(eng.generate(prompts, seed=4)).x0
+        plain = RolloutEngine(tiny_model, RolloutConfig(group_size=2, num_steps=2), [],
+                              torch.device("cpu"))  # fmt: skip
+        torch.testing.assert_close(got, asyncio.run(plain.generate(prompts, seed=4)).x0)
+    finally:
+        cpp_compiler_search.cache_clear()
