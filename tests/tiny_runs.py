@@ -17,5 +17,9 @@ def tiny_run(checkpoint: Path, out_dir: Path, steps: int, *extra: str) -> list[s
         "model.probe=false",
         f"run.out_dir={out_dir}",
         "run.tensorboard=false",
+        # eager: compiling costs seconds per test (the compiled paths have their own tests,
+        # and test_recipes runs the default recipe as it ships)
+        "rollout.compile=false",
+        "actor.compile=false",
         *extra,
     ]

@@ -51,7 +51,10 @@ def tiny_family_overrides(recipe: str) -> list[str]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps(recipe: str, tiny_checkpoint, tmp_path: Path) -> None:
-    extra = ["rollout.num_steps=4", "run.eval_every=2", *tiny_family_overrides(recipe)]
+    shipped = load_config(recipe)  # compiled where the recipe compiles (the default one does)
+    extra = ["rollout.num_steps=4", "run.eval_every=2", *tiny_family_overrides(recipe),
+             f"rollout.compile={str(shipped.rollout.compile).lower()}",
+             f"actor.compile={str(shipped.actor.compile).lower()}"]  # fmt: skip
     cfg = load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 2, *extra))
     root = asyncio.run(train(cfg))
     rows = read_metrics(root)
