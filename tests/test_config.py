@@ -20,7 +20,8 @@ def test_default_recipe_loads_with_its_values() -> None:
     assert isinstance(cfg.algorithm, NFTConfig)
     # values the recipe sets (differ from the dataclass defaults where noted)
     assert cfg.run.name == "shapes_nft"
-    assert cfg.run.steps == 90
+    assert cfg.run.steps == 120 and cfg.run.max_minutes == pytest.approx(14.0)
+    assert cfg.rollout.compile and cfg.actor.compile  # dataclass defaults are False
     assert cfg.run.save_every == 5  # dataclass default is 10
     assert cfg.model.checkpoint == "builtin:shapes_dit"
     assert cfg.data.prompts_per_step == 16
