@@ -11,8 +11,8 @@
 #     engines eager, also against the baseline. `speedup` is the baseline's seconds over diffrl's.
 #     REPEATS (default 2) timed epochs after the warm-up. OVER_grpo / OVER_nft (space-separated
 #     key=value) add overrides to one algorithm's command, e.g. OVER_grpo=actor.micro_batch=8.
-#     Rows in OUTDIR/bench_epoch.txt, logs in OUTDIR/epoch_*.log. The commands share one deadline (DEADLINE, default 570 s): each
-#     gets what the ones before it left. Measured on one H200 (2026-12-01, fifth session): both
+#     Rows in OUTDIR/bench_epoch.txt, logs in OUTDIR/epoch_*.log. The commands share one
+#     deadline (DEADLINE, default 570 s): each gets what the ones before it left. Measured on one H200 (2026-12-01, fifth session): both
 #     algorithms at REPEATS 1, compiled against the baseline, took 456-476 s in one call
 #     (`... OUTDIR "grpo nft" 1`); with MODES="eager compiled", one algorithm per call.
 #   bash benchmarks/gpu_perf_call.sh OUTDIR REQUESTS

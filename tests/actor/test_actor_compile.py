@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import shutil
 
 import pytest
 import torch
@@ -28,8 +27,8 @@ GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
 @pytest.fixture(scope="module", autouse=True)
 def inductor() -> None:
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("inductor needs a C compiler")
+    if missing := C.cpu_toolchain():  # compile_blocks would leave the blocks eager
+        pytest.skip(f"inductor needs a C++ compiler: {missing}")
     try:
         torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
     except Exception as e:  # a toolchain inductor cannot use: skip, as without one

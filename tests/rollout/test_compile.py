@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import pytest
 import torch
 
 from diffrl.data.shapes import split_prompts
+from diffrl.models.compile import cpu_toolchain
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, compile_blocks
 from diffrl.tasks import Prompt, PromptSet
 
-needs_cc = pytest.mark.skipif(
-    not (shutil.which("cc") or shutil.which("gcc")), reason="inductor needs a C compiler"
+needs_cc = pytest.mark.skipif(  # the check compile_blocks makes before compiling
+    bool(cpu_toolchain()), reason="inductor needs a C++ compiler"
 )
 
 
@@ -37,25 +37,27 @@ def test_a_net_without_block_lists_is_refused() -> None:
         compile_blocks(model)
 
 
-def test_without_a_cpu_compiler_the_blocks_stay_eager(tiny_model, monkeypatch, caplog) -> None:
+def test_without_a_cpu_compiler_the_blocks_stay_eager(tiny_model, caplog) -> None:
     """No C++ compiler: one warning that says how to get one, nothing compiled, the same
-    samples as eager (a laptop without a toolchain still runs a recipe that compiles)."""
+    samples as eager (a laptop without a toolchain still runs a recipe that compiles). The
+    compiler is hidden with inductor's own config.patch, which restores it afterwards (a
+    monkeypatched torch config attribute is deleted on undo, not restored)."""
     from torch._inductor import config as inductor
     from torch._inductor.cpp_builder import cpp_compiler_search
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    texts = [Prompt(p.text) for p in split_prompts("train")[:2]]
+    prompts = PromptSet(texts, tiny_model.family.tokenize).all()
     cpp_compiler_search.cache_clear()
     try:
-        texts = [Prompt(p.text) for p in split_prompts("train")[:2]]
-        prompts = PromptSet(texts, tiny_model.family.tokenize).all()
-        cfg = RolloutConfig(group_size=2, num_steps=2, compile=True)
-        with caplog.at_level("WARNING"):
+        with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}), caplog.at_level("WARNING"):
+            cfg = RolloutConfig(group_size=2, num_steps=2, compile=True)
             eng = RolloutEngine(tiny_model, cfg, [], torch.device("cpu"))
-        assert eng.compiled == 0
-        assert "no C++ compiler" in caplog.text and "CXX" in caplog.text
-        got = asyncio.run(eng.generate(prompts, seed=4)).x0
-        plain = RolloutEngine(tiny_model, RolloutConfig(group_size=2, num_steps=2), [],
-                              torch.device("cpu"))  # fmt: skip
-        torch.testing.assert_close(got, asyncio.run(plain.generate(prompts, seed=4)).x0)
     finally:
         cpp_compiler_search.cache_clear()
+    assert eng.compiled == 0
+    assert "no C++ compiler" in caplog.text and "CXX" in caplog.text
+    assert cpu_toolchain() == ""  # the real compiler is back for the tests after this one
+    got = asyncio.run(eng.generate(prompts, seed=4)).x0
+    plain = RolloutEngine(tiny_model, RolloutConfig(group_size=2, num_steps=2), [],
+                          torch.device("cpu"))  # fmt: skip
+    torch.testing.assert_close(got, asyncio.run(plain.generate(prompts, seed=4)).x0)
