@@ -73,6 +73,10 @@ class PretrainConfig:
     # mean over all dims); AVBench's beeps fill ~0.3% of the audio dims, so the plain mean barely
     # sees them (benchmarks/BENCHMARKS.md, the AVBench base)
     audio_weight: float = 1.0
+    # start from these weights instead of a random init ("" = random): a .safetensors written by
+    # an earlier `diffrl pretrain` or a built-in (builtin:avbench_h3, ...). The optimizer, LR
+    # schedule and EMA start afresh; the file's metadata records the init
+    init: str = ""
 
     def validate(self) -> None:
         check(self.task in ("shapes", "avbench"), "task", self.task, "shapes | avbench")
@@ -180,7 +184,9 @@ def pretrain(cfg: PretrainConfig) -> Path:
         max_text_len=tok.max_len,
     )
     if cfg.preset:  # seeded random init; the frozen text encoders are saved with the weights
-        model = load_model(ModelConfig(preset=cfg.preset, probe=False), device)
+        model = load_model(ModelConfig(preset=cfg.preset, weights=cfg.init, probe=False), device)
+    elif cfg.init:
+        model = load_model(ModelConfig(checkpoint=cfg.init, probe=False), device)
     else:
         model = build(arch).to(device)
     train = PromptSet([Prompt(p.text) for p in shapes], model.family.tokenize)
@@ -236,6 +242,7 @@ def save_and_score(
         "pretrain_s": f"{seconds:.0f}",
         "pretrain_batch": str(cfg.batch),
         "caption_noise": str(cfg.caption_noise),
+        "init": cfg.init,
     }
     save = (
         (lambda m, o, x: save_weights(m, o, {"preset": cfg.preset, **x}))

@@ -56,7 +56,8 @@ def pretrain_avbench(cfg) -> Path:
     rng = np.random.default_rng(cfg.seed)
     device = pick_device(cfg.device)
     preset = cfg.preset or DEFAULT_PRESET
-    model = load_model(ModelConfig(family="minimax_h3", preset=preset, probe=False), device)
+    mcfg = ModelConfig(family="minimax_h3", preset=preset, weights=cfg.init, probe=False)
+    model = load_model(mcfg, device)
     train = PromptSet([Prompt(p.text) for p in split_prompts("train")], model.family.tokenize)
     bank, keys = clip_bank(model, cfg.bank_per_prompt, cfg.seed, device)
     ema = copy.deepcopy(model).requires_grad_(False)
@@ -114,6 +115,7 @@ def save_and_score(model, out: Path, cfg, preset: str, steps: int, seconds: floa
         "pretrain_batch": str(cfg.batch),
         "cond_prob": str(cfg.cond_prob),
         "audio_weight": str(cfg.audio_weight),
+        "init": cfg.init,
     }
     save_weights(model, out, meta)
     scores = {}

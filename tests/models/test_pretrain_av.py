@@ -43,3 +43,19 @@ def test_bad_pretrain_keys_are_refused() -> None:
         load_pretrain_config(["task=avbench", "audio_weight=-1"])
     with pytest.raises(ConfigError, match="task"):
         load_pretrain_config(["task=music"])
+
+
+def test_pretrain_avbench_starts_from_init_weights(tmp_path) -> None:
+    """``init=`` continues from a file: with lr 0 the written base is the init, to the bit (a
+    random start would differ), and the metadata names the init."""
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    common = ["task=avbench", "batch=4", "chunk=4", "bank_per_prompt=1", "eval_samples=1",
+              "threads=1"]  # fmt: skip
+    pretrain(load_pretrain_config([*common, "steps=2", f"out={first}"]))
+    pretrain(load_pretrain_config([*common, "steps=1", "lr=0", f"init={first}", f"out={second}"]))
+    with safe_open(str(first), "pt") as a, safe_open(str(second), "pt") as b:
+        assert b.metadata()["init"] == str(first)
+        assert set(a.keys()) == set(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    with pytest.raises(ConfigError, match="no file"):
+        pretrain(load_pretrain_config([*common, "steps=1", f"init={tmp_path}/missing.safetensors"]))
