@@ -2,7 +2,8 @@
 # One device call: several `diffrl pretrain` runs side by side, one process each (the AV base's
 # pre-training is Python-bound and leaves the GPU mostly idle), each stopped at the deadline.
 # Every snapshot is saved and scored (held-out metrics in the file's metadata), so a run the
-# deadline cuts short still leaves its last snapshot.
+# deadline cuts short still leaves its last snapshot; OUTDIR/00_scores.jsonl gathers every
+# snapshot's metadata.
 # Usage (device machine): bash benchmarks/gpu_pretrain_sweep.sh OUTDIR DEADLINE_S "NAME:k=v;k=v ..."
 # e.g. "cont:init=builtin:avbench_h3;lr=5e-4;snapshots=[1000,2000] aw3:init=builtin:avbench_h3;audio_weight=3"
 set -uo pipefail
@@ -16,4 +17,15 @@ for spec in $SPECS; do
     > "$OUT/$name.log" &
 done
 wait
-grep -h "steps=" "$OUT"/*.log
+# every snapshot's held-out scores from its metadata, in one file that sorts first: the device
+# returns a limited number of files, and the score lines share a line with tqdm's in the logs
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+from safetensors import safe_open
+out = pathlib.Path(sys.argv[1])
+with open(out / "00_scores.jsonl", "w") as f:
+    for path in sorted(out.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as st:
+            f.write(json.dumps({"file": path.name, **st.metadata()}) + "\n")
+PY
+cat "$OUT/00_scores.jsonl"
