@@ -12,9 +12,10 @@
 #     REPEATS (default 2) timed epochs after the warm-up. OVER_grpo / OVER_nft (space-separated
 #     key=value) add overrides to one algorithm's command, e.g. OVER_grpo=actor.micro_batch=8.
 #     Rows in OUTDIR/bench_epoch.txt, logs in OUTDIR/epoch_*.log. The commands share one
-#     deadline (DEADLINE, default 570 s): each gets what the ones before it left. Measured on one H200 (2026-12-01, fifth session): both
-#     algorithms at REPEATS 1, compiled against the baseline, took 456-476 s in one call
-#     (`... OUTDIR "grpo nft" 1`); with MODES="eager compiled", one algorithm per call.
+#     deadline (DEADLINE, default 570 s): each gets what the ones before it left. Measured on
+#     one H200 (2026-12-01, fifth session): both algorithms at REPEATS 1, compiled against the
+#     baseline, took 456-476 s in one call (`... OUTDIR "grpo nft" 1`); with MODES="eager
+#     compiled", one algorithm per call.
 #   bash benchmarks/gpu_perf_call.sh OUTDIR REQUESTS
 #     the earlier call: `diffrl bench` rollout / train on the NFT recipe, then the continuous-
 #     batching stream of REQUESTS requests with the rollout's blocks compiled.

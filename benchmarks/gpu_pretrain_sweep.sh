@@ -1,31 +1,23 @@
 #!/usr/bin/env bash
-# One device call: several `diffrl pretrain` runs side by side, one process each (the AV base's
-# pre-training is Python-bound and leaves the GPU mostly idle), each stopped at the deadline.
-# Every snapshot is saved and scored (held-out metrics in the file's metadata), so a run the
-# deadline cuts short still leaves its last snapshot; OUTDIR/00_scores.jsonl gathers every
-# snapshot's metadata.
-# Usage (device machine): bash benchmarks/gpu_pretrain_sweep.sh OUTDIR DEADLINE_S "NAME:k=v;k=v ..."
-# e.g. "cont:init=builtin:avbench_h3;lr=5e-4;snapshots=[1000,2000] aw3:init=builtin:avbench_h3;audio_weight=3"
+# Pre-train the tiny DiT on a GPU with snapshots, then run the default NFT recipe from a few
+# snapshots, to pick a base model that is clearly imperfect yet leaves RL headroom.
+# Usage (device machine): bash benchmarks/gpu_pretrain_sweep.sh OUTDIR [STEPS] [SNAPSHOTS] [RL_FROM]
 set -uo pipefail
-OUT=${1:?outdir}; DEADLINE=${2:-540}; SPECS=${3:?specs}
+OUTDIR=${1:?outdir}; STEPS=${2:-4000}; SNAPS=${3:-[500,1000,2000,3000]}; RL_FROM=${4:-"1000 2000"}
 export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-for spec in $SPECS; do
-  name=${spec%%:*}; IFS=';' read -r -a over <<< "${spec#*:}"
-  timeout "$DEADLINE" python3 -c "from diffrl.cli import main; main()" pretrain device=cuda \
-    "${over[@]}" out="$OUT/$name.safetensors" 2>&1 | tr '\r' '\n' | awk 'NR % 25 == 1 || !/it\/s/' \
-    > "$OUT/$name.log" &
-done
-wait
-# every snapshot's held-out scores from its metadata, in one file that sorts first: the device
-# returns a limited number of files, and the score lines share a line with tqdm's in the logs
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-from safetensors import safe_open
-out = pathlib.Path(sys.argv[1])
-with open(out / "00_scores.jsonl", "w") as f:
-    for path in sorted(out.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as st:
-            f.write(json.dumps({"file": path.name, **st.metadata()}) + "\n")
+D=/tmp/sweep; mkdir -p $D
+python3 -m diffrl.cli pretrain steps=$STEPS batch=128 "snapshots=$SNAPS" eval_samples=4 \
+  device=cuda out=$D/shapes_dit.safetensors 2>&1 | tr '\r' '\n' | grep -v "^pretrain:" | tee -a $OUTDIR/sweep.log
+for s in $RL_FROM; do
+  python3 -m diffrl.cli train recipes/shapes_nft.yaml model.checkpoint=$D/shapes_dit_step$s.safetensors \
+    run.device=cuda run.out_dir=/tmp/runs run.name=rl_from_$s run.tensorboard=false 2>&1 | tr '\r' '\n' | tail -2 | tee -a $OUTDIR/sweep.log
+  python3 - <<PY | tee -a $OUTDIR/sweep.log
+import json
+rows=[json.loads(l) for l in open('/tmp/runs/rl_from_$s/metrics.jsonl')]
+for r in rows:
+    if 'eval/overall' in r: print('rl_from_$s', r['step'], round(r['eval/overall'],3), {k[5:]:round(v,2) for k,v in r.items() if k.startswith('eval/')})
+print('rl_from_$s reward', [round(r.get('reward/mean',0),3) for r in rows[1::5]])
 PY
-cat "$OUT/00_scores.jsonl"
+  cp /tmp/runs/rl_from_$s/curves.png $OUTDIR/curves_$s.png
+done
+cp $D/*.safetensors $OUTDIR/ 2>/dev/null; ls -la $OUTDIR
