@@ -48,7 +48,7 @@ from diffrl.errors import ConfigError, DiffrlError
 from diffrl.models.registry import load_model
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.weights import SyncReport, WeightUpdate
-from diffrl.tasks import PromptSource, build_task
+from diffrl.tasks import build_task, prompt_source
 from diffrl.types import PromptBatch, ScoredBatch, TrainBatch, Trajectory, to_device
 
 log = logging.getLogger(__name__)
@@ -474,7 +474,7 @@ def build_ray(cfg: Config) -> Engines:
         cfg,
         device,
         build_task(cfg.data),
-        PromptSource(info["train"], cfg.data.prompts_per_step, cfg.run.seed),
+        prompt_source(info["train"], cfg.data, cfg.run.seed),
         info["eval_set"],
         RemoteRollout(rollout_host, "rollout", info["produces"], cfg.ray.channel),
         RemoteRollout(rollout_host, "evaluator", info["produces"], cfg.ray.channel),

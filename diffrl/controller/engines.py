@@ -29,7 +29,7 @@ from diffrl.parallel.launch import start as start_ranks
 from diffrl.parallel.launch import stop as stop_ranks
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
-from diffrl.tasks import PromptSet, PromptSource, Task, build_task
+from diffrl.tasks import PromptSet, PromptSource, Task, build_task, prompt_source
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +215,13 @@ def build(cfg: Config) -> Engines:
             "log-probs); use run.stale=drop or keep"
         )
     check_streaming(cfg)
+    check_sampling(cfg)
     if cfg.run.backend == "ray":
         from diffrl.backends.ray import build_ray  # ray is an optional extra
 
         return build_ray(cfg)
     ranks = start_ranks(cfg)  # torchrun: the process group and meshes; else SOLO
+    check_sampling(cfg, ranks.dp_size)
     device = setup_process(cfg)
     side = rollout_side(cfg, device)
     rewards = RewardPool(cfg.reward)
@@ -236,9 +238,7 @@ def build(cfg: Config) -> Engines:
         cfg,
         device,
         side.task,
-        PromptSource(
-            side.train, cfg.data.prompts_per_step, cfg.run.seed, (ranks.dp_rank, ranks.dp_size)
-        ),
+        prompt_source(side.train, cfg.data, cfg.run.seed, (ranks.dp_rank, ranks.dp_size)),
         side.eval_set,
         side.rollout,
         side.evaluator,
@@ -289,6 +289,27 @@ def check_streaming(cfg: Config) -> None:
         if bad:
             value = config_value(cfg, key)
             raise ConfigError(f"config key '{key}' = {value!r}: run.stream_train {why}")
+
+
+def check_sampling(cfg: Config, dp_size: int = 1) -> None:
+    """``data.sampling=spread`` draws step k's prompts from the rewards of the steps before it,
+    so each step must be scored before the next one's prompts are drawn, in one process: the
+    async loop draws ahead of its scores, and data-parallel ranks would each see only their
+    share of the rewards and draw differently."""
+    if cfg.data.sampling == "uniform":
+        return
+    if cfg.run.mode != "sync":
+        raise ConfigError(
+            f"config key 'data.sampling' = {cfg.data.sampling!r}: needs run.mode=sync (the "
+            "async loop draws prompts before the steps before them are scored); use "
+            "data.sampling=uniform"
+        )
+    if dp_size > 1:
+        raise ConfigError(
+            f"config key 'data.sampling' = {cfg.data.sampling!r}: needs one data-parallel "
+            f"rank (each of the {dp_size} would see only its share of the rewards); use "
+            "data.sampling=uniform"
+        )
 
 
 def check_rollout_for(algorithm: Algorithm, cfg: Config) -> None:

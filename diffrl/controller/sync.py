@@ -60,6 +60,7 @@ async def rollout_and_score(parts: Engines, step: int, on_scored=None):
     await producer
     batch = ScoredBatch.concat(scored)
     parts.rewards.observe_step(batch)  # a scorer dead for max_dead_steps steps stops the run
+    parts.prompts.observe(step, batch.traj.prompts.prompt_ids, batch.rewards, batch.valid)
     metrics = {
         k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
     }
@@ -150,7 +151,7 @@ def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
         step,
         parts.actor.adapter_tensors(),
         parts.actor.state_dict(),
-        {"step": step, "wall_s": wall},
+        {"step": step, "wall_s": wall, "prompts": parts.prompts.state_dict(step)},
     )
 
 
@@ -163,6 +164,7 @@ def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
     # the non-finite counter counts consecutive bad updates under the config that made them: a
     # diverged run resumed from its last good checkpoint (say with a lower actor.lr) starts afresh
     parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
+    parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
     run.truncate_after(ckpt.step)
     return ckpt.step, ckpt.wall_s
 

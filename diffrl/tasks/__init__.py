@@ -11,8 +11,10 @@ from diffrl.tasks.base import (
     Prompt,
     PromptSet,
     PromptSource,
+    SpreadSampler,
     Task,
     TaskConfig,
+    prompt_source,
 )
 
 TASK_MODULES = {
@@ -37,7 +39,9 @@ __all__ = [
     "Prompt",
     "PromptSet",
     "PromptSource",
+    "SpreadSampler",
     "Task",
     "TaskConfig",
     "build_task",
+    "prompt_source",
 ]

@@ -50,6 +50,9 @@ class FakePrompts:
         self.asked.append(step)
         return self.source.at(step)
 
+    def __getattr__(self, name: str):  # observe, state_dict, ...: the real source's
+        return getattr(self.source, name)
+
 
 class FakeRollout:
     """Streams one micro-batch per prompt; records the weights each stream sampled with."""

@@ -39,6 +39,9 @@ def overrides(checkpoint: Path, out_dir: Path, steps: int) -> list[str]:
         # default recipe's EMA refreshes every step
         "algorithm.old_update=copy",
         "algorithm.old_every=2",
+        # prompts drawn by earlier steps' rewards: the resumed run must restore that state
+        # (and the prefetched step's rewards must not leak into the checkpoint's)
+        "data.sampling=spread",
     ]
 
 
