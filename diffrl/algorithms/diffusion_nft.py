@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diffrl.algorithms.advantage import group_advantages
+from diffrl.algorithms.advantage import group_advantages, group_ranges
 from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
@@ -97,15 +97,7 @@ def prepare(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
 
 def informative_groups(rewards: Tensor, group: Tensor, valid: Tensor) -> Tensor:
     """(B,) bool: the sample's group has at least two distinct valid rewards."""
-    r = torch.where(valid, rewards, torch.full_like(rewards, float("nan")))
-    n = int(group.max()) + 1
-    hi = torch.full((n,), -float("inf")).scatter_reduce(
-        0, group, torch.nan_to_num(r, nan=-float("inf")), "amax"
-    )
-    lo = torch.full((n,), float("inf")).scatter_reduce(
-        0, group, torch.nan_to_num(r, nan=float("inf")), "amin"
-    )
-    return (hi - lo > 1e-6)[group] & valid
+    return (group_ranges(rewards, group, valid) > 1e-6)[group] & valid
 
 
 def training_noise(

@@ -24,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
+from diffrl.algorithms.advantage import tied_fraction
 from diffrl.algorithms.registry import WeightPlan
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
@@ -64,6 +65,7 @@ async def rollout_and_score(parts: Engines, step: int, on_scored=None):
     metrics = {
         k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
     }
+    metrics["reward/tied_groups"] = tied_fraction(batch.rewards, batch.traj.group, batch.valid)
     return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffrl.algorithms.advantage import group_advantages
+from diffrl.algorithms.advantage import group_advantages, group_ranges, tied_fraction
 
 
 def test_golden_values_one_group() -> None:
@@ -79,3 +79,13 @@ def test_global_std_ignores_invalid() -> None:
     glob = group_advantages(rewards, group, valid, global_std=True)
     s = math.sqrt(2.5)
     assert glob.tolist() == pytest.approx([-1 / s, 1 / s, 0.0, -2 / s, 2 / s], abs=1e-3)
+
+
+def test_tied_fraction_counts_groups_whose_valid_rewards_all_tie() -> None:
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 9.0, 0.3, 0.3])
+    group = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    valid = torch.tensor([True, True, True, True, True, False, False, False])
+    # group 0 ties, 1 differs, 2 has one valid reward (ties), 3 has none (not counted)
+    assert tied_fraction(rewards, group, valid) == pytest.approx(2 / 3)
+    assert torch.isnan(group_ranges(rewards, group, valid)[3])
+    assert math.isnan(tied_fraction(rewards, group, torch.zeros(8, dtype=torch.bool)))

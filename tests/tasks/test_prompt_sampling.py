@@ -10,8 +10,8 @@ import torch
 from diffrl.config import load_config
 from diffrl.controller.engines import check_sampling
 from diffrl.errors import ConfigError
-from diffrl.tasks import Prompt, PromptSet, PromptSource, SpreadSampler, TaskConfig, prompt_source
 from diffrl.models.family import TokenBatch, hash_rows
+from diffrl.tasks import Prompt, PromptSet, PromptSource, SpreadSampler, TaskConfig, prompt_source
 
 N, PER_STEP, G = 20, 4, 4
 
