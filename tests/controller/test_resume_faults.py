@@ -220,6 +220,7 @@ def test_resume_starts_the_nonfinite_count_afresh(tmp_path, monkeypatch):
     parts = SimpleNamespace(
         cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
         actor=SimpleNamespace(load_state=lambda a, s: loaded.update(s)),
+        prompts=SimpleNamespace(load_state_dict=lambda state, step: None),
     )
     assert sync.resume(parts, RunDir(tmp_path, tensorboard=False)) == (4, 9.0)
     assert loaded == {"version": 4, "nonfinite": 0}

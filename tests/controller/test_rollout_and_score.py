@@ -47,7 +47,7 @@ def make_parts(tiny_model, table, max_batch: int = 2):
     return types.SimpleNamespace(
         rollout=rollout,
         rewards=pool,
-        prompts=types.SimpleNamespace(at=lambda step: prompts, first=0),
+        prompts=types.SimpleNamespace(at=lambda step: prompts, first=0, observe=lambda *a: None),
         cfg=types.SimpleNamespace(run=types.SimpleNamespace(seed=2)),
     )
 
