@@ -34,7 +34,7 @@ class TaskConfig:
     # how each step's training prompts are drawn: "uniform" (every prompt alike), or "spread":
     # in proportion to how much the prompt's rewards differed within its recent groups, so
     # fewer rollouts go to prompts whose samples all pass or all fail (a group of equal rewards
-    # has no advantage to learn from); one process of the sync loop (not async, not torchrun)
+    # has no advantage to learn from); the sync loop with one data-parallel rank only
     sampling: str = "uniform"
     sampling_floor: float = 0.2  # spread: this share of each draw stays uniform over all prompts
 
