@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +47,22 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
 
 def finish_rank(out: Path, rank: int, result: dict) -> None:
     """Write this rank's results as ``out/rank{rank}.json`` (the test reads them in the parent),
-    then leave the group once every rank has written (so none tears gloo down mid-talk)."""
+    then leave (``leave_group``)."""
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    leave_group()
+
+
+def leave_group() -> None:
+    """Leave the group once every rank is here (so none tears gloo down mid-talk), and end the
+    process at once: the rank's last call, after it has written what the parent reads.
+
+    ``os._exit(0)`` skips the interpreter's finalisation. There, objects that still hold the
+    destroyed group (a DeviceMesh, DTensor parameters) are freed in no set order, and gloo's
+    threads can be torn down under them: CI saw a rank that had written every result abort in
+    its exit with "terminate called without an active exception" (SIGABRT). A failure before
+    this point still raises in the rank and reaches the parent as before."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import free_port, leave_group, run_ranks
 from tiny_runs import tiny_run
 
 from diffrl.config import load_config
@@ -192,7 +192,7 @@ def _grad_worker(
     names = [n for n, p in peft.named_parameters() if "lora_" in n and p.requires_grad]
     grads = {n: p.grad for n, p in zip(names, params, strict=True)}
     torch.save({"loss": mean_loss, "grads": grads}, Path(out, f"grad{rank}.pt"))
-    dist.destroy_process_group()
+    leave_group()
 
 
 TARGETS = ["attn.qkv", "attn.proj"]

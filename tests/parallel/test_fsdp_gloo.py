@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import free_port, init_gloo, run_ranks
+from gloo_ranks import free_port, init_gloo, leave_group, run_ranks
 
 from diffrl.models.families.tiny_dit import build
 from diffrl.models.family import FamilyModel
@@ -87,7 +87,7 @@ def _mesh_worker(rank: int, world: int, port: int, out: str) -> None:
     except ConfigError as e:
         seen["mismatch"] = str(e)
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_meshes_over_4_gloo_ranks(tmp_path: Path) -> None:
@@ -186,7 +186,7 @@ def _fsdp_worker(rank: int, world: int, port: int, degrees: dict, arch, state, b
         {"losses": torch.stack(losses), "grads": grads, "shards": shards},
         Path(out, f"rank{rank}.pt"),
     )
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.parametrize(
