@@ -70,9 +70,10 @@ def test_partial_backward_trains_as_one_backward(
     assert scale > 0
     for a, b in zip(g_part, g_whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
-    # After AdamW, an element whose gradient is near Adam's eps (1e-8) turns that rounding into
-    # up to ~lr/(4 eps) times as much weight (seen: 2.1e-7 on one of 128 elements at lr 1e-2),
-    # so the weights are held to 1e-4 x lr, against a step that moves them by up to lr.
+    # AdamW's first step moves an element by lr g/(|g| + eps): where |g| is near eps (1e-8), a
+    # rounding error in g moves the weight by up to lr/eps times that error (seen: 2.1e-7 on one
+    # of 128 elements at lr 1e-2). So the weights are held to 1e-4 x lr, against a step that
+    # moves them by up to lr.
     atol = 1e-4 * actor.cfg.lr
     for a, b in zip(w_part, w_whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
