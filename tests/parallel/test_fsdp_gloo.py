@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import free_port, init_gloo, leave_group, run_ranks
+from gloo_ranks import finish_rank, free_port, init_gloo, leave_group, run_ranks
 
 from diffrl.models.families.tiny_dit import build
 from diffrl.models.family import FamilyModel
@@ -86,8 +86,7 @@ def _mesh_worker(rank: int, world: int, port: int, out: str) -> None:
         seen["mismatch"] = None
     except ConfigError as e:
         seen["mismatch"] = str(e)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
-    leave_group()
+    finish_rank(Path(out), rank, seen)
 
 
 def test_meshes_over_4_gloo_ranks(tmp_path: Path) -> None:
