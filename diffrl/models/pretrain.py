@@ -45,6 +45,11 @@ class PretrainConfig:
     warmup: int = 200
     ema: float = 0.999
     text_dropout: float = 0.1
+    # std of the tiny DiT's token-embedding init; 0 = nn.Embedding's N(0, 1), which the shipped
+    # base used. At N(0, 1) a token's embedding (norm ~11 at width 128) dwarfs its position's
+    # (init std 0.02), so the text reaches the blocks nearly as a bag of words and colour-shape
+    # binding is hard to learn (benchmarks/BENCHMARKS.md, colour binding)
+    text_embed_std: float = 0.0
     hidden: int = 128
     depth: int = 6
     heads: int = 4
@@ -85,6 +90,7 @@ class PretrainConfig:
         check(self.audio_weight > 0, "audio_weight", self.audio_weight, "must be > 0")
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         check(self.batch >= 1, "batch", self.batch, "must be >= 1")
+        check(self.text_embed_std >= 0, "text_embed_std", self.text_embed_std, "must be >= 0")
         check(0 <= self.text_dropout < 1, "text_dropout", self.text_dropout, "in [0, 1)")
         check(0 <= self.caption_noise < 1, "caption_noise", self.caption_noise, "in [0, 1)")
 
@@ -189,6 +195,8 @@ def pretrain(cfg: PretrainConfig) -> Path:
         model = load_model(ModelConfig(checkpoint=cfg.init, probe=False), device)
     else:
         model = build(arch).to(device)
+        if cfg.text_embed_std:
+            torch.nn.init.normal_(model.net.tok_emb.weight, std=cfg.text_embed_std)
     train = PromptSet([Prompt(p.text) for p in shapes], model.family.tokenize)
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -242,6 +250,7 @@ def save_and_score(
         "pretrain_s": f"{seconds:.0f}",
         "pretrain_batch": str(cfg.batch),
         "caption_noise": str(cfg.caption_noise),
+        "text_embed_std": str(cfg.text_embed_std),
         "init": cfg.init,
     }
     save = (
