@@ -24,7 +24,12 @@ from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-BUILTIN = {"builtin:shapes_dit": ASSETS / "shapes_dit.safetensors"}
+# shapes_dit_v2 (the default recipe's base): pre-trained with text_embed_std=0.02, so the
+# prompt's word order reaches the blocks and colours bind to their shapes (BENCHMARKS.md)
+BUILTIN = {
+    "builtin:shapes_dit": ASSETS / "shapes_dit.safetensors",
+    "builtin:shapes_dit_v2": ASSETS / "shapes_dit_v2.safetensors",
+}
 LORA_TARGETS = TINY_DIT_LORA_TARGETS
 PRESETS: dict[str, dict] = {}
 
