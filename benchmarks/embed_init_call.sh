@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (eleventh session): pre-train tiny-DiT bases with a small token-embedding
 # init beside the RL proxy runs of benchmarks/specs/embed_init.txt, which start from each base
-# as soon as it is written; each base's colour-binding buckets go to OUT/binding.md.
+# as soon as it is written; each base's colour-binding buckets go to OUT/logs/binding_<base>.md.
 # The first call ran two bases beside the shipped base's runs, every process on all 16 cores:
 # the pre-training crawled at 15 steps/s and missed the deadline. So one base now, on 4 threads.
 # Usage (device machine): bash benchmarks/embed_init_call.sh OUT DEADLINE_S [SPEC]

@@ -91,6 +91,13 @@ class PretrainConfig:
         check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         check(self.batch >= 1, "batch", self.batch, "must be >= 1")
         check(self.text_embed_std >= 0, "text_embed_std", self.text_embed_std, "must be >= 0")
+        fresh_tiny_dit = not (self.preset or self.init)
+        check(
+            not self.text_embed_std or fresh_tiny_dit,
+            "text_embed_std",
+            self.text_embed_std,
+            "sets a fresh tiny DiT's init: leave it 0 with init= or preset=",
+        )
         check(0 <= self.text_dropout < 1, "text_dropout", self.text_dropout, "in [0, 1)")
         check(0 <= self.caption_noise < 1, "caption_noise", self.caption_noise, "in [0, 1)")
 

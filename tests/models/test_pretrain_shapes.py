@@ -32,3 +32,5 @@ def test_text_embed_std_sets_the_token_embedding_init(tmp_path, std, low, high) 
 def test_negative_text_embed_std_is_refused() -> None:
     with pytest.raises(ConfigError, match="text_embed_std"):
         load_pretrain_config(["text_embed_std=-0.1"])
+    with pytest.raises(ConfigError, match="text_embed_std"):  # it would be silently ignored
+        load_pretrain_config(["text_embed_std=0.02", "init=builtin:shapes_dit"])
