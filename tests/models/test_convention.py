@@ -99,14 +99,15 @@ def test_probe_is_inconclusive_for_an_untrained_model() -> None:
     assert "untrained" in report.reason  # and it says why it could not decide
 
 
-def test_shipped_base_model_passes_its_probe() -> None:
+@pytest.mark.parametrize("base", ["builtin:shapes_dit", "builtin:shapes_dit_v2"])
+def test_shipped_base_model_passes_its_probe(base: str) -> None:
     data = build_task(TaskConfig(task="shapes")).probe_data(n=8)
-    model = load_model(ModelConfig(checkpoint="builtin:shapes_dit"))
+    model = load_model(ModelConfig(checkpoint=base))
     x0 = model.family.encode_pixels(data.pixels)  # pixel space: the rendered images themselves
     ids = model.family.tokenize(data.texts).input_ids
     report = probe_convention(model, x0, ids)
     assert report.conclusive and report.cosine > 0.5
-    wrong = load_model(ModelConfig(checkpoint="builtin:shapes_dit", convention="data_progress"))
+    wrong = load_model(ModelConfig(checkpoint=base, convention="data_progress"))
     with pytest.raises(ContractError):
         probe_convention(wrong, x0, ids)
 

@@ -67,6 +67,7 @@ def test_wrong_keys_are_reported(tiny_model, tmp_path) -> None:
 
 def test_builtin_resolves_and_lora_targets() -> None:
     assert resolve_checkpoint("builtin:shapes_dit").is_file()
+    assert resolve_checkpoint("builtin:shapes_dit_v2").is_file()
     assert lora_targets(ModelConfig(family="tiny_dit")) == TINY_DIT_LORA_TARGETS
     assert "all-linear" not in TINY_DIT_LORA_TARGETS
 
