@@ -63,13 +63,10 @@ def bucket(p: ShapesPrompt, v: Verdict) -> str:
 def load_engine(target: str, device: torch.device) -> tuple[RolloutEngine, object]:
     """(an engine that samples the target's policy, the model that tokenizes for it)."""
     if Path(target, "config.yaml").is_file():  # a run: its newest checkpoint's eval adapter
-        from diffrl.controller.engines import build
-        from diffrl.controller.tools import open_run
+        from diffrl.controller.tools import load_run
 
-        overrides = ["model.probe=false", "rollout.compile=false", "actor.compile=false"]
-        cfg, ckpt = open_run(target, [*overrides, f"run.device={device.type}"])
-        parts = build(cfg)
-        parts.actor.load_state(ckpt.adapters, ckpt.actor_state)
+        overrides = ["rollout.compile=false", "actor.compile=false", f"run.device={device.type}"]
+        parts, _ = load_run(target, overrides)
         parts.evaluator.load_weights(parts.actor.export_weights(parts.actor.eval_adapter))
         return parts.evaluator, parts.evaluator.model
     model = load_model(ModelConfig(checkpoint=target, probe=False), device)

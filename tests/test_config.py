@@ -23,7 +23,7 @@ def test_default_recipe_loads_with_its_values() -> None:
     assert cfg.run.steps == 120 and cfg.run.max_minutes == pytest.approx(14.0)
     assert cfg.rollout.compile and cfg.actor.compile  # dataclass defaults are False
     assert cfg.run.save_every == 5  # dataclass default is 10
-    assert cfg.model.checkpoint == "builtin:shapes_dit_v2"  # the base with the small token-embedding init
+    assert cfg.model.checkpoint == "builtin:shapes_dit_v2"  # small token-embedding init
     assert cfg.data.prompts_per_step == 16
     assert cfg.rollout.group_size == 8 and cfg.rollout.num_steps == 10
     assert cfg.rollout.sampler == "ode"

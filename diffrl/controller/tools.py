@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -14,6 +15,9 @@ from safetensors.torch import save_file
 from diffrl.actor.checkpoint import Checkpoint, load_latest
 from diffrl.config import Config, load_config
 from diffrl.errors import DiffrlError
+
+if TYPE_CHECKING:
+    from diffrl.controller.engines import Engines
 
 # peft's parameter names in the actor: base_model.model.net.<module>.lora_{A,B}.<adapter>.weight
 LORA_KEY = re.compile(
@@ -38,16 +42,24 @@ def open_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[C
     return cfg, ckpt
 
 
-async def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, float]:
-    """Held-out metrics of the run's newest checkpoint (the adapter the run evaluates: the EMA
-    one when the run keeps an EMA), with the run's own eval settings."""
+def load_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Engines, Checkpoint]:
+    """The run's engines built from its config (probe off: the run already passed it), with
+    the actor holding its newest checkpoint's adapters and state; returns (parts, checkpoint)."""
     from diffrl.controller.engines import build
-    from diffrl.controller.sync import evaluate_adapter
-    from diffrl.reward.pool import close_pool
 
     cfg, ckpt = open_run(run_dir, [*(overrides or []), "model.probe=false"])
     parts = build(cfg)
     parts.actor.load_state(ckpt.adapters, ckpt.actor_state)
+    return parts, ckpt
+
+
+async def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, float]:
+    """Held-out metrics of the run's newest checkpoint (the adapter the run evaluates: the EMA
+    one when the run keeps an EMA), with the run's own eval settings."""
+    from diffrl.controller.sync import evaluate_adapter
+    from diffrl.reward.pool import close_pool
+
+    parts, ckpt = load_run(run_dir, overrides)
     try:
         result = await evaluate_adapter(parts, parts.actor.eval_adapter)
     finally:
