@@ -58,7 +58,16 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         # key_mask: (B, N) True = attend; broadcast over heads and queries
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, N, d/heads)
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            # under bf16 autocast on the CPU, attention stays fp32 (autocast would cast it back
+            # down): torch's CPU flash-attention backward took 5x as long in bf16 as in fp32 on
+            # these shapes (BENCHMARKS)
+            with torch.autocast("cpu", enabled=False):
+                out = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), attn_mask=mask
+                ).to(q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, N, d/h)
         return self.proj(out.transpose(1, 2).reshape(b, n, d))
 
 
