@@ -92,10 +92,10 @@ class ActorConfig:
     # 18% of a FlowGRPO update's GPU time, BENCHMARKS). An fp32 model computes in fp32 either way
     lora_compute: str = "auto"  # auto | float32
     # the policy's forward passes (policy, old, reference) under torch.autocast in this dtype,
-    # each output cast back to the model's dtype, so the losses' maths and every backward stay
-    # outside it; parameters, gradients and optimizer state keep the model's dtype. On an fp32
-    # model on an AVX512-BF16 CPU, bf16 matmuls ran 2.7-3.6x fp32's on the tiny DiT's shapes
-    # (BENCHMARKS). "off": the model's own precision
+    # each output cast back to the model's dtype, so the losses' maths stay outside it (the
+    # backward mirrors the forward's dtypes); parameters, gradients and optimizer state keep the
+    # model's dtype. On an fp32 model on an AVX512-BF16 CPU, bf16 matmuls ran 2.7-3.6x fp32's
+    # on the tiny DiT's shapes (BENCHMARKS). "off": the model's own precision
     autocast: str = "off"  # off | bfloat16
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 
