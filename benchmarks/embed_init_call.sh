@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One device call (eleventh session): pre-train tiny-DiT bases with a small token-embedding
-# init beside the RL proxy runs of benchmarks/specs/embed_init.txt, which start from each base
-# as soon as it is written; each base's colour-binding buckets go to OUT/logs/binding_<base>.md.
+# One device call: pre-train tiny-DiT bases with a small token-embedding init beside the RL
+# proxy runs of benchmarks/sweeps/2026-12-02-colour-binding/embed_init.txt, which start from
+# each base as soon as it is written; each base's colour-binding buckets go to
+# OUT/logs/binding_<base>.md.
 # The first call ran two bases beside the shipped base's runs, every process on all 16 cores:
 # the pre-training crawled at 15 steps/s and missed the deadline. So one base now, on 4 threads.
 # Usage (device machine): bash benchmarks/embed_init_call.sh OUT DEADLINE_S [SPEC]
 set -uo pipefail
-OUT=${1:?output dir}; DEADLINE=${2:-540}; SPEC=${3:-benchmarks/specs/embed_init.txt}
+OUT=${1:?output dir}; DEADLINE=${2:-540}; SPEC=${3:-benchmarks/sweeps/2026-12-02-colour-binding/embed_init.txt}
 mkdir -p /tmp/bases "$OUT/logs"
 base() {  # name text_embed_std snapshots
   python3 -m diffrl.cli pretrain steps=9000 "snapshots=$3" text_embed_std="$2" device=cuda threads=4 \
