@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from diffrl.errors import ConfigError
 from diffrl.models.family import EncodeCache, Shared
+from diffrl.models.words import read_words
 
 # --- pipeline directories -------------------------------------------------------------------
 
@@ -211,14 +212,8 @@ standing sitting running flying under over near behind front next above below in
 )
 
 
-def _tiny_words() -> tuple[str, ...]:
-    from diffrl.data.shapes import all_prompts
-
-    shapes = {w for p in all_prompts() for w in p.text.split()}
-    return tuple(sorted(shapes | set(COMMON_WORDS)))
-
-
-TINY_WORDS: tuple[str, ...] = _tiny_words()
+# the tiny presets' vocabulary: ShapesBench's words (so its prompts tokenize) and common ones
+TINY_WORDS: tuple[str, ...] = tuple(sorted(set(read_words("shapes")) | set(COMMON_WORDS)))
 
 # Words of Qwen-Image's prompt template (qwen_image.py), so the template itself tokenizes.
 _QWEN_TEMPLATE = "system user assistant describe detailing color shape size texture quantity text "

@@ -67,6 +67,7 @@ from diffrl.models.families._diffusers import (
 )
 from diffrl.models.families.h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
 from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.words import read_words
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_from_uint8
@@ -727,9 +728,7 @@ def tiny_tokenizer(max_len: int, words: str = "tiny"):
     ``words="avbench"`` over AVBench's prompt words as well."""
     vocab = set(TINY_WORDS)
     if words == "avbench":
-        from diffrl.tasks.avbench.prompts import vocabulary
-
-        vocab |= set(vocabulary())
+        vocab |= set(read_words("avbench"))
     return word_tokenizer(sorted(vocab), "qwen", max_len)
 
 

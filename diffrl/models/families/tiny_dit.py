@@ -16,10 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from diffrl.data.tokenizer import WordTokenizer
 from diffrl.errors import ConfigError
 from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS, TinyDiT, TinyDiTConfig
+from diffrl.models.words import WordTokenizer, read_words
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
 
@@ -42,7 +42,7 @@ class TinyDiTFamily:
 
     def __init__(self, arch: TinyDiTConfig) -> None:
         self.arch = arch
-        self.tokenizer = WordTokenizer(arch.max_text_len)
+        self.tokenizer = WordTokenizer(read_words("shapes"), arch.max_text_len)
         if arch.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
                 f"model vocab ({arch.vocab_size}) is smaller than the "
