@@ -86,9 +86,43 @@ class ModelFamily(Protocol):
     def flops(self, batch: int) -> float:  # analytic FLOPs of one forward over `batch` samples
         ...
 
-    # optional: ``accepts_shape(shape) -> bool``, for a family whose network runs at other
-    # latent shapes than ``latent_shape()`` (another resolution): continuous batching of
-    # mixed-resolution requests needs it. Without it, forward takes latent_shape() only.
+
+# --- optional capabilities: a family declares each by subclassing it ----------------------------
+
+
+@runtime_checkable
+class ResolutionFree(Protocol):
+    """A family whose network runs at latent shapes other than ``latent_shape()`` (another
+    resolution): continuous batching of mixed-resolution requests needs it. Without it,
+    ``FamilyModel.forward`` takes ``latent_shape()`` only."""
+
+    def accepts_shape(self, shape: tuple[int, ...]) -> bool: ...
+
+
+@runtime_checkable
+class HasMediaGeometry(Protocol):
+    """A family that says what a task renders its conditions at."""
+
+    def media_geometry(self) -> dict[str, float]:  # frames, size (px), fps, sample_rate
+        ...
+
+
+@runtime_checkable
+class TakesConditions(HasMediaGeometry, Protocol):
+    """A family whose network takes per-prompt conditions beyond the text (FL2VA's first and
+    last frames), encoded once in the data stage and carried as ``PromptBatch.cond``."""
+
+    def encode_conditions(self, conditions: Sequence[dict]) -> Tensor:  # -> (N, ...) latents
+        ...
+
+
+@runtime_checkable
+class EncodesClips(Protocol):
+    """A video+audio family that encodes ground-truth clips into its joint latent (the
+    time-convention probe and the AVBench pretraining read clips through it)."""
+
+    def encode_clip(self, video: Tensor, audio: Tensor) -> Tensor:  # (B,T,H,W,3), (B,S) -> (B,D)
+        ...
 
 
 class Shared:
@@ -165,9 +199,10 @@ class FamilyModel(nn.Module):
         conditions beyond the text (FL2VA keyframe latents), for families that take them."""
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
-        accepts = getattr(self.family, "accepts_shape", None)  # resolution-free families
-        shape = tuple(x.shape[1:])
-        if shape != tuple(self.family.latent_shape()) and not (accepts and accepts(shape)):
+        fam, shape = self.family, tuple(x.shape[1:])
+        if shape != tuple(fam.latent_shape()) and not (
+            isinstance(fam, ResolutionFree) and fam.accepts_shape(shape)
+        ):
             raise ContractError(
                 f"{self.family.name}: x has per-sample shape {tuple(x.shape[1:])}, the family "
                 f"samples {tuple(self.family.latent_shape())}"
@@ -179,7 +214,7 @@ class FamilyModel(nn.Module):
         t = t.to(dtype) if t.is_floating_point() else t
         if cond is None:
             native = self.net(x.to(dtype), t, input_ids)
-        elif not getattr(self.family, "takes_conditions", False):
+        elif not isinstance(self.family, TakesConditions):
             raise ContractError(
                 f"{self.family.name}: this family takes no conditions beyond the text, but the "
                 f"batch carries some of shape {tuple(cond.shape)} (an FL2VA task on a T2V model?)"

@@ -66,7 +66,13 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.families.h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import (
+    EncodesClips,
+    FamilyModel,
+    TakesConditions,
+    TokenBatch,
+    hash_rows,
+)
 from diffrl.models.words import read_words
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
@@ -462,12 +468,11 @@ class MiniMaxH3Net(DiffusersNet):
         return out
 
 
-class MiniMaxH3Family:
+class MiniMaxH3Family(TakesConditions, EncodesClips):
     name = "minimax_h3"
     native_convention = "data_progress"
     lora_targets = LORA_TARGETS
     media = frozenset({"video", "fps", "image", "audio", "sample_rate"})
-    takes_conditions = True  # FL2VA keyframes, as PromptBatch.cond (encode_conditions)
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import FamilyModel, ResolutionFree, TokenBatch, hash_rows
 from diffrl.sync import layouts
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -174,7 +174,7 @@ class SD3Net(DiffusersNet):
         )[0]
 
 
-class SD3Family:
+class SD3Family(ResolutionFree):
     name = "sd3"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
