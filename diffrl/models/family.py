@@ -15,9 +15,10 @@ so frozen text encoders and VAEs exist once per process.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -123,6 +124,60 @@ class EncodesClips(Protocol):
 
     def encode_clip(self, video: Tensor, audio: Tensor) -> Tensor:  # (B,T,H,W,3), (B,S) -> (B,D)
         ...
+
+
+# --- the record a family module exports ------------------------------------------------------
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A weights file shipped inside the package (``diffrl/assets/<file>``), named
+    ``builtin:<name>`` in a config, and the command that writes it."""
+
+    file: str
+    command: str  # e.g. "diffrl pretrain preset=sd3-shapes"
+    preset: str = ""  # the preset the weights fit ("" = the family's own format, no preset)
+
+    @property
+    def path(self) -> Path:
+        return ASSETS / self.file
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything about one model family, as data: each ``models/families/<name>.py`` exports
+    one as ``FAMILY``, and ``models/registry.py`` is the dict of them. Nothing outside the
+    family's module names the family.
+
+    ``load(cfg, device)`` builds a ``FamilyModel`` from a ``ModelConfig``; the instance it
+    holds (``model.family``, a ``family_class``) is what the engines call at run time. The
+    parallel plans map module-path patterns to styles (``parallel/tp.py``), applied outside
+    the model; ``geometry`` is what ``diffrl plan`` counts activations with."""
+
+    name: str
+    native_convention: str  # a key of diffrl.models.convention.CONVENTIONS
+    lora_targets: tuple[str, ...]  # Linear-module name suffixes; explicit, never "all-linear"
+    load: Callable[..., FamilyModel]  # (cfg: ModelConfig, device) -> FamilyModel
+    family_class: type  # the ModelFamily ``load`` puts on the model
+    # model.preset name -> what it builds (the family's own size spec: widths, layers, ...)
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # "builtin:<name>" -> a shipped file (model.checkpoint for the tiny DiT, else model.weights)
+    builtins: Mapping[str, Builtin] = field(default_factory=dict)
+    # the rollout copy's layout (contract 2): (family, model) -> SlotMap
+    serving_layout: Callable[..., Any] | None = None
+    # analytic FLOPs of one forward: (family, batch) -> float
+    flops: Callable[..., float] | None = None
+    # tensor parallelism: the DiT's plan (module pattern -> style), None = no TP plan
+    tp_plan: Mapping[str, Any] | None = None
+    # ETP: the text encoders' plans, by the encoder's config.model_type
+    etp_plans: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Ulysses SP: "diffusers" = the transformer class's own ``_cp_plan`` (parallel/sp.py
+    # ``enable_ulysses``), "" = none (parallel.sp must stay 1)
+    sp_plan: str = ""
+    # memory geometry for ``diffrl plan``: (model, widths, conditioned) -> models.memory.Geometry
+    geometry: Callable[..., Any] | None = None
 
 
 class Shared:

@@ -21,6 +21,7 @@ one registered submodule (peft targets it), the frozen encoders and VAE live in 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,8 +89,15 @@ def _is_tokenizer(cls) -> bool:
 
 
 def load_component(root: Path, subfolder: str, cls, dtype: torch.dtype, device: torch.device):
-    """One component of a pipeline directory, through its class's own ``from_pretrained``."""
+    """One component of a pipeline directory, through its class's own ``from_pretrained``
+    (under ``components_on_meta``: its class built on ``meta`` from its ``config.json``)."""
     path = root / subfolder
+    if _ON_META.get() is not None and not _is_tokenizer(cls):
+        if cls.__module__.startswith("diffusers"):
+            config = cls.load_config(str(path))
+        else:
+            config = cls.config_class.from_pretrained(str(path))
+        return random_component(cls, config, dtype, device)
     try:
         if _is_tokenizer(cls):
             return cls.from_pretrained(str(path), local_files_only=True)
@@ -169,11 +177,47 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
                 p.normal_(0.0, std)
 
 
+# Set by ``components_on_meta``: the ids of the components built there that the family asked
+# for on the CPU (None = build for real)
+_ON_META: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar(
+    "diffrl_components_on_meta", default=None
+)
+
+
+@contextlib.contextmanager
+def components_on_meta(host: set[int]) -> Iterator[None]:
+    """Within the block, ``random_component`` and ``load_component`` build every model on the
+    ``meta`` device: the real classes at the preset's or the directory's size, no memory (what
+    ``diffrl plan`` counts). Tokenizers load for real (they are small). ``host`` collects the ids
+    of the components the family asked for on the CPU (an offloaded encoder)."""
+    token = _ON_META.set(host)
+    try:
+        yield
+    finally:
+        _ON_META.reset(token)
+
+
+def _meta_component(cls, config, dtype: torch.dtype) -> nn.Module:
+    with torch.device("meta"):
+        if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
+            model = cls(config if not isinstance(config, dict) else cls.config_class(**config))
+        else:
+            model = cls.from_config(config)
+    return model.to(dtype=dtype).eval()
+
+
 def random_component(cls, config: dict, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """``cls`` at the size ``config`` says, with random weights, on ``device`` in ``dtype``.
+    """``cls`` at the size ``config`` says, with random weights, on ``device`` in ``dtype``
+    (under ``components_on_meta``: on ``meta``, no weights).
 
     Works for diffusers models (``cls.from_config(config)``) and transformers models
     (``cls(cls.config_class(**config))``)."""
+    host = _ON_META.get()
+    if host is not None:
+        model = _meta_component(cls, config, dtype)
+        if torch.device(device).type == "cpu":
+            host.add(id(model))
+        return model
     with _params_on_meta():
         if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
             model = cls(cls.config_class(**config))

@@ -32,7 +32,8 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.sync import layouts
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -338,3 +339,17 @@ def load(cfg, device: torch.device, guidance: float = DEFAULT_GUIDANCE) -> Famil
 
 def save(parts: dict, path) -> None:
     save_pipeline_dir(path, parts, PIPELINE)
+
+
+FAMILY = FamilySpec(
+    name="flux",
+    native_convention=FluxFamily.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=FluxFamily,
+    presets=PRESETS,
+    serving_layout=FluxFamily.serving_layout,
+    flops=FluxFamily.flops,
+    etp_plans={"t5": T5_ENCODER_PLAN},
+    sp_plan="diffusers",
+)

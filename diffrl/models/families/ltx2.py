@@ -58,7 +58,7 @@ from diffrl.models.families._diffusers import (
     save_pipeline_dir,
     tokenize_padded,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 
@@ -610,3 +610,16 @@ def load(cfg, device: torch.device) -> FamilyModel:
         fps=defaults[3],
         convention=cfg.convention,
     )
+
+
+FAMILY = FamilySpec(
+    name="ltx2",
+    native_convention=LTX2Family.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=LTX2Family,
+    presets=PRESETS,
+    serving_layout=LTX2Family.serving_layout,
+    flops=LTX2Family.flops,
+    sp_plan="diffusers",
+)

@@ -39,7 +39,7 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.sync.layouts import fuse_qkv, merge
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -460,3 +460,16 @@ def load(cfg, device: torch.device) -> FamilyModel:
         max_text_len=cfg.max_text_len or max_len,
         convention=cfg.convention,
     )
+
+
+FAMILY = FamilySpec(
+    name="qwen_image",
+    native_convention=QwenImageFamily.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=QwenImageFamily,
+    presets=PRESETS,
+    serving_layout=QwenImageFamily.serving_layout,
+    flops=QwenImageFamily.flops,
+    sp_plan="diffusers",
+)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
@@ -41,7 +42,9 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.parallel.tp import LocalHeads, Plan, ShardedRMSNorm
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 
@@ -355,3 +358,42 @@ def load(cfg, device: torch.device) -> FamilyModel:
         max_text_len=cfg.max_text_len or defaults[2],
         convention=cfg.convention,
     )
+
+
+# --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
+
+# Wan 2.1 / 2.2 (WanTransformer3DModel): self-attention attn1, text cross-attention attn2 (its
+# k/v read the text states; I2V's add_k/v_proj image branch is not in this plan), q/k normed
+# across heads (ShardedRMSNorm), a GELU MLP.
+TP_PLAN: Plan = {
+    **{
+        f"blocks.*.{attn}{leaf}": style
+        for attn in ("attn1", "attn2")
+        for leaf, style in (
+            ("", LocalHeads("heads")),
+            (".to_q", ColwiseParallel()),
+            (".to_k", ColwiseParallel()),
+            (".to_v", ColwiseParallel()),
+            (".norm_q", ShardedRMSNorm()),
+            (".norm_k", ShardedRMSNorm()),
+            (".to_out.0", RowwiseParallel()),
+        )
+    },
+    "blocks.*.ffn.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
+    "blocks.*.ffn.net.2": RowwiseParallel(),
+}
+
+
+FAMILY = FamilySpec(
+    name="wan",
+    native_convention=WanFamily.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=WanFamily,
+    presets=PRESETS,
+    serving_layout=WanFamily.serving_layout,
+    flops=WanFamily.flops,
+    tp_plan=TP_PLAN,
+    etp_plans={"umt5": T5_ENCODER_PLAN},
+    sp_plan="diffusers",
+)
