@@ -120,3 +120,12 @@ def test_models_and_the_planner_import_no_upper_floor() -> None:
         if any(m == u or m.startswith(u + ".") for u in UPPER) or m == "unittest.mock"
     ]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"tiny_dit"}))
+def test_a_diffusers_family_without_path_or_preset_names_both_keys(name: str) -> None:
+    from diffrl.models.registry import load_model
+
+    preset = sorted(FAMILIES[name].presets)[0]
+    with pytest.raises(ConfigError, match=rf"model.path .* model.preset .*'{preset}'"):
+        load_model(ModelConfig(family=name))

@@ -129,6 +129,33 @@ def save_pipeline_dir(path: str | Path, components: dict[str, object], pipeline_
     return root
 
 
+# --- the load every diffusers family shares ----------------------------------------------------
+
+SIZE_KEYS = ("resolution", "frames", "max_text_len")  # model.* keys where 0 = the family's default
+
+
+def load_source(cfg, family: str, presets, from_dir, from_preset) -> tuple[dict, dict]:
+    """The dispatch and defaults every diffusers family's ``load`` shares.
+
+    ``from_dir(path, dtype)`` reads a local pipeline directory (``cfg.path``) and
+    ``from_preset(name, dtype)`` builds a preset (``cfg.preset``, one of ``presets``) with
+    random weights; each returns ``(parts, settings)``: the components, and the family's
+    defaults (``resolution``, ``frames``, ``max_text_len``, and whatever else its ``build``
+    takes). Anything else is a ConfigError naming both keys and the presets. Returns the parts
+    and the settings, with the ``SIZE_KEYS`` the config sets (non-zero) taking precedence."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path:
+        parts, settings = from_dir(cfg.path, dtype)
+    elif cfg.preset in presets:
+        parts, settings = from_preset(cfg.preset, dtype)
+    else:
+        raise ConfigError(
+            f"model family {family!r} needs model.path (a diffusers directory) or model.preset "
+            f"(one of {sorted(presets)}); got preset {cfg.preset!r}"
+        )
+    return parts, {k: (getattr(cfg, k) if k in SIZE_KEYS else 0) or v for k, v in settings.items()}
+
+
 # --- random weights, built on the meta device -------------------------------------------------
 
 

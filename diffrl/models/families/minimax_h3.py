@@ -61,6 +61,7 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
@@ -803,9 +804,21 @@ def load(cfg, device: torch.device) -> FamilyModel:
     )
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        root = check_pipeline_dir(cfg.path, "minimax_h3", COMPONENTS)
+    def settings(spec: dict, shifts, text_layer: int, offload: bool) -> dict:
+        keys = ("resolution", "frames", "max_text_len", "fps", "audio_channels")
+        return {
+            **{k: spec[k] for k in keys},
+            "audio_shift_ratio": shifts[1] / shifts[0],
+            "text_layer": text_layer,
+            "offload_text_encoder": offload,
+        }
+
+    def with_codecs(parts: dict, spec: dict) -> dict:
+        video_codec, audio_codec = codecs(parts.pop("vae"), parts.pop("audio_vae"), spec)
+        return {**parts, "video_codec": video_codec, "audio_codec": audio_codec}
+
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        root = check_pipeline_dir(path, "minimax_h3", COMPONENTS)
         transformer = load_component(
             root, "transformer", MiniMaxH3Transformer3DModel, dtype, device
         )
@@ -827,31 +840,16 @@ def load(cfg, device: torch.device) -> FamilyModel:
         ]
         n_layers = parts["text_encoder"].config.text_config.num_hidden_layers
         text_layer = TEXT_LAYER if n_layers > TEXT_LAYER else n_layers
-    elif cfg.preset in PRESETS:
-        spec = PRESETS[cfg.preset]
-        parts = _random(cfg.preset, dtype, device)
-        shifts = [spec["video_shift"], spec["audio_shift"]]
-        text_layer, offload = spec["text_layer"], spec["offload_text_encoder"]
-    else:
-        raise ConfigError(
-            f"model family 'minimax_h3' needs model.path (a diffusers directory) or model.preset "
-            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
-        )
-    video_codec, audio_codec = codecs(parts.pop("vae"), parts.pop("audio_vae"), spec)
-    return build(
-        **parts,
-        video_codec=video_codec,
-        audio_codec=audio_codec,
-        resolution=cfg.resolution or spec["resolution"],
-        frames=cfg.frames or spec["frames"],
-        max_text_len=cfg.max_text_len or spec["max_text_len"],
-        fps=spec["fps"],
-        audio_shift_ratio=shifts[1] / shifts[0],
-        audio_channels=spec["audio_channels"],
-        text_layer=text_layer,
-        offload_text_encoder=offload,
-        convention=cfg.convention,
-    )
+        return with_codecs(parts, spec), settings(spec, shifts, text_layer, offload)
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        spec = PRESETS[name]
+        shifts = (spec["video_shift"], spec["audio_shift"])
+        parts = with_codecs(_random(name, dtype, device), spec)
+        return parts, settings(spec, shifts, spec["text_layer"], spec["offload_text_encoder"])
+
+    parts, s = load_source(cfg, "minimax_h3", PRESETS, from_dir, from_preset)
+    return build(**parts, **s, convention=cfg.convention)
 
 
 # --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------

@@ -31,6 +31,7 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     missing_error,
     random_component,
     save_pipeline_dir,
@@ -378,19 +379,19 @@ def default_resolution(parts: dict) -> int:
 
 def load(cfg, device: torch.device) -> FamilyModel:
     """``cfg.path`` (a local SD3 pipeline directory) or ``cfg.preset`` (random weights)."""
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        parts = _load_dir(cfg.path, dtype, device)
-        t5_len = cfg.max_text_len or min(parts["tokenizer_3"].model_max_length, T5_DEFAULT_LEN)
-    elif cfg.preset:
-        parts = preset_components(cfg.preset, dtype, device, cfg.max_text_len)
+
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        parts = _load_dir(path, dtype, device)
+        t5_len = min(parts["tokenizer_3"].model_max_length, T5_DEFAULT_LEN)
+        return parts, dict(resolution=default_resolution(parts), max_text_len=t5_len)
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        parts = preset_components(name, dtype, device, cfg.max_text_len)
         t5_len = parts["tokenizer_3"].model_max_length
-    else:
-        raise ConfigError(
-            "model family 'sd3' needs model.path (a diffusers directory) or "
-            f"model.preset (one of {sorted(PRESETS)})"
-        )
-    return assemble(parts, cfg.resolution or default_resolution(parts), t5_len, cfg.convention)
+        return parts, dict(resolution=default_resolution(parts), max_text_len=t5_len)
+
+    parts, s = load_source(cfg, "sd3", PRESETS, from_dir, from_preset)
+    return assemble(parts, s["resolution"], s["max_text_len"], cfg.convention)
 
 
 def save(parts: dict, path) -> None:

@@ -37,6 +37,7 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
@@ -331,9 +332,8 @@ def load(cfg, device: torch.device) -> FamilyModel:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        root = check_pipeline_dir(cfg.path, "wan", COMPONENTS)
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        root = check_pipeline_dir(path, "wan", COMPONENTS)
         _check_single_transformer(root)
         parts = dict(
             transformer=load_component(root, "transformer", WanTransformer3DModel, dtype, device),
@@ -341,23 +341,17 @@ def load(cfg, device: torch.device) -> FamilyModel:
             vae=load_component(root, "vae", AutoencoderKLWan, dtype, device),
             tokenizer=load_component(root, "tokenizer", AutoTokenizer, dtype, device),
         )
-        defaults = (DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN)
-    elif cfg.preset in PRESETS:
-        parts = _random(cfg.preset, dtype, device)
-        spec = PRESETS[cfg.preset]
-        defaults = (spec["resolution"], spec["frames"], spec["max_text_len"])
-    else:
-        raise ConfigError(
-            f"model family 'wan' needs model.path (a diffusers directory) or model.preset "
-            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
-        )
-    return build(
-        **parts,
-        resolution=cfg.resolution or defaults[0],
-        frames=cfg.frames or defaults[1],
-        max_text_len=cfg.max_text_len or defaults[2],
-        convention=cfg.convention,
-    )
+        sizes = (DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN)
+        return parts, dict(zip(("resolution", "frames", "max_text_len"), sizes, strict=True))
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        spec = PRESETS[name]
+        return _random(name, dtype, device), {
+            k: spec[k] for k in ("resolution", "frames", "max_text_len")
+        }
+
+    parts, settings = load_source(cfg, "wan", PRESETS, from_dir, from_preset)
+    return build(**parts, **settings, convention=cfg.convention)
 
 
 # --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
