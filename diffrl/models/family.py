@@ -1,4 +1,6 @@
-"""The ``ModelFamily`` protocol: all the engines know about one family of models.
+"""The ``ModelFamily`` protocol: all the engines know about one family of models; the optional
+capabilities a family declares (``ResolutionFree``, ``TakesConditions``, ``EncodesClips``); and
+``FamilySpec``, the one record each ``models/families/<name>.py`` exports as ``FAMILY``.
 
 A family is data plus a few functions (STYLE 12). It says its native time convention and its
 LoRA targets as data, tokenizes prompts once (contract 3), runs its text encoders once per
