@@ -129,3 +129,17 @@ def test_a_diffusers_family_without_path_or_preset_names_both_keys(name: str) ->
     preset = sorted(FAMILIES[name].presets)[0]
     with pytest.raises(ConfigError, match=rf"model.path .* model.preset .*'{preset}'"):
         load_model(ModelConfig(family=name))
+
+
+def test_the_registry_imports_no_diffusers() -> None:
+    """Every family module is imported to build the registry: each imports diffusers and
+    transformers only inside its functions, so the tiny DiT's runs never pay for them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, diffrl.models.registry; "
+        "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
