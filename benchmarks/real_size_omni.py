@@ -26,6 +26,7 @@ import torch
 from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
 from diffrl.algorithms.diffusion_nft import NFTConfig
 from diffrl.algorithms.registry import get_algorithm
+from diffrl.models.family import TakesConditions
 from diffrl.models.registry import ModelConfig, load_model, lora_targets
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
@@ -82,7 +83,7 @@ def run_one(preset: str, args) -> dict:
     fam = base.family
     dit_params = sum(p.numel() for p in base.net.transformer.parameters())
     cond, mode = None, "t2va"
-    if getattr(fam, "takes_conditions", False):  # FL2VA: first and last frames
+    if isinstance(fam, TakesConditions):  # FL2VA: first and last frames
         rng = np.random.default_rng(0)
         frames_u8 = rng.integers(0, 256, (len(PROMPTS), 2, res, res, 3), dtype=np.uint8)
         conds = [{"first_frame": f[0], "last_frame": f[1]} for f in frames_u8]

@@ -45,8 +45,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from diffrl.parallel.plan import PlanOptions, plan
+    from diffrl.tasks import build_task
+    from diffrl.tasks.base import ConditionedTask
 
     cfg = _recipe_config(args.args)
+    task = build_task(cfg.data)
     opts = PlanOptions(
         world_size=args.world_size,
         tp=args.tp,
@@ -58,6 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         share_rollout=args.share_rollout,
         offload_encoder=args.offload_encoder,
         train=args.train,
+        conditioned=isinstance(task, ConditionedTask) and task.needs_conditions,
     )
     result = plan(cfg, opts)
     print(result.table())

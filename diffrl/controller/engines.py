@@ -21,7 +21,7 @@ from diffrl.config import Config
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
 from diffrl.errors import ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
-from diffrl.models.family import FamilyModel
+from diffrl.models.family import EncodesClips, FamilyModel, TakesConditions
 from diffrl.models.registry import load_model, lora_targets
 from diffrl.parallel.fsdp import shard_frozen_base
 from diffrl.parallel.launch import SOLO, Ranks, local_device
@@ -30,6 +30,7 @@ from diffrl.parallel.launch import stop as stop_ranks
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.tasks import PromptSet, PromptSource, Task, build_task, prompt_source
+from diffrl.tasks.base import ConditionedTask
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
     param, fam = next(model.parameters()), model.family
     ids = fam.tokenize(data.texts).input_ids.to(param.device)
     if data.video is not None:  # clips: the joint video+audio latent space
-        if not hasattr(fam, "encode_clip"):
+        if not isinstance(fam, EncodesClips):
             log.warning(
                 "time-convention probe skipped: task %r's ground truth is video+audio clips and "
                 "family %r encodes no clips", task.name, fam.name,
@@ -123,9 +124,9 @@ def prompt_set(task: Task, model: FamilyModel, prompts) -> PromptSet:
     """The data stage: prompts tokenized once (contract 3) and, for a task with conditions
     beyond the text (FL2VA's first/last frames), those encoded once beside the tokens."""
     fam = model.family
-    if not getattr(task, "needs_conditions", False):
+    if not (isinstance(task, ConditionedTask) and task.needs_conditions):
         return PromptSet(prompts, fam.tokenize)
-    if not getattr(fam, "takes_conditions", False):
+    if not isinstance(fam, TakesConditions):
         raise ConfigError(
             f"task {task.name!r} conditions each prompt on frames, and model family "
             f"{fam.name!r} takes no conditions beyond the text"

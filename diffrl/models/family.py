@@ -1,4 +1,6 @@
-"""The ``ModelFamily`` protocol: all the engines know about one family of models.
+"""The ``ModelFamily`` protocol: all the engines know about one family of models; the optional
+capabilities a family declares (``ResolutionFree``, ``TakesConditions``, ``EncodesClips``); and
+``FamilySpec``, the one record each ``models/families/<name>.py`` exports as ``FAMILY``.
 
 A family is data plus a few functions (STYLE 12). It says its native time convention and its
 LoRA targets as data, tokenizes prompts once (contract 3), runs its text encoders once per
@@ -15,9 +17,10 @@ so frozen text encoders and VAEs exist once per process.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -86,9 +89,97 @@ class ModelFamily(Protocol):
     def flops(self, batch: int) -> float:  # analytic FLOPs of one forward over `batch` samples
         ...
 
-    # optional: ``accepts_shape(shape) -> bool``, for a family whose network runs at other
-    # latent shapes than ``latent_shape()`` (another resolution): continuous batching of
-    # mixed-resolution requests needs it. Without it, forward takes latent_shape() only.
+
+# --- optional capabilities: a family declares each by subclassing it ----------------------------
+
+
+@runtime_checkable
+class ResolutionFree(Protocol):
+    """A family whose network runs at latent shapes other than ``latent_shape()`` (another
+    resolution): continuous batching of mixed-resolution requests needs it. Without it,
+    ``FamilyModel.forward`` takes ``latent_shape()`` only."""
+
+    def accepts_shape(self, shape: tuple[int, ...]) -> bool: ...
+
+
+@runtime_checkable
+class HasMediaGeometry(Protocol):
+    """A family that says what a task renders its conditions at."""
+
+    def media_geometry(self) -> dict[str, float]:  # frames, size (px), fps, sample_rate
+        ...
+
+
+@runtime_checkable
+class TakesConditions(HasMediaGeometry, Protocol):
+    """A family whose network takes per-prompt conditions beyond the text (FL2VA's first and
+    last frames), encoded once in the data stage and carried as ``PromptBatch.cond``."""
+
+    def encode_conditions(self, conditions: Sequence[dict]) -> Tensor:  # -> (N, ...) latents
+        ...
+
+
+@runtime_checkable
+class EncodesClips(Protocol):
+    """A video+audio family that encodes ground-truth clips into its joint latent (the
+    time-convention probe and the AVBench pretraining read clips through it)."""
+
+    def encode_clip(self, video: Tensor, audio: Tensor) -> Tensor:  # (B,T,H,W,3), (B,S) -> (B,D)
+        ...
+
+
+# --- the record a family module exports ------------------------------------------------------
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A weights file shipped inside the package (``diffrl/assets/<file>``), named
+    ``builtin:<name>`` in a config, and the command that writes it."""
+
+    file: str
+    command: str  # e.g. "diffrl pretrain preset=sd3-shapes"
+    preset: str = ""  # the preset the weights fit ("" = the family's own format, no preset)
+
+    @property
+    def path(self) -> Path:
+        return ASSETS / self.file
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything about one model family, as data: each ``models/families/<name>.py`` exports
+    one as ``FAMILY``, and ``models/registry.py`` is the dict of them. Nothing outside the
+    family's module names the family.
+
+    ``load(cfg, device)`` builds a ``FamilyModel`` from a ``ModelConfig``; the instance it
+    holds (``model.family``, a ``family_class``) is what the engines call at run time. The
+    parallel plans map module-path patterns to styles (``parallel/tp.py``), applied outside
+    the model; ``geometry`` is what ``diffrl plan`` counts activations with."""
+
+    name: str
+    native_convention: str  # a key of diffrl.models.convention.CONVENTIONS
+    lora_targets: tuple[str, ...]  # Linear-module name suffixes; explicit, never "all-linear"
+    load: Callable[..., FamilyModel]  # (cfg: ModelConfig, device) -> FamilyModel
+    family_class: type  # the ModelFamily ``load`` puts on the model
+    # model.preset name -> what it builds (the family's own size spec: widths, layers, ...)
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # "builtin:<name>" -> a shipped file (model.checkpoint for the tiny DiT, else model.weights)
+    builtins: Mapping[str, Builtin] = field(default_factory=dict)
+    # the rollout copy's layout (contract 2): (family, model) -> SlotMap
+    serving_layout: Callable[..., Any] | None = None
+    # analytic FLOPs of one forward: (family, batch) -> float
+    flops: Callable[..., float] | None = None
+    # tensor parallelism: the DiT's plan (module pattern -> style), None = no TP plan
+    tp_plan: Mapping[str, Any] | None = None
+    # ETP: the text encoders' plans, by the encoder's config.model_type
+    etp_plans: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Ulysses SP: "diffusers" = the transformer class's own ``_cp_plan`` (parallel/sp.py
+    # ``enable_ulysses``), "" = none (parallel.sp must stay 1)
+    sp_plan: str = ""
+    # memory geometry for ``diffrl plan``: (model, widths, conditioned) -> models.memory.Geometry
+    geometry: Callable[..., Any] | None = None
 
 
 class Shared:
@@ -165,9 +256,10 @@ class FamilyModel(nn.Module):
         conditions beyond the text (FL2VA keyframe latents), for families that take them."""
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
-        accepts = getattr(self.family, "accepts_shape", None)  # resolution-free families
-        shape = tuple(x.shape[1:])
-        if shape != tuple(self.family.latent_shape()) and not (accepts and accepts(shape)):
+        fam, shape = self.family, tuple(x.shape[1:])
+        if shape != tuple(fam.latent_shape()) and not (
+            isinstance(fam, ResolutionFree) and fam.accepts_shape(shape)
+        ):
             raise ContractError(
                 f"{self.family.name}: x has per-sample shape {tuple(x.shape[1:])}, the family "
                 f"samples {tuple(self.family.latent_shape())}"
@@ -179,7 +271,7 @@ class FamilyModel(nn.Module):
         t = t.to(dtype) if t.is_floating_point() else t
         if cond is None:
             native = self.net(x.to(dtype), t, input_ids)
-        elif not getattr(self.family, "takes_conditions", False):
+        elif not isinstance(self.family, TakesConditions):
             raise ContractError(
                 f"{self.family.name}: this family takes no conditions beyond the text, but the "
                 f"batch carries some of shape {tuple(cond.shape)} (an FL2VA task on a T2V model?)"

@@ -27,9 +27,9 @@ from diffrl.data.shapes import ShapesPrompt, all_prompts, render, split_prompts
 from diffrl.data.tokenizer import WordTokenizer
 from diffrl.errors import ConfigError, check
 from diffrl.models.convention import noised
-from diffrl.models.families.tiny_dit import BUILTIN, build, save_model
+from diffrl.models.families.tiny_dit import build, save_model
 from diffrl.models.family import FamilyModel
-from diffrl.models.registry import BUILTIN_WEIGHTS, ModelConfig, load_model, save_weights
+from diffrl.models.registry import ModelConfig, builtin_path, load_model, save_weights
 from diffrl.models.tiny_dit import TinyDiTConfig
 from diffrl.tasks import Prompt, PromptSet
 from diffrl.types import images_from_uint8
@@ -245,7 +245,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
 def output_path(cfg: PretrainConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
-    return BUILTIN_WEIGHTS["builtin:shapes_sd3"] if cfg.preset else BUILTIN["builtin:shapes_dit"]
+    return builtin_path("builtin:shapes_sd3" if cfg.preset else "builtin:shapes_dit")
 
 
 def save_and_score(

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from diffrl.models.convention import noised
 from diffrl.models.family import FamilyModel
-from diffrl.models.registry import BUILTIN_WEIGHTS, ModelConfig, load_model, save_weights
+from diffrl.models.registry import ModelConfig, builtin_path, load_model, save_weights
 
 DEFAULT_PRESET = "h3-avbench"
 
@@ -102,7 +102,7 @@ def pretrain_avbench(cfg) -> Path:
 
 
 def output_path(cfg) -> Path:
-    return Path(cfg.out) if cfg.out else BUILTIN_WEIGHTS["builtin:avbench_h3"]
+    return Path(cfg.out) if cfg.out else builtin_path("builtin:avbench_h3")
 
 
 def save_and_score(model, out: Path, cfg, preset: str, steps: int, seconds: float) -> Path:

@@ -1,16 +1,16 @@
-"""Model families by name: which module builds each, which presets exist, and how a run's
-``model.*`` config picks one. Family modules are imported lazily, so the diffusers families
-cost nothing (and need no diffusers) when a run uses the built-in tiny DiT.
+"""Model families by name: one dict of records, ``FAMILIES``, built from the family modules
+(each exports one ``FAMILY``, a ``FamilySpec``), and how a run's ``model.*`` config picks one.
+The family modules import diffusers only inside their functions, so the registry costs no
+diffusers when a run uses the built-in tiny DiT.
 
-A family module exposes ``load(cfg: ModelConfig, device) -> FamilyModel`` and ``PRESETS``.
 A model loads in one of three ways: a local diffusers directory (``model.path``), a preset
 built with random weights (``model.preset``: real size for benchmarks, ``*-tiny`` for CPU
 tests), or, for the tiny DiT, a diffrl ``.safetensors`` checkpoint (``model.checkpoint``).
+Shipped weights (``builtin:<name>``) are listed by the family that reads them.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,52 +19,20 @@ from safetensors.torch import load_file, save_file
 
 from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.convention import CONVENTIONS
-from diffrl.models.family import FamilyModel
+from diffrl.models.families import flux, ltx2, minimax_h3, qwen_image, sd3, tiny_dit, wan
+from diffrl.models.family import Builtin, FamilyModel, FamilySpec
 
-FAMILY_MODULES = {
-    "tiny_dit": "diffrl.models.families.tiny_dit",
-    "sd3": "diffrl.models.families.sd3",
-    "flux": "diffrl.models.families.flux",
-    "qwen_image": "diffrl.models.families.qwen_image",
-    "wan": "diffrl.models.families.wan",
-    "minimax_h3": "diffrl.models.families.minimax_h3",
-    "ltx2": "diffrl.models.families.ltx2",
+FAMILIES: dict[str, FamilySpec] = {
+    m.FAMILY.name: m.FAMILY for m in (tiny_dit, sd3, flux, qwen_image, wan, minimax_h3, ltx2)
 }
-
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-# model.weights shipped inside the package (written by `diffrl pretrain preset=...`)
-BUILTIN_WEIGHTS = {
-    "builtin:shapes_sd3": ASSETS / "shapes_sd3.safetensors",
-    "builtin:avbench_h3": ASSETS / "avbench_h3.safetensors",  # preset h3-avbench, AVBench base
-}
-# the command that writes each built-in file
-BUILTIN_SOURCE = {
-    "builtin:shapes_sd3": "diffrl pretrain preset=sd3-shapes",
-    "builtin:avbench_h3": "diffrl pretrain task=avbench",
-}
-
-# preset -> family (kept here so a config validates without importing the family's module)
-PRESET_FAMILY = {
-    "sd35-medium": "sd3",
-    "sd35-tiny": "sd3",
-    "sd3-shapes": "sd3",
-    "flux1-dev": "flux",
-    "flux1-tiny": "flux",
-    "qwen-image": "qwen_image",
-    "qwen-image-tiny": "qwen_image",
-    "wan2.1-1.3b": "wan",
-    "wan-tiny": "wan",
-    "minimax-h3": "minimax_h3",
-    "h3-tiny": "minimax_h3",
-    "h3-avbench": "minimax_h3",
-    "ltx2": "ltx2",
-    "ltx2-tiny": "ltx2",
-}
+# derived views of the records: preset -> family, builtin:<name> -> shipped file
+PRESET_FAMILY: dict[str, str] = {p: f.name for f in FAMILIES.values() for p in f.presets}
+BUILTINS: dict[str, Builtin] = {k: b for f in FAMILIES.values() for k, b in f.builtins.items()}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = "tiny_dit"  # one of FAMILY_MODULES; a preset sets it
+    family: str = "tiny_dit"  # one of FAMILIES; a preset sets it
     # tiny_dit only: a diffrl .safetensors checkpoint, or "builtin:shapes_dit" (ships inside)
     checkpoint: str = "builtin:shapes_dit"
     path: str = ""  # a local diffusers directory (the pipeline layout: model_index.json, ...)
@@ -81,7 +49,7 @@ class ModelConfig:
     weights: str = ""
 
     def validate(self) -> None:
-        check_choice("family", self.family, FAMILY_MODULES)
+        check_choice("family", self.family, FAMILIES)
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check(
             self.convention in ("", *CONVENTIONS),
@@ -105,24 +73,35 @@ class ModelConfig:
         return PRESET_FAMILY.get(self.preset, self.family)
 
 
-def family_module(name: str):
-    if name not in FAMILY_MODULES:
-        raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILY_MODULES)}")
-    try:
-        return importlib.import_module(FAMILY_MODULES[name])
-    except ImportError as e:
-        raise ConfigError(
-            f"model family {name!r} needs a package that is not installed ({e}); "
-            "install diffusers and transformers (pip install -e '.[models]')"
-        ) from None
+def family(name: str) -> FamilySpec:
+    """The record of model family ``name``."""
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
 
 
 def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> FamilyModel:
     """The run's model, in diffrl's canonical convention, on ``device`` in ``cfg.dtype``."""
-    model = family_module(cfg.resolved_family).load(cfg, torch.device(device))
+    spec = family(cfg.resolved_family)
+    try:
+        model = spec.load(cfg, torch.device(device))
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("diffusers", "transformers", "tokenizers"):
+            raise ConfigError(
+                f"model family {spec.name!r} needs a package that is not installed ({e}); "
+                "install diffusers and transformers (pip install -e '.[models]')"
+            ) from None
+        raise
     if cfg.weights:
         load_weights(model, cfg.weights)
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))
+
+
+def builtin_path(spec: str) -> Path:
+    """Where the shipped file ``builtin:<name>`` lives (it may not be written yet)."""
+    if spec not in BUILTINS:
+        raise ConfigError(f"{spec!r} is not a shipped file; shipped: {sorted(BUILTINS)}")
+    return BUILTINS[spec].path
 
 
 def weights_state(model: FamilyModel) -> dict[str, torch.Tensor]:
@@ -141,9 +120,10 @@ def save_weights(model: FamilyModel, path: Path, meta: dict[str, str]) -> None:
 
 
 def load_weights(model: FamilyModel, spec: str) -> None:
-    path = BUILTIN_WEIGHTS.get(spec, Path(spec))
+    builtin = BUILTINS.get(spec)
+    path = builtin.path if builtin else Path(spec)
     if not path.is_file():
-        hint = f" (run `{BUILTIN_SOURCE[spec]}` to create it)" if spec in BUILTIN_SOURCE else ""
+        hint = f" (run `{builtin.command}` to create it)" if builtin else ""
         raise ConfigError(f"model.weights {spec!r}: no file at {path}{hint}")
     state = load_file(str(path))
     want = weights_state(model)
@@ -173,4 +153,4 @@ def frozen_modules(model: FamilyModel) -> dict[str, torch.nn.Module]:
 
 
 def lora_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    return tuple(family_module(cfg.resolved_family).LORA_TARGETS)
+    return family(cfg.resolved_family).lora_targets

@@ -1,16 +1,19 @@
 """``diffrl plan``: a recipe's memory per GPU, by component, before any GPU is used, and the knob
 to turn when a layout does not fit.
 
+Parked: reached only from ``diffrl plan`` and tests; the parallel issue (38) wires the layouts it
+plans into ``diffrl train``.
+
 **Sizes are counted, never typed in.** The family's own ``load`` builds the model from the
-recipe (preset or directory) with every weight-making call (``random_component``,
-``load_component``) swapped for one that builds the same class on the ``meta`` device, so the
+recipe (preset or directory) under ``components_on_meta``, where every weight-making call
+(``random_component``, ``load_component``) builds the same class on the ``meta`` device, so the
 counts are the real diffusers/transformers classes' at the recipe's size, trimmed as the
 family trims them (H3's encoder keeps 51 of its 64 layers), and on the device the family puts
 them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs no memory.
 
 **Where the bytes go, per GPU.** Parallel degrees follow ``ParallelDims`` (``dims.py``):
 
-- *Weights* in the model's dtype. A module the family's TP plan (``tp.FAMILY_TP_PLANS``)
+- *Weights* in the model's dtype. A module the family's TP plan (``FamilySpec.tp_plan``)
   shards holds 1/tp of its weight, and of its bias unless it is a row shard; the rest (norms,
   embeddings, H3's adaLN projections, whatever the plan leaves out) is replicated. FSDP
   (``dp_shard``) then shards the actor's share, and holds two blocks unsharded at a time (the
@@ -27,12 +30,13 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
   LoRA-targeted weights for verified sync (``rollout.base_copy``: "" on the GPU, "cpu" on the
   host). Copies are TP-sharded, never FSDP-sharded. ``--share-rollout`` samples with the
   actor's own weights instead (``RolloutEngine(share_model=True)``: no copy, no sync).
-- *Text encoders*: sharded by ``etp`` where ``tp.ENCODER_TP_PLANS`` has a plan for the
-  encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
+- *Text encoders*: sharded by ``etp`` where the family's ``FamilySpec.etp_plans`` has a plan
+  for the encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
   moves the whole encoder onto the GPU for each encode, which the encode phase counts.
 
 **Activations, per block and per token**, for LoRA training in bf16 (what autograd keeps for
-the backward, read off each block's forward; ``tests/parallel/test_plan.py`` checks every
+the backward, read off each block's forward; each family's ``FamilySpec.geometry`` sums them
+into its blocks' bytes; ``tests/parallel/test_plan.py`` checks every
 formula against autograd's saved tensors of the real block on the CPU). With h the residual
 width, a attention's inner width and f the FFN's hidden width, each divided by tp where the
 TP plan shards that part, and r the LoRA rank:
@@ -79,10 +83,8 @@ import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from unittest import mock
 
 import torch
 from torch import nn
@@ -90,8 +92,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import PreTrainedModel
 
 from diffrl.errors import ConfigError
+from diffrl.models.family import FamilySpec
+from diffrl.models.memory import Geometry, Widths
 from diffrl.parallel.dims import KEY, ParallelDims
-from diffrl.parallel.tp import ENCODER_TP_PLANS, FAMILY_TP_PLANS, ShardedRMSNorm, resolve
+from diffrl.parallel.tp import ShardedRMSNorm, resolve
 
 GIB = 2**30
 H200_GIB = 141.0  # nvidia-smi: 143,771 MiB
@@ -120,6 +124,9 @@ class PlanOptions:
     train: str = "lora"  # lora (what ActorEngine trains) | full
     eval_copy: bool = True  # the factory's held-out evaluator holds its own copy of the DiT
     device: str = "cuda"  # whose kernels the activation formulas assume (cuda | cpu)
+    # the task feeds conditions beyond the text (FL2VA keyframes: rows in H3's sequence); the
+    # CLI reads it off the recipe's task
+    conditioned: bool = False
 
     def degrees(self, cfg) -> ParallelDims:
         section = getattr(cfg, KEY, None)
@@ -140,131 +147,6 @@ class Row:
     host_gib: float = 0.0
 
 
-@dataclass(frozen=True)
-class BlockCost:
-    """One kind of transformer block, per sample, in bytes: what autograd keeps for the
-    backward (``saved``), the block's inputs (all checkpointing keeps), and the largest set
-    alive at once in a no-grad forward (``live``)."""
-
-    kind: str
-    count: int
-    saved: float
-    inputs: float
-    live: float
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """A family's tokens and blocks at the recipe's size."""
-
-    tokens: str  # what one sample is, for the header
-    blocks: list[BlockCost]
-    encoder_tokens: dict[str, int]  # frozen encoder -> tokens per prompt
-    decode: float = 0.0  # bytes per sample of the VAE decode's working set (0 = not modelled)
-
-
-@dataclass(frozen=True)
-class Widths:
-    """Per-token widths on one GPU: h replicated, a and f divided where TP shards them."""
-
-    h: int
-    a: float  # attention inner width (heads x head_dim) / tp
-    f: float  # FFN hidden width / tp where the plan shards the FFN
-    heads: float  # attention heads / tp
-    r: int  # LoRA rank
-    rms: int  # bytes per element nn.RMSNorm keeps (2: CUDA's fused kernel; 4: CPU)
-
-
-# --- the families' activations ----------------------------------------------------------------
-
-
-def sd3_image_token(w: Widths, dual: bool) -> float:
-    """Bytes one SD3 joint block keeps per image token (derivation in the module docstring)."""
-    rows = 2 * 8 + 2 * 4 * w.heads + 4 * w.heads + 6 * 4 * w.r  # LN stats, qk rsqrt, lse, LoRA
-    kept = 20 * w.h + 24 * w.a + 6 * w.f + rows
-    return kept + (20 * w.a + 12 * w.heads if dual else 0)  # attn2: qk-norm, SDPA (no LoRA)
-
-
-def sd3_text_token(w: Widths, pre_only: bool) -> float:
-    """Bytes one SD3 joint block keeps per text token (the context stream)."""
-    if pre_only:  # the last block: attention only, no to_add_out, no text FFN
-        return 14 * w.h + 20 * w.a + 8 + 12 * w.heads + 3 * 4 * w.r
-    return 16 * w.h + 24 * w.a + 2 * w.f + 16 + 12 * w.heads + 4 * 4 * w.r
-
-
-def h3_row(w: Widths, refiner: bool, rot: int) -> float:
-    """Bytes one MiniMax-H3 block keeps per packed row (a token refiner block per text row)."""
-    norms = 2 * w.rms * w.h + 2 * w.rms * w.a  # norm1, norm2; per-head q/k norms
-    lora = 4 * (4 * w.h + w.a + w.f) + 6 * 4 * w.r  # q, k, v, FFN-up; out; FFN-down
-    rows = 2 * 4 + 2 * 4 * w.heads + 4 * w.heads  # rstd of the norms, the attention's lse
-    kept = norms + lora + 8 * w.a + 6 * w.f + rows  # SDPA's q, k, v, out; SwiGLU
-    return kept if refiner else kept + 4 * 2 * w.h + 4 * 2 * rot  # adaLN tables; rope cos/sin
-
-
-def _sd3(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
-    cfg, fam = model.net.transformer.config, model.family
-    _, hl, wl = fam.latent_shape()
-    p = cfg.patch_size
-    n_img, n_txt = (hl // p) * (wl // p), fam.lens[0] + fam.lens[2]  # CLIPs on channels, T5
-    dual = set(cfg.dual_attention_layers or ())
-    live = max(4 * w.h + 4 * w.f, 4 * w.h + 14 * w.a)
-    blocks = []
-    for i in range(cfg.num_layers):
-        pre = i == cfg.num_layers - 1
-        saved = n_img * sd3_image_token(w, i in dual) + n_txt * sd3_text_token(w, pre)
-        kind = "joint" + (", dual" if i in dual else "") + (", last" if pre else "")
-        blocks.append(BlockCost(kind, 1, saved, 2 * w.h * (n_img + n_txt), live * (n_img + n_txt)))
-    decode = 0.0
-    if fam.vae is not None:  # the last upsampling carries block_out_channels[1] to full size
-        widths = fam.vae.config.block_out_channels
-        side = hl * 2 ** (len(widths) - 1)
-        decode = 3 * 2 * side * side * widths[min(1, len(widths) - 1)]
-    encoders = dict(clip_l=fam.lens[0], clip_g=fam.lens[1], t5=fam.lens[2])
-    return Geometry(f"{n_img:,} image + {n_txt} text tokens", _merge(blocks), encoders, decode)
-
-
-def _minimax_h3(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
-    tr, net = model.net.transformer, model.net
-    cfg = tr.config
-    _, f, hv, wv = net.video_shape
-    pt, ph, pw = cfg.patch_size
-    n_video = (f // pt) * (hv // ph) * (wv // pw)
-    n_cond = 2 * (hv // ph) * (wv // pw) if conditioned else 0  # FL2VA: first and last frames
-    n_audio = net.audio_shape[0] * net.audio_shape[1]
-    n_text = model.family.max_text_len  # the longest prompt: a row's real length at most
-    n = n_video + n_cond + n_audio + n_text
-    rot = 6 * cfg.rope_freq_dim  # cos and sin over 3 axes, twice (rotate_half)
-    live = max(4 * w.h + 8 * w.f, 4 * w.h + 12 * w.a)
-    blocks = [
-        BlockCost("H3 block", cfg.num_layers, n * h3_row(w, False, rot), 2 * w.h * n, live * n),
-        BlockCost(
-            "token refiner",
-            cfg.num_refiner_layers,
-            n_text * h3_row(w, True, rot),
-            2 * w.h * n_text,
-            live * n_text,
-        ),
-    ]
-    what = f"{n:,} rows ({n_video:,} video, {n_cond} keyframe, {n_audio} audio, {n_text} text)"
-    return Geometry(what, blocks, {"text_encoder": n_text})
-
-
-# family -> its tokens and blocks: (model, widths, task has conditions) -> Geometry
-GEOMETRY: dict[str, Callable[[nn.Module, Widths, bool], Geometry]] = {
-    "sd3": _sd3,
-    "minimax_h3": _minimax_h3,
-}
-
-
-def _merge(blocks: list[BlockCost]) -> list[BlockCost]:
-    out: dict[str, BlockCost] = {}
-    for b in blocks:
-        if b.kind in out:
-            b = dataclasses.replace(b, count=out[b.kind].count + b.count)
-        out[b.kind] = b
-    return list(out.values())
-
-
 # --- sizes on the meta device -----------------------------------------------------------------
 
 
@@ -274,10 +156,13 @@ class ModelFacts:
     put each frozen component."""
 
     model: nn.Module  # the FamilyModel
-    family: str
+    spec: FamilySpec  # the family's record: its TP/ETP plans and memory geometry
     frozen: dict[str, nn.Module]
     on_host: frozenset[str]  # frozen components the family keeps in host memory
-    conditioned: bool  # the task feeds conditions beyond the text (FL2VA keyframes)
+
+    @property
+    def family(self) -> str:
+        return self.spec.name
 
     @property
     def encoders(self) -> dict[str, nn.Module]:
@@ -285,84 +170,45 @@ class ModelFacts:
         return {k: m for k, m in self.frozen.items() if isinstance(m, PreTrainedModel)}
 
 
-def _on_meta(cls, config, dtype: torch.dtype) -> nn.Module:
-    with torch.device("meta"):
-        if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
-            model = cls(config if not isinstance(config, dict) else cls.config_class(**config))
-        else:
-            model = cls.from_config(config)
-    return model.to(dtype=dtype).eval()
-
-
 @contextlib.contextmanager
-def _weights_on_meta(module, host: set[int]) -> Iterator[None]:
-    """Within the block, ``module``'s (a family's) weight-making calls build on ``meta``:
-    presets from their config dicts, directories from their ``config.json`` (tokenizers load
-    for real: they are small). ``host`` collects the ids of components asked for on the CPU."""
-
-    def random_component(cls, config, dtype, device):
-        model = _on_meta(cls, config, dtype)
-        if torch.device(device).type == "cpu":
-            host.add(id(model))
-        return model
-
-    def load_component(root, subfolder, cls, dtype, device):
-        path = Path(root) / subfolder
-        if "Tokenizer" in cls.__name__:
-            return cls.from_pretrained(str(path), local_files_only=True)
-        if cls.__module__.startswith("diffusers"):
-            config = cls.load_config(str(path))
-        else:
-            config = cls.config_class.from_pretrained(str(path))
-        return random_component(cls, config, dtype, device)
-
-    patches = [
-        mock.patch.object(module, name, fn)
-        for name, fn in (("random_component", random_component), ("load_component", load_component))
-        if hasattr(module, name)
-    ]
+def _quiet() -> Iterator[None]:
+    """diffusers' "should be kept in float32" notices and warnings are noise here: sizes only."""
     import diffusers.utils.logging  # noqa: F401  (configures its logger: before we quiet it)
 
-    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+    quiet = logging.getLogger("diffusers")
+    level = quiet.level
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quiet = logging.getLogger("diffusers")
-        stack.callback(quiet.setLevel, quiet.level)
-        quiet.setLevel(logging.ERROR)  # "should be kept in float32" notices: sizes only here
-        for p in patches:
-            stack.enter_context(p)
-        yield
+        quiet.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            quiet.setLevel(level)
 
 
 def model_facts(cfg, device: str = "cuda") -> ModelFacts:
     """Build ``cfg.model`` on meta through the family's own ``load``, told the run's device
     (so it places its components as it would there: H3 offloads its encoder for CUDA runs);
-    nothing is allocated on it, every component maker being the meta one."""
-    from diffrl.models.registry import family_module, frozen_modules
-    from diffrl.tasks import build_task
+    nothing is allocated on it, every component being built under ``components_on_meta``."""
+    from diffrl.models.families._diffusers import components_on_meta
+    from diffrl.models.registry import family, frozen_modules
 
-    name = cfg.model.resolved_family
-    if name not in GEOMETRY:
+    spec = family(cfg.model.resolved_family)
+    if spec.geometry is None:
         raise ConfigError(
-            f"diffrl plan has no activation model for model family {name!r} yet (it has "
-            f"{sorted(GEOMETRY)}): add its per-block formula to diffrl/parallel/plan.py"
+            f"diffrl plan has no activation model for model family {spec.name!r} yet: give "
+            "its FamilySpec a `geometry` (the per-block formula, see diffrl/models/memory.py)"
         )
-    module, host = family_module(name), set()
-    with _weights_on_meta(module, host):
-        model = module.load(cfg.model, torch.device(device))
+    host: set[int] = set()
+    with _quiet(), components_on_meta(host):
+        model = spec.load(cfg.model, torch.device(device))
     frozen = frozen_modules(model)  # the net's shared encoders (and VAEs); the family's VAE:
     frozen |= {
         k: m
         for k, m in vars(model.family).items()
         if isinstance(m, nn.Module) and m is not model.net
     }
-    task = build_task(cfg.data)
-    return ModelFacts(
-        model,
-        name,
-        frozen,
-        frozenset(k for k, m in frozen.items() if id(m) in host),
-        bool(getattr(task, "needs_conditions", False)),
-    )
+    return ModelFacts(model, spec, frozen, frozenset(k for k, m in frozen.items() if id(m) in host))
 
 
 # --- bytes per GPU ----------------------------------------------------------------------------
@@ -521,8 +367,8 @@ def estimate(facts: ModelFacts, cfg, opts: PlanOptions) -> Plan:
     if opts.train not in ("lora", "full"):
         raise ConfigError(f"plan: --train {opts.train!r}; lora or full")
     dit = facts.model.net.transformer
-    tp_plan = FAMILY_TP_PLANS.get(facts.family)
-    heads = [_encoder_heads(m) for k, m in facts.encoders.items() if _encoder_plan(m)]
+    tp_plan = facts.spec.tp_plan
+    heads = [_encoder_heads(m) for m in facts.encoders.values() if _encoder_plan(facts, m)]
     dims = opts.degrees(cfg).validate(
         dit_heads=dit.config.num_attention_heads,
         encoder_heads=[h for h, _ in heads],
@@ -532,7 +378,7 @@ def estimate(facts: ModelFacts, cfg, opts: PlanOptions) -> Plan:
     styles = _tp_styles(dit, tp_plan, dims.tp)
     sizes = _tensor_bytes(dit, styles, dims.tp)
     w = _widths(dit, styles, dims.tp, cfg.actor.lora.rank, opts.device)
-    geo = GEOMETRY[facts.family](facts.model, w, facts.conditioned)
+    geo = facts.spec.geometry(facts.model, w, opts.conditioned)
     samples = math.ceil(cfg.data.prompts_per_step * cfg.rollout.group_size / dims.dp)  # a rank's
     rows = [
         *_weight_rows(facts, cfg, opts, dims, styles, sizes),
@@ -596,8 +442,9 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
     return rows
 
 
-def _encoder_plan(m: nn.Module) -> dict | None:
-    return ENCODER_TP_PLANS.get(getattr(m.config, "model_type", ""))
+def _encoder_plan(facts: ModelFacts, m: nn.Module) -> dict | None:
+    """The family's ETP plan for encoder ``m``, found by its ``config.model_type``."""
+    return facts.spec.etp_plans.get(getattr(m.config, "model_type", ""))
 
 
 def _encoder_rows(facts: ModelFacts, cfg, opts, dims, geo: Geometry, samples: int) -> list[Row]:
@@ -610,7 +457,7 @@ def _encoder_rows(facts: ModelFacts, cfg, opts, dims, geo: Geometry, samples: in
         if name not in facts.encoders:
             rows.append(Row(name, "resident", whole / GIB, f"{type(m).__name__}, replicated"))
             continue
-        plan = _encoder_plan(m)
+        plan = _encoder_plan(facts, m)
         etp = dims.etp if plan and not offload else 1
         local = sum(_tensor_bytes(m, _tp_styles(m, plan, etp), etp).values())
         how = f"ETP / {etp}" if etp > 1 else "replicated"

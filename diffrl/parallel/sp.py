@@ -1,6 +1,10 @@
 """Ulysses sequence parallelism for DiT attention: an all-to-all that swaps a sequence shard for
 a head shard, so each rank attends over the *whole* sequence with ``H / sp`` of the heads.
 
+Parked: reached only from tests (``tests/parallel/test_sp_gloo.py``); the parallel issue (38)
+wires it into `diffrl train`. A family's record says whether its class has a ``_cp_plan``
+(``FamilySpec.sp_plan``).
+
 Each of the ``sp`` ranks of a group holds a contiguous slice of the sequence (rank r holds
 tokens ``[r * S/sp, (r+1) * S/sp)``). Around attention::
 

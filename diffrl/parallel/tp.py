@@ -1,5 +1,10 @@
 """Tensor parallelism, applied outside the model from a plan: module-path pattern -> style.
 
+Parked: ``apply_plan`` is reached only from tests and ``diffrl plan`` (which reads the plans to
+count bytes); the parallel issue (38) wires it into `diffrl train`. This module holds the
+generic styles; each family's plan is data in its record (``FamilySpec.tp_plan``, and
+``etp_plans`` for its text encoders, ``models/families/_encoder_plans.py``).
+
 A plan is a plain dict read top to bottom like torchtitan's ``parallelize_llama``: attention's
 Q/K/V projections column-sharded (each rank computes ``heads / tp`` whole heads), the output
 projection row-sharded (one all-reduce per attention), and the MLP up column-, down row-sharded
@@ -181,126 +186,6 @@ def optional(style: ParallelStyle) -> ParallelStyle:
     """Mark a plan entry whose pattern may match nothing (a module only some checkpoints have)."""
     style.optional = True
     return style
-
-
-# --- the DiTs' plans ---------------------------------------------------------------------------
-
-# SD3 / SD3.5 (SD3Transformer2DModel): joint blocks attend over [image; text] with one head set,
-# the text stream through add_*_proj; SD3.5's dual-attention blocks add an image-only attn2.
-SD3_PLAN: Plan = {
-    "transformer_blocks.*.attn": LocalHeads("heads"),
-    "transformer_blocks.*.attn.to_q": ColwiseParallel(),
-    "transformer_blocks.*.attn.to_k": ColwiseParallel(),
-    "transformer_blocks.*.attn.to_v": ColwiseParallel(),
-    "transformer_blocks.*.attn.add_q_proj": ColwiseParallel(),
-    "transformer_blocks.*.attn.add_k_proj": ColwiseParallel(),
-    "transformer_blocks.*.attn.add_v_proj": ColwiseParallel(),
-    "transformer_blocks.*.attn.to_out.0": RowwiseParallel(),
-    "transformer_blocks.*.attn.to_add_out": RowwiseParallel(),
-    # qk-norm (SD3.5 only), on (B, H, S, D)
-    "transformer_blocks.*.attn.norm_q": optional(PerHeadNorm(heads_dim=1)),
-    "transformer_blocks.*.attn.norm_k": optional(PerHeadNorm(heads_dim=1)),
-    "transformer_blocks.*.attn.norm_added_q": optional(PerHeadNorm(heads_dim=1)),
-    "transformer_blocks.*.attn.norm_added_k": optional(PerHeadNorm(heads_dim=1)),
-    # dual attention (SD3.5's first blocks only)
-    "transformer_blocks.*.attn2": optional(LocalHeads("heads")),
-    "transformer_blocks.*.attn2.to_q": optional(ColwiseParallel()),
-    "transformer_blocks.*.attn2.to_k": optional(ColwiseParallel()),
-    "transformer_blocks.*.attn2.to_v": optional(ColwiseParallel()),
-    "transformer_blocks.*.attn2.to_out.0": optional(RowwiseParallel()),
-    "transformer_blocks.*.attn2.norm_q": optional(PerHeadNorm(heads_dim=1)),
-    "transformer_blocks.*.attn2.norm_k": optional(PerHeadNorm(heads_dim=1)),
-    "transformer_blocks.*.ff.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
-    "transformer_blocks.*.ff.net.2": RowwiseParallel(),
-    "transformer_blocks.*.ff_context.net.0.proj": ColwiseParallel(),
-    "transformer_blocks.*.ff_context.net.2": RowwiseParallel(),
-}
-
-# Wan 2.1 / 2.2 (WanTransformer3DModel): self-attention attn1, text cross-attention attn2 (its
-# k/v read the text states; I2V's add_k/v_proj image branch is not in this plan), q/k normed
-# across heads (ShardedRMSNorm), a GELU MLP.
-WAN_PLAN: Plan = {
-    **{
-        f"blocks.*.{attn}{leaf}": style
-        for attn in ("attn1", "attn2")
-        for leaf, style in (
-            ("", LocalHeads("heads")),
-            (".to_q", ColwiseParallel()),
-            (".to_k", ColwiseParallel()),
-            (".to_v", ColwiseParallel()),
-            (".norm_q", ShardedRMSNorm()),
-            (".norm_k", ShardedRMSNorm()),
-            (".to_out.0", RowwiseParallel()),
-        )
-    },
-    "blocks.*.ffn.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
-    "blocks.*.ffn.net.2": RowwiseParallel(),
-}
-
-# MiniMax-H3 (MiniMaxH3Transformer3DModel): self-attention only (one packed sequence), in the
-# text refiner and the main blocks, per-head qk-norm; the feed-forward is a SwiGLU whose one
-# Linear yields [up; gate] (FusedColwiseParallel). A model after fuse_projections() (to_qkv)
-# does not match this plan.
-H3_PLAN: Plan = {
-    f"{blocks}.*.{leaf}": style
-    for blocks in ("token_refiner.refiner_blocks", "transformer_blocks")
-    for leaf, style in (
-        ("attn", LocalHeads("heads")),
-        ("attn.to_q", ColwiseParallel()),
-        ("attn.to_k", ColwiseParallel()),
-        ("attn.to_v", ColwiseParallel()),
-        ("attn.norm_q", PerHeadNorm(heads_dim=2)),  # on (B, S, H, D)
-        ("attn.norm_k", PerHeadNorm(heads_dim=2)),
-        ("attn.to_out.0", RowwiseParallel()),
-        ("ff.net.0.proj", FusedColwiseParallel(chunks=2)),
-        ("ff.net.2", RowwiseParallel()),
-    )
-}
-
-# --- the text encoders' plans (applied on the ETP mesh) ----------------------------------------
-
-# T5 / UMT5 encoders (T5EncoderModel, UMT5EncoderModel): the relative-position bias is an
-# Embedding(buckets, heads), column-sharded so each rank adds its own heads' bias (T5 has it in
-# block 0 and passes it on; UMT5 has one per block). Gated-GELU MLP: wi_0, wi_1 -> wo.
-T5_ENCODER_PLAN: Plan = {
-    "encoder.block.*.layer.0.SelfAttention": LocalHeads("n_heads", "inner_dim"),
-    "encoder.block.*.layer.0.SelfAttention.q": ColwiseParallel(),
-    "encoder.block.*.layer.0.SelfAttention.k": ColwiseParallel(),
-    "encoder.block.*.layer.0.SelfAttention.v": ColwiseParallel(),
-    "encoder.block.*.layer.0.SelfAttention.relative_attention_bias": ColwiseParallel(),
-    "encoder.block.*.layer.0.SelfAttention.o": RowwiseParallel(),
-    "encoder.block.*.layer.1.DenseReluDense.wi*": ColwiseParallel(),  # wi, or wi_0 and wi_1
-    "encoder.block.*.layer.1.DenseReluDense.wo": RowwiseParallel(),
-}
-
-# Qwen3-VL's text model (MiniMax-H3's encoder) and Qwen3: reshapes with -1 heads, so nothing is
-# divided, but query and key/value head counts must both divide by the mesh size (GQA's group
-# size stays num_heads / num_kv_heads on every rank). The encoders are frozen, so PerHeadNorm's
-# gradient sum is moot here; it keeps the plan right should one train.
-_QWEN3_LAYER = {
-    "self_attn": LocalHeads(check=("config.num_attention_heads", "config.num_key_value_heads")),
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.q_norm": PerHeadNorm(heads_dim=2),  # on (B, S, H, D)
-    "self_attn.k_norm": PerHeadNorm(heads_dim=2),
-    "self_attn.o_proj": RowwiseParallel(),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(),
-}
-QWEN3_VL_ENCODER_PLAN: Plan = {
-    f"model.language_model.layers.*.{k}": v for k, v in _QWEN3_LAYER.items()
-}
-QWEN3_ENCODER_PLAN: Plan = {f"model.layers.*.{k}": v for k, v in _QWEN3_LAYER.items()}
-
-FAMILY_TP_PLANS: dict[str, Plan] = {"sd3": SD3_PLAN, "wan": WAN_PLAN, "minimax_h3": H3_PLAN}
-ENCODER_TP_PLANS: dict[str, Plan] = {
-    "t5": T5_ENCODER_PLAN,
-    "umt5": T5_ENCODER_PLAN,
-    "qwen3_vl": QWEN3_VL_ENCODER_PLAN,
-    "qwen3": QWEN3_ENCODER_PLAN,
-}
 
 
 # --- applying a plan ---------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Contract 2 across ranks: LoRA sync into a TP-sharded rollout, exact on every rank or nowhere.
 
+Parked: reached only from tests (``tests/parallel/test_tp_sync_gloo.py``); the parallel issue
+(38) wires it into `diffrl train`.
+
 The actor exports full LoRA factors per trained module (``WeightUpdate``: A (r, in), B (out, r),
 scale). A rollout sharded by ``tp.apply_plan`` holds each targeted weight as a DTensor: a
 column-sharded Linear (``ColwiseParallel``, ``Shard(0)``) keeps rows ``[rank*out/tp, ...)``, a

@@ -1,5 +1,9 @@
 """Request-level continuous batching for ODE rollouts.
 
+Parked: reached only from tests and ``benchmarks/continuous_batching.py`` (through
+``RolloutEngine.batcher``); the parallel issue (38) wires it into `diffrl train` as the
+training rollout.
+
 A *request* is one prompt with its own G seeds, latent shape (resolution, frames) and step
 count. Requests wait in a FIFO queue; the scheduler keeps one *bucket* of running rows per
 latent shape, and each ``step()`` runs one forward over one bucket. Rows of a bucket may sit

@@ -94,6 +94,16 @@ class Task(Protocol):
     def probe_data(self, n: int = 16) -> ProbeData | None: ...
 
 
+@runtime_checkable
+class ConditionedTask(Task, Protocol):
+    """A task whose prompts may carry conditions beyond the text (FL2VA's first and last
+    frames); ``needs_conditions`` says whether this instance's do."""
+
+    needs_conditions: bool
+
+    def prompt_conditions(self, prompts: list[Prompt], geometry: dict) -> list[dict] | None: ...
+
+
 class PromptSet:
     """A fixed list of prompts with their token ids computed once (the only tokenization)."""
 

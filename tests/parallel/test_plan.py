@@ -28,18 +28,13 @@ pytest.importorskip("diffusers")
 from diffrl.cli import main  # noqa: E402
 from diffrl.config import load_config  # noqa: E402
 from diffrl.models.families import minimax_h3  # noqa: E402
-from diffrl.parallel.plan import (  # noqa: E402
-    PlanOptions,
-    Widths,
-    h3_row,
-    model_facts,
-    plan,
-    sd3_image_token,
-    sd3_text_token,
-)
+from diffrl.models.families.minimax_h3 import h3_row  # noqa: E402
+from diffrl.models.families.sd3 import sd3_image_token, sd3_text_token  # noqa: E402
+from diffrl.models.memory import Widths  # noqa: E402
+from diffrl.parallel.plan import PlanOptions, model_facts, plan  # noqa: E402
 
-RECIPE = "recipes/h3_fl2va_8gpu.yaml"
-LAYOUT_8 = PlanOptions(world_size=8, tp=4, etp=4)
+RECIPE = "recipes/h3_fl2va_8gpu.yaml"  # FL2VA: keyframe rows in every sequence
+LAYOUT_8 = PlanOptions(world_size=8, tp=4, etp=4, conditioned=True)
 SD35_MEASURED_GIB, H3_MEASURED_GIB = 48.97, 75.75
 TOLERANCE = 0.15
 
@@ -81,7 +76,7 @@ def test_sd35_medium_plan_matches_the_h200() -> None:
 
 def test_minimax_h3_plan_matches_the_h200() -> None:
     cfg = load_config(RECIPE, H3_CALIBRATION)
-    p = plan(cfg, PlanOptions(share_rollout=True, eval_copy=False))
+    p = plan(cfg, PlanOptions(share_rollout=True, eval_copy=False, conditioned=True))
     assert abs(p.phase("train") / H3_MEASURED_GIB - 1) < TOLERANCE, p.table()
     # the encoder is offloaded (the family keeps it on the host) and visits the GPU whole
     assert p.peak[0] == "encode" and abs(p.peak[1] / 118.0 - 1) < TOLERANCE, p.table()
@@ -104,7 +99,7 @@ def test_the_8gpu_recipe_fits(h3_8gpu) -> None:
 
 def test_an_over_budget_layout_names_the_knob(h3_8gpu) -> None:
     cfg, facts = h3_8gpu
-    p = plan(cfg, PlanOptions(world_size=8, tp=1, etp=1), facts)  # FSDP 8 alone
+    p = plan(cfg, PlanOptions(world_size=8, tp=1, etp=1, conditioned=True), facts)  # FSDP 8
     assert not p.fits
     text = p.table()
     assert "OVER by" in text and "raise parallel.tp to 2" in text, text
@@ -120,7 +115,8 @@ def test_sizes_come_from_meta_instantiation(h3_8gpu, monkeypatch) -> None:
     """Halving the preset's layer count halves the counted blocks: nothing is typed in."""
     cfg, facts = h3_8gpu
     full = plan(cfg, LAYOUT_8, facts)
-    monkeypatch.setitem(minimax_h3.PRESETS["minimax-h3"]["transformer"], "num_layers", 25)
+    preset = minimax_h3.FAMILY.presets["minimax-h3"]
+    monkeypatch.setitem(preset["transformer"], "num_layers", 25)
     half_facts = model_facts(cfg)
     assert len(half_facts.model.net.transformer.transformer_blocks) == 25
     assert next(half_facts.model.net.transformer.parameters()).device.type == "meta"
@@ -136,6 +132,7 @@ def test_cli_prints_the_table_and_fails_an_over_budget_layout(capsys) -> None:
     assert main(["plan", RECIPE, "--world-size", "8", "--tp", "4", "--etp", "4"]) == 0
     out = capsys.readouterr().out
     assert "text encoder text_encoder" in out and "fits" in out
+    assert " 0 keyframe" not in out and " keyframe" in out  # the CLI reads FL2VA off the task
     assert main(["plan", RECIPE, "--world-size", "8", "--tp", "4", "--gpu-gb", "40"]) == 1
     assert "OVER by" in capsys.readouterr().out
     assert main(["plan", RECIPE, "--world-size", "8", "--tp", "3"]) == 2  # 3 does not divide 8
@@ -189,11 +186,11 @@ def test_h3_block_formula_matches_autograd() -> None:
     temb = torch.randn(2, 16)
     rope = (torch.randn(rows, rot), torch.randn(rows, rot))
     block = MiniMaxH3TransformerBlock(h, heads, head_dim, ffn, 16, 1e-5, 1e-5)
-    got = saved_bytes(block, list(minimax_h3.LORA_TARGETS), rank, x, temb,
+    got = saved_bytes(block, list(minimax_h3.FAMILY.lora_targets), rank, x, temb,
                       torch.randint(0, 6, (rows,)), rope)  # fmt: skip
     assert got / (rows * h3_row(w, False, rot)) == pytest.approx(1, abs=0.01)
     refiner = MiniMaxH3TokenRefinerBlock(h, heads, head_dim, ffn, 1e-5, 1e-5)
-    got = saved_bytes(refiner, list(minimax_h3.LORA_TARGETS), rank, x)
+    got = saved_bytes(refiner, list(minimax_h3.FAMILY.lora_targets), rank, x)
     assert got / (rows * h3_row(w, True, rot)) == pytest.approx(1, abs=0.01)
 
 
@@ -210,7 +207,7 @@ def test_sd3_joint_block_formula_matches_autograd(dual: bool, pre_only: bool) ->
     block = JointTransformerBlock(h, heads, h // heads, pre_only, "rms_norm", dual)
     img = torch.randn(1, n_img, h, dtype=torch.bfloat16, requires_grad=True)
     txt = torch.randn(1, n_txt, h, dtype=torch.bfloat16, requires_grad=True)
-    got = saved_bytes(block, list(sd3.LORA_TARGETS), rank, img, txt,
+    got = saved_bytes(block, list(sd3.FAMILY.lora_targets), rank, img, txt,
                       torch.randn(1, h, dtype=torch.bfloat16))  # fmt: skip
     want = n_img * sd3_image_token(w, dual) + n_txt * sd3_text_token(w, pre_only)
     assert got / want == pytest.approx(1, abs=0.01)
@@ -223,7 +220,7 @@ def test_a_pipeline_directory_is_sized_from_its_configs(tmp_path) -> None:
         f.write_bytes(b"not weights")  # the plan must not need them
     cfg = load_config(RECIPE, ["model.preset=''", f"model.path={path}", "model.resolution=0",
                                "model.frames=0"])  # fmt: skip
-    p = plan(cfg, PlanOptions())
+    p = plan(cfg, PlanOptions(conditioned=True))
     assert p.fits and "h3" in p.title
     dit = next(r for r in p.rows if r.component == "DiT weights (actor)")
     assert 0 < dit.gib < 0.01

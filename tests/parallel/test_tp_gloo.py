@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import init_weights
+from diffrl.models.families._encoder_plans import ENCODER_TP_PLANS, T5_ENCODER_PLAN
 from diffrl.parallel import tp
 
 pytestmark = pytest.mark.skipif(
@@ -146,12 +147,12 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
         return m(input_ids=ids, attention_mask=mask).last_hidden_state
 
     result = dict(
-        dit=_parity(dit, tp_mesh, tp.FAMILY_TP_PLANS["sd3"], dit_fwd, grads=True),
-        t5=_parity(t5, etp_mesh, tp.ENCODER_TP_PLANS["t5"], t5_fwd),
+        dit=_parity(dit, tp_mesh, sd3.FAMILY.tp_plan, dit_fwd, grads=True),
+        t5=_parity(t5, etp_mesh, sd3.FAMILY.etp_plans["t5"], t5_fwd),
         heads=[dit.transformer_blocks[0].attn.heads, dit.transformer_blocks[0].attn2.heads],
         t5_heads=t5.encoder.block[0].layer[0].SelfAttention.n_heads,
         local_q=list(dit.transformer_blocks[0].attn.to_q.weight.to_local().shape),
-        again=_error_of(lambda: tp.apply_plan(dit, tp_mesh, tp.SD3_PLAN)),
+        again=_error_of(lambda: tp.apply_plan(dit, tp_mesh, sd3.TP_PLAN)),
     )
     finish_rank(out, rank, result)
 
@@ -203,8 +204,8 @@ def _wan_rank(rank: int, port: int, out: Path) -> None:
         return m(input_ids=ids, attention_mask=mask).last_hidden_state
 
     result = dict(
-        dit=_parity(dit, tp_mesh, tp.FAMILY_TP_PLANS["wan"], dit_fwd, grads=True),
-        umt5=_parity(umt5, etp_mesh, tp.ENCODER_TP_PLANS["umt5"], umt5_fwd),
+        dit=_parity(dit, tp_mesh, wan.FAMILY.tp_plan, dit_fwd, grads=True),
+        umt5=_parity(umt5, etp_mesh, wan.FAMILY.etp_plans["umt5"], umt5_fwd),
         heads=[dit.blocks[0].attn1.heads, dit.blocks[0].attn2.heads],
         local_norm_q=list(dit.blocks[0].attn1.norm_q.weight.to_local().shape),
     )
@@ -267,8 +268,8 @@ def _h3_rank(rank: int, port: int, out: Path) -> None:
         return m.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
     result = dict(
-        dit=_parity(dit, tp_mesh, tp.FAMILY_TP_PLANS["minimax_h3"], dit_fwd, grads=True),
-        qwen=_parity(qwen, etp_mesh, tp.ENCODER_TP_PLANS["qwen3_vl"], qwen_fwd),
+        dit=_parity(dit, tp_mesh, minimax_h3.FAMILY.tp_plan, dit_fwd, grads=True),
+        qwen=_parity(qwen, etp_mesh, minimax_h3.FAMILY.etp_plans["qwen3_vl"], qwen_fwd),
         heads=[
             dit.token_refiner.refiner_blocks[0].attn.heads,
             dit.transformer_blocks[0].attn.heads,
@@ -302,7 +303,7 @@ def test_unmatched_pattern_is_named_and_nothing_is_sharded():
 
     torch.manual_seed(0)
     dit = sd3.tiny_components()["transformer"]
-    plan = {**tp.SD3_PLAN, "transformer_blocks.*.attn.to_qkv": tp.ColwiseParallel()}
+    plan = {**sd3.TP_PLAN, "transformer_blocks.*.attn.to_qkv": tp.ColwiseParallel()}
     with pytest.raises(
         ConfigError, match=r"no submodule matches \['transformer_blocks\.\*\.attn\.to_qkv'\]"
     ):
@@ -319,11 +320,11 @@ def test_heads_not_divisible_is_a_clear_error():
     with pytest.raises(
         ConfigError, match=r"mesh of 3: every head count.*transformer_blocks\.0\.attn\.heads=2"
     ):
-        tp.apply_plan(parts["transformer"], _mesh_of(3), tp.SD3_PLAN)
+        tp.apply_plan(parts["transformer"], _mesh_of(3), sd3.TP_PLAN)
     with pytest.raises(ConfigError, match=r"SelfAttention\.n_heads=4"):
-        tp.check_plan(parts["text_encoder_3"], 3, tp.T5_ENCODER_PLAN)
+        tp.check_plan(parts["text_encoder_3"], 3, T5_ENCODER_PLAN)
     assert parts["transformer"].transformer_blocks[0].attn.heads == 2
-    tp.check_plan(parts["transformer"], 2, tp.SD3_PLAN)  # divides: no error
+    tp.check_plan(parts["transformer"], 2, sd3.TP_PLAN)  # divides: no error
 
 
 def test_a_wrapped_linear_is_named_before_anything_is_sharded():
@@ -335,7 +336,7 @@ def test_a_wrapped_linear_is_named_before_anything_is_sharded():
     attn = dit.transformer_blocks[1].attn
     attn.to_q = torch.nn.Sequential(attn.to_q)
     with pytest.raises(ConfigError, match=r"blocks\.1\.attn\.to_q is a Sequential, not a Linear"):
-        tp.apply_plan(dit, _mesh_of(2), tp.SD3_PLAN)
+        tp.apply_plan(dit, _mesh_of(2), sd3.TP_PLAN)
     assert dit.transformer_blocks[0].attn.heads == 2
 
 
@@ -347,7 +348,7 @@ def test_fused_chunks_not_divisible_is_a_clear_error():
     plan = {"transformer_blocks.*.ff.net.0.proj": tp.FusedColwiseParallel(chunks=2)}
     with pytest.raises(ConfigError, match=r"ff\.net\.0\.proj\.out_features=128 \(2 fused\)"):
         tp.check_plan(dit, 3, plan)  # 128 = 2 chunks of 64; 64 rows over 3 ranks
-    tp.check_plan(dit, 2, tp.H3_PLAN)
+    tp.check_plan(dit, 2, minimax_h3.TP_PLAN)
 
 
 def test_qk_norm_entries_are_optional():
@@ -359,7 +360,7 @@ def test_qk_norm_entries_are_optional():
 
     cfg = {**sd3.PRESETS["sd35-tiny"]["transformer"], "qk_norm": None, "dual_attention_layers": ()}
     dit = random_component(SD3Transformer2DModel, cfg, torch.float32, torch.device("cpu"))
-    paths = tp.check_plan(dit, 2, tp.SD3_PLAN)
+    paths = tp.check_plan(dit, 2, sd3.TP_PLAN)
     assert paths["transformer_blocks.*.attn.norm_q"] == []
     assert paths["transformer_blocks.*.attn.to_q"] == [
         "transformer_blocks.0.attn.to_q",
@@ -367,12 +368,15 @@ def test_qk_norm_entries_are_optional():
     ]
 
 
-def test_registries_are_keyed_by_family_and_encoder_model_type():
-    from diffrl.models.registry import FAMILY_MODULES
+def test_plans_live_in_the_family_records_and_encoder_plans_by_model_type():
+    from diffrl.models.registry import FAMILIES
 
-    assert set(tp.FAMILY_TP_PLANS) <= set(FAMILY_MODULES)
+    with_tp = {name for name, f in FAMILIES.items() if f.tp_plan}
+    assert with_tp == {"sd3", "wan", "minimax_h3"}
+    for f in FAMILIES.values():  # an ETP plan is one of the shared encoder plans, by model_type
+        assert all(ENCODER_TP_PLANS[k] is v for k, v in f.etp_plans.items()), f.name
     # the encoders' config.model_type, which is how a caller finds an encoder's plan
     from transformers import Qwen3VLConfig, T5Config, UMT5Config
 
     for cfg in (T5Config, UMT5Config, Qwen3VLConfig):
-        assert cfg.model_type in tp.ENCODER_TP_PLANS
+        assert cfg.model_type in ENCODER_TP_PLANS

@@ -7,7 +7,7 @@ the same random model from ``torch.manual_seed(0)`` and the same random LoRA upd
 unsharded reference, shards the model with a TP plan, syncs, and writes what it measured to
 ``tmp_path``; the parent asserts on every rank's record.
 
-- SD3.5's tiny DiT under ``tp.SD3_PLAN`` (to_q/k/v, add_*_proj, ff.net.0.proj column-sharded:
+- SD3.5's tiny DiT under ``sd3.TP_PLAN`` (to_q/k/v, add_*_proj, ff.net.0.proj column-sharded:
   ``Shard(0)``; to_out.0, to_add_out, ff.net.2 row-sharded: ``Shard(1)``), the family's own
   ``LORA_TARGETS``.
 - A fused QKV (``layouts.fuse_qkv``'s SlotMap) held by ``FusedColwiseParallel(3)``
@@ -237,7 +237,7 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
             return m(x, txt, pooled, t, return_dict=False)[0]
 
     y_base = fwd(ref)
-    tp.apply_plan(dit, mesh, tp.SD3_PLAN)
+    tp.apply_plan(dit, mesh, sd3.TP_PLAN)
     t0 = time.perf_counter()
     target = ShardedLoraTarget(dit, mesh, names)
     t_build = time.perf_counter() - t0

@@ -21,6 +21,7 @@ one registered submodule (peft targets it), the frozen encoders and VAE live in 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from diffrl.errors import ConfigError
 from diffrl.models.family import EncodeCache, Shared
+from diffrl.models.words import read_words
 
 # --- pipeline directories -------------------------------------------------------------------
 
@@ -87,8 +89,15 @@ def _is_tokenizer(cls) -> bool:
 
 
 def load_component(root: Path, subfolder: str, cls, dtype: torch.dtype, device: torch.device):
-    """One component of a pipeline directory, through its class's own ``from_pretrained``."""
+    """One component of a pipeline directory, through its class's own ``from_pretrained``
+    (under ``components_on_meta``: its class built on ``meta`` from its ``config.json``)."""
     path = root / subfolder
+    if _ON_META.get() is not None and not _is_tokenizer(cls):
+        if cls.__module__.startswith("diffusers"):
+            config = cls.load_config(str(path))
+        else:
+            config = cls.config_class.from_pretrained(str(path))
+        return random_component(cls, config, dtype, device)
     try:
         if _is_tokenizer(cls):
             return cls.from_pretrained(str(path), local_files_only=True)
@@ -118,6 +127,33 @@ def save_pipeline_dir(path: str | Path, components: dict[str, object], pipeline_
         index[sub] = [type(obj).__module__.split(".")[0], type(obj).__name__]
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
+
+
+# --- the load every diffusers family shares ----------------------------------------------------
+
+SIZE_KEYS = ("resolution", "frames", "max_text_len")  # model.* keys where 0 = the family's default
+
+
+def load_source(cfg, family: str, presets, from_dir, from_preset) -> tuple[dict, dict]:
+    """The dispatch and defaults every diffusers family's ``load`` shares.
+
+    ``from_dir(path, dtype)`` reads a local pipeline directory (``cfg.path``) and
+    ``from_preset(name, dtype)`` builds a preset (``cfg.preset``, one of ``presets``) with
+    random weights; each returns ``(parts, settings)``: the components, and the family's
+    defaults (``resolution``, ``frames``, ``max_text_len``, and whatever else its ``build``
+    takes). Anything else is a ConfigError naming both keys and the presets. Returns the parts
+    and the settings, with the ``SIZE_KEYS`` the config sets (non-zero) taking precedence."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path:
+        parts, settings = from_dir(cfg.path, dtype)
+    elif cfg.preset in presets:
+        parts, settings = from_preset(cfg.preset, dtype)
+    else:
+        raise ConfigError(
+            f"model family {family!r} needs model.path (a diffusers directory) or model.preset "
+            f"(one of {sorted(presets)}); got preset {cfg.preset!r}"
+        )
+    return parts, {k: (getattr(cfg, k) if k in SIZE_KEYS else 0) or v for k, v in settings.items()}
 
 
 # --- random weights, built on the meta device -------------------------------------------------
@@ -168,11 +204,47 @@ def init_weights(model: nn.Module, std: float = 0.02) -> None:
                 p.normal_(0.0, std)
 
 
+# Set by ``components_on_meta``: the ids of the components built there that the family asked
+# for on the CPU (None = build for real)
+_ON_META: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar(
+    "diffrl_components_on_meta", default=None
+)
+
+
+@contextlib.contextmanager
+def components_on_meta(host: set[int]) -> Iterator[None]:
+    """Within the block, ``random_component`` and ``load_component`` build every model on the
+    ``meta`` device: the real classes at the preset's or the directory's size, no memory (what
+    ``diffrl plan`` counts). Tokenizers load for real (they are small). ``host`` collects the ids
+    of the components the family asked for on the CPU (an offloaded encoder)."""
+    token = _ON_META.set(host)
+    try:
+        yield
+    finally:
+        _ON_META.reset(token)
+
+
+def _meta_component(cls, config, dtype: torch.dtype) -> nn.Module:
+    with torch.device("meta"):
+        if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
+            model = cls(config if not isinstance(config, dict) else cls.config_class(**config))
+        else:
+            model = cls.from_config(config)
+    return model.to(dtype=dtype).eval()
+
+
 def random_component(cls, config: dict, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """``cls`` at the size ``config`` says, with random weights, on ``device`` in ``dtype``.
+    """``cls`` at the size ``config`` says, with random weights, on ``device`` in ``dtype``
+    (under ``components_on_meta``: on ``meta``, no weights).
 
     Works for diffusers models (``cls.from_config(config)``) and transformers models
     (``cls(cls.config_class(**config))``)."""
+    host = _ON_META.get()
+    if host is not None:
+        model = _meta_component(cls, config, dtype)
+        if torch.device(device).type == "cpu":
+            host.add(id(model))
+        return model
     with _params_on_meta():
         if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
             model = cls(cls.config_class(**config))
@@ -211,14 +283,8 @@ standing sitting running flying under over near behind front next above below in
 )
 
 
-def _tiny_words() -> tuple[str, ...]:
-    from diffrl.data.shapes import all_prompts
-
-    shapes = {w for p in all_prompts() for w in p.text.split()}
-    return tuple(sorted(shapes | set(COMMON_WORDS)))
-
-
-TINY_WORDS: tuple[str, ...] = _tiny_words()
+# the tiny presets' vocabulary: ShapesBench's words (so its prompts tokenize) and common ones
+TINY_WORDS: tuple[str, ...] = tuple(sorted(set(read_words("shapes")) | set(COMMON_WORDS)))
 
 # Words of Qwen-Image's prompt template (qwen_image.py), so the template itself tokenizes.
 _QWEN_TEMPLATE = "system user assistant describe detailing color shape size texture quantity text "

@@ -27,12 +27,14 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.sync import layouts
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -319,22 +321,34 @@ def assemble(
 
 def load(cfg, device: torch.device, guidance: float = DEFAULT_GUIDANCE) -> FamilyModel:
     """``cfg.path`` (a local FLUX pipeline directory) or ``cfg.preset`` (random weights)."""
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        parts = _load_dir(cfg.path, dtype, device)
-        t5_len = cfg.max_text_len or min(parts["tokenizer_2"].model_max_length, T5_DEFAULT_LEN)
-        resolution = cfg.resolution or parts["vae"].config.sample_size
-    elif cfg.preset:
-        parts = preset_components(cfg.preset, dtype, device, cfg.max_text_len)
+
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        parts = _load_dir(path, dtype, device)
+        t5_len = min(parts["tokenizer_2"].model_max_length, T5_DEFAULT_LEN)
+        return parts, dict(resolution=parts["vae"].config.sample_size, max_text_len=t5_len)
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        parts = preset_components(name, dtype, device, cfg.max_text_len)
         t5_len = parts["tokenizer_2"].model_max_length
-        resolution = cfg.resolution or PRESETS[cfg.preset]["resolution"]
-    else:
-        raise ConfigError(
-            "model family 'flux' needs model.path (a diffusers directory) or "
-            f"model.preset (one of {sorted(PRESETS)})"
-        )
-    return assemble(parts, resolution, t5_len, cfg.convention, guidance)
+        return parts, dict(resolution=PRESETS[name]["resolution"], max_text_len=t5_len)
+
+    parts, s = load_source(cfg, "flux", PRESETS, from_dir, from_preset)
+    return assemble(parts, s["resolution"], s["max_text_len"], cfg.convention, guidance)
 
 
 def save(parts: dict, path) -> None:
     save_pipeline_dir(path, parts, PIPELINE)
+
+
+FAMILY = FamilySpec(
+    name="flux",
+    native_convention=FluxFamily.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=FluxFamily,
+    presets=PRESETS,
+    serving_layout=FluxFamily.serving_layout,
+    flops=FluxFamily.flops,
+    etp_plans={"t5": T5_ENCODER_PLAN},
+    sp_plan="diffusers",
+)

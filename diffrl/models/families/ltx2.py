@@ -53,12 +53,13 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     missing_error,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 
@@ -584,29 +585,33 @@ def load(cfg, device: torch.device) -> FamilyModel:
     """From a local pipeline directory (``cfg.path``) or a preset with random weights."""
     from transformers import AutoTokenizer
 
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        root = check_pipeline_dir(cfg.path, "ltx2", COMPONENTS)
+    keys = ("resolution", "frames", "max_text_len", "fps")
+
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        root = check_pipeline_dir(path, "ltx2", COMPONENTS)
         _check_classes(root)
         parts = {
             sub: load_component(root, sub, cls, dtype, device) for sub, cls in _classes().items()
         }
         parts["tokenizer"] = load_component(root, "tokenizer", AutoTokenizer, dtype, device)
-        defaults = (DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN, DEFAULT_FPS)
-    elif cfg.preset in PRESETS:
-        parts = _random(cfg.preset, dtype, device)
-        spec = PRESETS[cfg.preset]
-        defaults = (spec["resolution"], spec["frames"], spec["max_text_len"], spec["fps"])
-    else:
-        raise ConfigError(
-            f"model family 'ltx2' needs model.path (a diffusers directory) or model.preset "
-            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
-        )
-    return build(
-        **parts,
-        resolution=cfg.resolution or defaults[0],
-        frames=cfg.frames or defaults[1],
-        max_text_len=cfg.max_text_len or defaults[2],
-        fps=defaults[3],
-        convention=cfg.convention,
-    )
+        sizes = (DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN, DEFAULT_FPS)
+        return parts, dict(zip(keys, sizes, strict=True))
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        return _random(name, dtype, device), {k: PRESETS[name][k] for k in keys}
+
+    parts, settings = load_source(cfg, "ltx2", PRESETS, from_dir, from_preset)
+    return build(**parts, **settings, convention=cfg.convention)
+
+
+FAMILY = FamilySpec(
+    name="ltx2",
+    native_convention=LTX2Family.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=LTX2Family,
+    presets=PRESETS,
+    serving_layout=LTX2Family.serving_layout,
+    flops=LTX2Family.flops,
+    sp_plan="diffusers",
+)

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError, ContractError
 from diffrl.models.families._diffusers import (
@@ -60,13 +61,26 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
     word_tokenizer,
 )
+from diffrl.models.families._encoder_plans import QWEN3_VL_ENCODER_PLAN
 from diffrl.models.families.h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import (
+    Builtin,
+    EncodesClips,
+    FamilyModel,
+    FamilySpec,
+    TakesConditions,
+    TokenBatch,
+    hash_rows,
+)
+from diffrl.models.memory import BlockCost, Geometry, Widths
+from diffrl.models.words import read_words
+from diffrl.parallel.tp import FusedColwiseParallel, LocalHeads, PerHeadNorm, Plan
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_from_uint8
@@ -461,12 +475,11 @@ class MiniMaxH3Net(DiffusersNet):
         return out
 
 
-class MiniMaxH3Family:
+class MiniMaxH3Family(TakesConditions, EncodesClips):
     name = "minimax_h3"
     native_convention = "data_progress"
     lora_targets = LORA_TARGETS
     media = frozenset({"video", "fps", "image", "audio", "sample_rate"})
-    takes_conditions = True  # FL2VA keyframes, as PromptBatch.cond (encode_conditions)
 
     def __init__(
         self,
@@ -727,9 +740,7 @@ def tiny_tokenizer(max_len: int, words: str = "tiny"):
     ``words="avbench"`` over AVBench's prompt words as well."""
     vocab = set(TINY_WORDS)
     if words == "avbench":
-        from diffrl.tasks.avbench.prompts import vocabulary
-
-        vocab |= set(vocabulary())
+        vocab |= set(read_words("avbench"))
     return word_tokenizer(sorted(vocab), "qwen", max_len)
 
 
@@ -793,9 +804,21 @@ def load(cfg, device: torch.device) -> FamilyModel:
     )
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        root = check_pipeline_dir(cfg.path, "minimax_h3", COMPONENTS)
+    def settings(spec: dict, shifts, text_layer: int, offload: bool) -> dict:
+        keys = ("resolution", "frames", "max_text_len", "fps", "audio_channels")
+        return {
+            **{k: spec[k] for k in keys},
+            "audio_shift_ratio": shifts[1] / shifts[0],
+            "text_layer": text_layer,
+            "offload_text_encoder": offload,
+        }
+
+    def with_codecs(parts: dict, spec: dict) -> dict:
+        video_codec, audio_codec = codecs(parts.pop("vae"), parts.pop("audio_vae"), spec)
+        return {**parts, "video_codec": video_codec, "audio_codec": audio_codec}
+
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        root = check_pipeline_dir(path, "minimax_h3", COMPONENTS)
         transformer = load_component(
             root, "transformer", MiniMaxH3Transformer3DModel, dtype, device
         )
@@ -817,28 +840,96 @@ def load(cfg, device: torch.device) -> FamilyModel:
         ]
         n_layers = parts["text_encoder"].config.text_config.num_hidden_layers
         text_layer = TEXT_LAYER if n_layers > TEXT_LAYER else n_layers
-    elif cfg.preset in PRESETS:
-        spec = PRESETS[cfg.preset]
-        parts = _random(cfg.preset, dtype, device)
-        shifts = [spec["video_shift"], spec["audio_shift"]]
-        text_layer, offload = spec["text_layer"], spec["offload_text_encoder"]
-    else:
-        raise ConfigError(
-            f"model family 'minimax_h3' needs model.path (a diffusers directory) or model.preset "
-            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
-        )
-    video_codec, audio_codec = codecs(parts.pop("vae"), parts.pop("audio_vae"), spec)
-    return build(
-        **parts,
-        video_codec=video_codec,
-        audio_codec=audio_codec,
-        resolution=cfg.resolution or spec["resolution"],
-        frames=cfg.frames or spec["frames"],
-        max_text_len=cfg.max_text_len or spec["max_text_len"],
-        fps=spec["fps"],
-        audio_shift_ratio=shifts[1] / shifts[0],
-        audio_channels=spec["audio_channels"],
-        text_layer=text_layer,
-        offload_text_encoder=offload,
-        convention=cfg.convention,
+        return with_codecs(parts, spec), settings(spec, shifts, text_layer, offload)
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        spec = PRESETS[name]
+        shifts = (spec["video_shift"], spec["audio_shift"])
+        parts = with_codecs(_random(name, dtype, device), spec)
+        return parts, settings(spec, shifts, spec["text_layer"], spec["offload_text_encoder"])
+
+    parts, s = load_source(cfg, "minimax_h3", PRESETS, from_dir, from_preset)
+    return build(**parts, **s, convention=cfg.convention)
+
+
+# --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
+
+# MiniMax-H3 (MiniMaxH3Transformer3DModel): self-attention only (one packed sequence), in the
+# text refiner and the main blocks, per-head qk-norm; the feed-forward is a SwiGLU whose one
+# Linear yields [up; gate] (FusedColwiseParallel). A model after fuse_projections() (to_qkv)
+# does not match this plan.
+TP_PLAN: Plan = {
+    f"{blocks}.*.{leaf}": style
+    for blocks in ("token_refiner.refiner_blocks", "transformer_blocks")
+    for leaf, style in (
+        ("attn", LocalHeads("heads")),
+        ("attn.to_q", ColwiseParallel()),
+        ("attn.to_k", ColwiseParallel()),
+        ("attn.to_v", ColwiseParallel()),
+        ("attn.norm_q", PerHeadNorm(heads_dim=2)),  # on (B, S, H, D)
+        ("attn.norm_k", PerHeadNorm(heads_dim=2)),
+        ("attn.to_out.0", RowwiseParallel()),
+        ("ff.net.0.proj", FusedColwiseParallel(chunks=2)),
+        ("ff.net.2", RowwiseParallel()),
     )
+}
+
+
+# --- memory geometry for `diffrl plan` (derivations in diffrl/parallel/plan.py) -------------
+
+
+def h3_row(w: Widths, refiner: bool, rot: int) -> float:
+    """Bytes one MiniMax-H3 block keeps per packed row (a token refiner block per text row)."""
+    norms = 2 * w.rms * w.h + 2 * w.rms * w.a  # norm1, norm2; per-head q/k norms
+    lora = 4 * (4 * w.h + w.a + w.f) + 6 * 4 * w.r  # q, k, v, FFN-up; out; FFN-down
+    rows = 2 * 4 + 2 * 4 * w.heads + 4 * w.heads  # rstd of the norms, the attention's lse
+    kept = norms + lora + 8 * w.a + 6 * w.f + rows  # SDPA's q, k, v, out; SwiGLU
+    return kept if refiner else kept + 4 * 2 * w.h + 4 * 2 * rot  # adaLN tables; rope cos/sin
+
+
+def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
+    """H3's packed rows (keyframe rows when ``conditioned``), for ``diffrl plan``."""
+    tr, net = model.net.transformer, model.net
+    cfg = tr.config
+    _, f, hv, wv = net.video_shape
+    pt, ph, pw = cfg.patch_size
+    n_video = (f // pt) * (hv // ph) * (wv // pw)
+    n_cond = 2 * (hv // ph) * (wv // pw) if conditioned else 0  # FL2VA: first and last frames
+    n_audio = net.audio_shape[0] * net.audio_shape[1]
+    n_text = model.family.max_text_len  # the longest prompt: a row's real length at most
+    n = n_video + n_cond + n_audio + n_text
+    rot = 6 * cfg.rope_freq_dim  # cos and sin over 3 axes, twice (rotate_half)
+    live = max(4 * w.h + 8 * w.f, 4 * w.h + 12 * w.a)
+    blocks = [
+        BlockCost("H3 block", cfg.num_layers, n * h3_row(w, False, rot), 2 * w.h * n, live * n),
+        BlockCost(
+            "token refiner",
+            cfg.num_refiner_layers,
+            n_text * h3_row(w, True, rot),
+            2 * w.h * n_text,
+            live * n_text,
+        ),
+    ]
+    what = f"{n:,} rows ({n_video:,} video, {n_cond} keyframe, {n_audio} audio, {n_text} text)"
+    return Geometry(what, blocks, {"text_encoder": n_text})
+
+
+FAMILY = FamilySpec(
+    name="minimax_h3",
+    native_convention=MiniMaxH3Family.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=MiniMaxH3Family,
+    presets=PRESETS,
+    builtins={
+        "builtin:avbench_h3": Builtin(
+            "avbench_h3.safetensors", "diffrl pretrain task=avbench", preset="h3-avbench"
+        ),
+    },
+    serving_layout=MiniMaxH3Family.serving_layout,
+    flops=MiniMaxH3Family.flops,
+    tp_plan=TP_PLAN,
+    etp_plans={"qwen3_vl": QWEN3_VL_ENCODER_PLAN},
+    sp_plan="diffusers",
+    geometry=geometry,
+)

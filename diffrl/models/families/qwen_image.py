@@ -34,12 +34,13 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.sync.layouts import fuse_qkv, merge
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -432,9 +433,8 @@ def load(cfg, device: torch.device) -> FamilyModel:
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        root = check_pipeline_dir(cfg.path, "qwen_image", COMPONENTS)
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        root = check_pipeline_dir(path, "qwen_image", COMPONENTS)
         parts = dict(
             transformer=load_component(
                 root, "transformer", QwenImageTransformer2DModel, dtype, device
@@ -445,18 +445,25 @@ def load(cfg, device: torch.device) -> FamilyModel:
             vae=load_component(root, "vae", AutoencoderKLQwenImage, dtype, device),
             tokenizer=load_component(root, "tokenizer", AutoTokenizer, dtype, device),
         )
-        resolution, max_len = DEFAULT_RESOLUTION, DEFAULT_MAX_TEXT_LEN
-    elif cfg.preset in PRESETS:
-        parts = _random(cfg.preset, dtype, device)
-        resolution, max_len = PRESETS[cfg.preset]["resolution"], PRESETS[cfg.preset]["max_text_len"]
-    else:
-        raise ConfigError(
-            f"model family 'qwen_image' needs model.path (a diffusers directory) or model.preset "
-            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
-        )
-    return build(
-        **parts,
-        resolution=cfg.resolution or resolution,
-        max_text_len=cfg.max_text_len or max_len,
-        convention=cfg.convention,
-    )
+        return parts, dict(resolution=DEFAULT_RESOLUTION, max_text_len=DEFAULT_MAX_TEXT_LEN)
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        spec = PRESETS[name]
+        sizes = dict(resolution=spec["resolution"], max_text_len=spec["max_text_len"])
+        return _random(name, dtype, device), sizes
+
+    parts, settings = load_source(cfg, "qwen_image", PRESETS, from_dir, from_preset)
+    return build(**parts, **settings, convention=cfg.convention)
+
+
+FAMILY = FamilySpec(
+    name="qwen_image",
+    native_convention=QwenImageFamily.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=QwenImageFamily,
+    presets=PRESETS,
+    serving_layout=QwenImageFamily.serving_layout,
+    flops=QwenImageFamily.flops,
+    sp_plan="diffusers",
+)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
@@ -30,13 +31,24 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     missing_error,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
+from diffrl.models.family import (
+    Builtin,
+    FamilyModel,
+    FamilySpec,
+    ResolutionFree,
+    TokenBatch,
+    hash_rows,
+)
+from diffrl.models.memory import BlockCost, Geometry, Widths, merge_blocks
+from diffrl.parallel.tp import LocalHeads, PerHeadNorm, Plan, optional
 from diffrl.sync import layouts
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -174,7 +186,7 @@ class SD3Net(DiffusersNet):
         )[0]
 
 
-class SD3Family:
+class SD3Family(ResolutionFree):
     name = "sd3"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -367,20 +379,117 @@ def default_resolution(parts: dict) -> int:
 
 def load(cfg, device: torch.device) -> FamilyModel:
     """``cfg.path`` (a local SD3 pipeline directory) or ``cfg.preset`` (random weights)."""
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        parts = _load_dir(cfg.path, dtype, device)
-        t5_len = cfg.max_text_len or min(parts["tokenizer_3"].model_max_length, T5_DEFAULT_LEN)
-    elif cfg.preset:
-        parts = preset_components(cfg.preset, dtype, device, cfg.max_text_len)
+
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        parts = _load_dir(path, dtype, device)
+        t5_len = min(parts["tokenizer_3"].model_max_length, T5_DEFAULT_LEN)
+        return parts, dict(resolution=default_resolution(parts), max_text_len=t5_len)
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        parts = preset_components(name, dtype, device, cfg.max_text_len)
         t5_len = parts["tokenizer_3"].model_max_length
-    else:
-        raise ConfigError(
-            "model family 'sd3' needs model.path (a diffusers directory) or "
-            f"model.preset (one of {sorted(PRESETS)})"
-        )
-    return assemble(parts, cfg.resolution or default_resolution(parts), t5_len, cfg.convention)
+        return parts, dict(resolution=default_resolution(parts), max_text_len=t5_len)
+
+    parts, s = load_source(cfg, "sd3", PRESETS, from_dir, from_preset)
+    return assemble(parts, s["resolution"], s["max_text_len"], cfg.convention)
 
 
 def save(parts: dict, path) -> None:
     save_pipeline_dir(path, parts, PIPELINE)
+
+
+# --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
+
+# SD3 / SD3.5 (SD3Transformer2DModel): joint blocks attend over [image; text] with one head set,
+# the text stream through add_*_proj; SD3.5's dual-attention blocks add an image-only attn2.
+TP_PLAN: Plan = {
+    "transformer_blocks.*.attn": LocalHeads("heads"),
+    "transformer_blocks.*.attn.to_q": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_k": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_v": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_q_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_k_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_v_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_out.0": RowwiseParallel(),
+    "transformer_blocks.*.attn.to_add_out": RowwiseParallel(),
+    # qk-norm (SD3.5 only), on (B, H, S, D)
+    "transformer_blocks.*.attn.norm_q": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn.norm_k": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn.norm_added_q": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn.norm_added_k": optional(PerHeadNorm(heads_dim=1)),
+    # dual attention (SD3.5's first blocks only)
+    "transformer_blocks.*.attn2": optional(LocalHeads("heads")),
+    "transformer_blocks.*.attn2.to_q": optional(ColwiseParallel()),
+    "transformer_blocks.*.attn2.to_k": optional(ColwiseParallel()),
+    "transformer_blocks.*.attn2.to_v": optional(ColwiseParallel()),
+    "transformer_blocks.*.attn2.to_out.0": optional(RowwiseParallel()),
+    "transformer_blocks.*.attn2.norm_q": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.attn2.norm_k": optional(PerHeadNorm(heads_dim=1)),
+    "transformer_blocks.*.ff.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
+    "transformer_blocks.*.ff.net.2": RowwiseParallel(),
+    "transformer_blocks.*.ff_context.net.0.proj": ColwiseParallel(),
+    "transformer_blocks.*.ff_context.net.2": RowwiseParallel(),
+}
+
+
+# --- memory geometry for `diffrl plan` (derivations in diffrl/parallel/plan.py) -------------
+
+
+def sd3_image_token(w: Widths, dual: bool) -> float:
+    """Bytes one SD3 joint block keeps per image token (derivation in the module docstring)."""
+    rows = 2 * 8 + 2 * 4 * w.heads + 4 * w.heads + 6 * 4 * w.r  # LN stats, qk rsqrt, lse, LoRA
+    kept = 20 * w.h + 24 * w.a + 6 * w.f + rows
+    return kept + (20 * w.a + 12 * w.heads if dual else 0)  # attn2: qk-norm, SDPA (no LoRA)
+
+
+def sd3_text_token(w: Widths, pre_only: bool) -> float:
+    """Bytes one SD3 joint block keeps per text token (the context stream)."""
+    if pre_only:  # the last block: attention only, no to_add_out, no text FFN
+        return 14 * w.h + 20 * w.a + 8 + 12 * w.heads + 3 * 4 * w.r
+    return 16 * w.h + 24 * w.a + 2 * w.f + 16 + 12 * w.heads + 4 * 4 * w.r
+
+
+def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
+    """SD3's joint blocks at the model's size, for ``diffrl plan``."""
+    cfg, fam = model.net.transformer.config, model.family
+    _, hl, wl = fam.latent_shape()
+    p = cfg.patch_size
+    n_img, n_txt = (hl // p) * (wl // p), fam.lens[0] + fam.lens[2]  # CLIPs on channels, T5
+    dual = set(cfg.dual_attention_layers or ())
+    live = max(4 * w.h + 4 * w.f, 4 * w.h + 14 * w.a)
+    blocks = []
+    for i in range(cfg.num_layers):
+        pre = i == cfg.num_layers - 1
+        saved = n_img * sd3_image_token(w, i in dual) + n_txt * sd3_text_token(w, pre)
+        kind = "joint" + (", dual" if i in dual else "") + (", last" if pre else "")
+        blocks.append(BlockCost(kind, 1, saved, 2 * w.h * (n_img + n_txt), live * (n_img + n_txt)))
+    decode = 0.0
+    if fam.vae is not None:  # the last upsampling carries block_out_channels[1] to full size
+        widths = fam.vae.config.block_out_channels
+        side = hl * 2 ** (len(widths) - 1)
+        decode = 3 * 2 * side * side * widths[min(1, len(widths) - 1)]
+    encoders = dict(clip_l=fam.lens[0], clip_g=fam.lens[1], t5=fam.lens[2])
+    return Geometry(
+        f"{n_img:,} image + {n_txt} text tokens", merge_blocks(blocks), encoders, decode
+    )
+
+
+FAMILY = FamilySpec(
+    name="sd3",
+    native_convention=SD3Family.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=SD3Family,
+    presets=PRESETS,
+    builtins={
+        "builtin:shapes_sd3": Builtin(
+            "shapes_sd3.safetensors", "diffrl pretrain preset=sd3-shapes", preset="sd3-shapes"
+        ),
+    },
+    serving_layout=SD3Family.serving_layout,
+    flops=SD3Family.flops,
+    tp_plan=TP_PLAN,
+    etp_plans={"t5": T5_ENCODER_PLAN},
+    sp_plan="",  # SD3Transformer2DModel declares no _cp_plan
+    geometry=geometry,
+)

@@ -16,22 +16,20 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from diffrl.data.tokenizer import WordTokenizer
 from diffrl.errors import ConfigError
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.family import Builtin, FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS, TinyDiT, TinyDiTConfig
+from diffrl.models.words import WordTokenizer, read_words
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
 # shapes_dit_v2 (the default recipe's base): pre-trained with text_embed_std=0.02, so the
-# prompt's word order reaches the blocks and colours bind to their shapes (BENCHMARKS.md)
+# prompt's word order reaches the blocks and colours bind to their shapes
 BUILTIN = {
-    "builtin:shapes_dit": ASSETS / "shapes_dit.safetensors",
-    "builtin:shapes_dit_v2": ASSETS / "shapes_dit_v2.safetensors",
+    "builtin:shapes_dit": Builtin("shapes_dit.safetensors", "diffrl pretrain"),
+    "builtin:shapes_dit_v2": Builtin("shapes_dit_v2.safetensors", "diffrl pretrain"),
 }
 LORA_TARGETS = TINY_DIT_LORA_TARGETS
-PRESETS: dict[str, dict] = {}
 
 
 class TinyDiTFamily:
@@ -42,7 +40,7 @@ class TinyDiTFamily:
 
     def __init__(self, arch: TinyDiTConfig) -> None:
         self.arch = arch
-        self.tokenizer = WordTokenizer(arch.max_text_len)
+        self.tokenizer = WordTokenizer(read_words("shapes"), arch.max_text_len)
         if arch.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
                 f"model vocab ({arch.vocab_size}) is smaller than the "
@@ -77,9 +75,9 @@ class TinyDiTFamily:
 
 
 def resolve_checkpoint(spec: str) -> Path:
-    path = BUILTIN.get(spec, Path(spec))
+    path = BUILTIN[spec].path if spec in BUILTIN else Path(spec)
     if not path.is_file():
-        hint = " (run `diffrl pretrain` to create it)" if spec in BUILTIN else ""
+        hint = f" (run `{BUILTIN[spec].command}` to create it)" if spec in BUILTIN else ""
         raise ConfigError(f"model checkpoint {spec!r} not found at {path}{hint}")
     return path
 
@@ -122,3 +120,15 @@ def save_model(model: FamilyModel, path: Path, extra: dict[str, str] | None = No
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().contiguous().cpu() for k, v in net.state_dict().items()}
     save_file(state, str(path), metadata=meta)
+
+
+FAMILY = FamilySpec(
+    name="tiny_dit",
+    native_convention=TinyDiTFamily.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=TinyDiTFamily,
+    builtins=BUILTIN,  # model.checkpoint, not model.weights: the file records the architecture
+    serving_layout=TinyDiTFamily.serving_layout,
+    flops=TinyDiTFamily.flops,
+)

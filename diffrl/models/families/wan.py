@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
@@ -36,12 +37,15 @@ from diffrl.models.families._diffusers import (
     DiffusersNet,
     check_pipeline_dir,
     load_component,
+    load_source,
     random_component,
     save_pipeline_dir,
     tokenize_padded,
     word_tokenizer,
 )
-from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
+from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
+from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.parallel.tp import LocalHeads, Plan, ShardedRMSNorm
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 
@@ -328,9 +332,8 @@ def load(cfg, device: torch.device) -> FamilyModel:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.path:
-        root = check_pipeline_dir(cfg.path, "wan", COMPONENTS)
+    def from_dir(path: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        root = check_pipeline_dir(path, "wan", COMPONENTS)
         _check_single_transformer(root)
         parts = dict(
             transformer=load_component(root, "transformer", WanTransformer3DModel, dtype, device),
@@ -338,20 +341,53 @@ def load(cfg, device: torch.device) -> FamilyModel:
             vae=load_component(root, "vae", AutoencoderKLWan, dtype, device),
             tokenizer=load_component(root, "tokenizer", AutoTokenizer, dtype, device),
         )
-        defaults = (DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN)
-    elif cfg.preset in PRESETS:
-        parts = _random(cfg.preset, dtype, device)
-        spec = PRESETS[cfg.preset]
-        defaults = (spec["resolution"], spec["frames"], spec["max_text_len"])
-    else:
-        raise ConfigError(
-            f"model family 'wan' needs model.path (a diffusers directory) or model.preset "
-            f"(one of {sorted(PRESETS)}); got preset {cfg.preset!r}"
+        sizes = (DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN)
+        return parts, dict(zip(("resolution", "frames", "max_text_len"), sizes, strict=True))
+
+    def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
+        spec = PRESETS[name]
+        return _random(name, dtype, device), {
+            k: spec[k] for k in ("resolution", "frames", "max_text_len")
+        }
+
+    parts, settings = load_source(cfg, "wan", PRESETS, from_dir, from_preset)
+    return build(**parts, **settings, convention=cfg.convention)
+
+
+# --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
+
+# Wan 2.1 / 2.2 (WanTransformer3DModel): self-attention attn1, text cross-attention attn2 (its
+# k/v read the text states; I2V's add_k/v_proj image branch is not in this plan), q/k normed
+# across heads (ShardedRMSNorm), a GELU MLP.
+TP_PLAN: Plan = {
+    **{
+        f"blocks.*.{attn}{leaf}": style
+        for attn in ("attn1", "attn2")
+        for leaf, style in (
+            ("", LocalHeads("heads")),
+            (".to_q", ColwiseParallel()),
+            (".to_k", ColwiseParallel()),
+            (".to_v", ColwiseParallel()),
+            (".norm_q", ShardedRMSNorm()),
+            (".norm_k", ShardedRMSNorm()),
+            (".to_out.0", RowwiseParallel()),
         )
-    return build(
-        **parts,
-        resolution=cfg.resolution or defaults[0],
-        frames=cfg.frames or defaults[1],
-        max_text_len=cfg.max_text_len or defaults[2],
-        convention=cfg.convention,
-    )
+    },
+    "blocks.*.ffn.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
+    "blocks.*.ffn.net.2": RowwiseParallel(),
+}
+
+
+FAMILY = FamilySpec(
+    name="wan",
+    native_convention=WanFamily.native_convention,
+    lora_targets=LORA_TARGETS,
+    load=load,
+    family_class=WanFamily,
+    presets=PRESETS,
+    serving_layout=WanFamily.serving_layout,
+    flops=WanFamily.flops,
+    tp_plan=TP_PLAN,
+    etp_plans={"umt5": T5_ENCODER_PLAN},
+    sp_plan="diffusers",
+)

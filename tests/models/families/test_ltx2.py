@@ -12,7 +12,7 @@ import torch
 
 from diffrl.errors import ConfigError
 from diffrl.models.families import ltx2
-from diffrl.models.registry import ModelConfig, family_module, load_model
+from diffrl.models.registry import ModelConfig, family, load_model
 from diffrl.sync.layouts import RowView, SwappedShards
 
 try:
@@ -37,7 +37,7 @@ def model(pipe_dir):
 
 def test_loads_from_dir(model) -> None:
     fam = model.family
-    assert family_module("ltx2") is ltx2
+    assert family("ltx2") is ltx2.FAMILY
     assert fam.name == "ltx2" and model.convention.name == "sigma_x1000"
     assert fam.latent_shape() == (D_VIDEO + D_AUDIO,)
     assert fam.geometry.video == (8, 5, 4, 4) and fam.geometry.audio == (4, 9, 4)

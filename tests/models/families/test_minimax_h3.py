@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from diffrl.errors import ConfigError, ContractError
 from diffrl.models.convention import noised, probe_convention
 from diffrl.models.family import FamilyModel
-from diffrl.models.registry import ModelConfig, family_module, load_model
+from diffrl.models.registry import ModelConfig, family, load_model
 
 pytest.importorskip("diffusers")
 from diffrl.models.families import minimax_h3  # noqa: E402
@@ -41,7 +41,7 @@ def model(pipe_dir):
 
 def test_loads_from_dir(model, pipe_dir) -> None:
     fam, net = model.family, model.net
-    assert family_module("minimax_h3") is minimax_h3
+    assert family("minimax_h3") is minimax_h3.FAMILY
     assert fam.name == "minimax_h3" and model.convention.name == "data_progress"
     # video (4, 5, 8, 8) = 1280 then audio (1 channel, 20 latents, 4) = 80, flat
     assert net.video_shape == (4, 5, 8, 8) and net.audio_shape == (1, 20, 4)

@@ -11,7 +11,7 @@ import torch
 
 from diffrl.errors import ConfigError
 from diffrl.models.families import qwen_image
-from diffrl.models.registry import ModelConfig, family_module, load_model
+from diffrl.models.registry import ModelConfig, family, load_model
 from diffrl.sync.weights import SyncError
 
 try:
@@ -35,7 +35,7 @@ def model(pipe_dir):
 
 def test_loads_from_dir(model) -> None:
     fam = model.family
-    assert family_module("qwen_image") is qwen_image
+    assert family("qwen_image") is qwen_image.FAMILY
     assert fam.name == "qwen_image" and model.convention.name == "sigma"
     assert fam.latent_shape() == (16, 4, 4) and fam.media == {"image"}
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]

@@ -11,7 +11,7 @@ import torch
 
 from diffrl.errors import ConfigError
 from diffrl.models.families import wan
-from diffrl.models.registry import ModelConfig, family_module, load_model
+from diffrl.models.registry import ModelConfig, family, load_model
 from diffrl.sync.layouts import SwappedShards
 
 try:
@@ -35,7 +35,7 @@ def model(pipe_dir):
 
 def test_loads_from_dir(model) -> None:
     fam = model.family
-    assert family_module("wan") is wan
+    assert family("wan") is wan.FAMILY
     assert fam.name == "wan" and model.convention.name == "sigma_x1000"
     assert fam.latent_shape() == (16, 3, 4, 4)  # (C, (9 - 1) / 4 + 1, 32 / 8, 32 / 8)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
