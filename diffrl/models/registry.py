@@ -11,6 +11,8 @@ Shipped weights (``builtin:<name>``) are listed by the family that reads them.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +21,31 @@ from safetensors.torch import load_file, save_file
 
 from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.convention import CONVENTIONS
-from diffrl.models.families import flux, ltx2, minimax_h3, qwen_image, sd3, tiny_dit, wan
+from diffrl.models import families as _families_pkg
 from diffrl.models.family import Builtin, FamilyModel, FamilySpec
 
-FAMILIES: dict[str, FamilySpec] = {
-    m.FAMILY.name: m.FAMILY for m in (tiny_dit, sd3, flux, qwen_image, wan, minimax_h3, ltx2)
-}
+
+def _discover() -> dict[str, FamilySpec]:
+    """Every public module of ``models/families/`` is one family and exports ``FAMILY``
+    (modules named ``_*`` are shared helpers), so adding a family touches its own module only."""
+    found: dict[str, FamilySpec] = {}
+    for info in sorted(pkgutil.iter_modules(_families_pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{_families_pkg.__name__}.{info.name}")
+        spec = getattr(module, "FAMILY", None)
+        if not isinstance(spec, FamilySpec):
+            raise TypeError(
+                f"{module.__name__} is a family module but exports no FAMILY record "
+                "(a FamilySpec); name shared helpers with a leading underscore"
+            )
+        if spec.name in found:
+            raise TypeError(f"two family modules declare the family name {spec.name!r}")
+        found[spec.name] = spec
+    return found
+
+
+FAMILIES: dict[str, FamilySpec] = _discover()
 # derived views of the records: preset -> family, builtin:<name> -> shipped file
 PRESET_FAMILY: dict[str, str] = {p: f.name for f in FAMILIES.values() for p in f.presets}
 BUILTINS: dict[str, Builtin] = {k: b for f in FAMILIES.values() for k, b in f.builtins.items()}

@@ -34,11 +34,20 @@ MODULES = sorted(p.stem for p in (PKG / "models" / "families").glob("*.py") if p
 
 
 def test_every_family_module_is_one_record_in_the_registry() -> None:
-    modules = [m for m in MODULES if m != "h3_codecs"]  # H3's codecs: a helper, not a family
-    assert sorted(FAMILIES) == modules
-    for name in modules:
+    assert sorted(FAMILIES) == MODULES  # shared helpers are named _*, every other module is a family
+    for name in MODULES:
         spec = importlib.import_module(f"diffrl.models.families.{name}").FAMILY
         assert isinstance(spec, FamilySpec) and FAMILIES[name] is spec and spec.name == name
+
+
+def test_discovery_refuses_a_module_without_a_record(tmp_path, monkeypatch) -> None:
+    """A new public module under models/families/ must export FAMILY: discovery says so."""
+    from diffrl.models import families, registry
+
+    (tmp_path / "not_a_family.py").write_text("X = 1\n")
+    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
+    with pytest.raises(TypeError, match="exports no FAMILY record"):
+        registry._discover()
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -68,7 +68,7 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.families._encoder_plans import QWEN3_VL_ENCODER_PLAN
-from diffrl.models.families.h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
+from diffrl.models.families._h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
 from diffrl.models.family import (
     Builtin,
     EncodesClips,

@@ -12,7 +12,7 @@ from diffrl.errors import ConfigError, ContractError
 
 pytest.importorskip("diffusers")
 from diffrl.controller.engines import run_probe  # noqa: E402
-from diffrl.models.families.h3_codecs import DCTAudio, dct_basis  # noqa: E402
+from diffrl.models.families._h3_codecs import DCTAudio, dct_basis  # noqa: E402
 from diffrl.models.registry import ModelConfig, load_model  # noqa: E402
 from diffrl.tasks import TaskConfig, build_task  # noqa: E402
 from diffrl.tasks.avbench import ClipSpec, render_batch  # noqa: E402
