@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffrl.errors import ConfigError, check, check_choice
-from diffrl.models.convention import CONVENTIONS
 from diffrl.models import families as _families_pkg
+from diffrl.models.convention import CONVENTIONS
 from diffrl.models.family import Builtin, FamilyModel, FamilySpec
 
 

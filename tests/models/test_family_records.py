@@ -34,7 +34,8 @@ MODULES = sorted(p.stem for p in (PKG / "models" / "families").glob("*.py") if p
 
 
 def test_every_family_module_is_one_record_in_the_registry() -> None:
-    assert sorted(FAMILIES) == MODULES  # shared helpers are named _*, every other module is a family
+    # shared helpers are named _*; every other module is a family
+    assert sorted(FAMILIES) == MODULES
     for name in MODULES:
         spec = importlib.import_module(f"diffrl.models.families.{name}").FAMILY
         assert isinstance(spec, FamilySpec) and FAMILIES[name] is spec and spec.name == name
