@@ -21,6 +21,7 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor
 from torch.distributed import ReduceOp
 
+from diffrl.algorithms.registry import Algorithm, AlgorithmConfig
 from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
@@ -296,8 +297,8 @@ class ActorEngine:
         model: FamilyModel,
         cfg: ActorConfig,
         targets: list[str],
-        algorithm,
-        algo_cfg,
+        algorithm: Algorithm,
+        algo_cfg: AlgorithmConfig,
         device: torch.device,
         seed: int = 0,
         shard: Callable[[torch.nn.Module], None] | None = None,
