@@ -49,7 +49,7 @@ from diffrl.actor.engine import ActorEngine
 from diffrl.algorithms.registry import Algorithm, Backward
 from diffrl.config import Config
 from diffrl.controller.engines import Engines, actor_targets, build
-from diffrl.controller.sync import rollout_and_score
+from diffrl.controller.step import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
 from diffrl.rollout.engine import RolloutEngine

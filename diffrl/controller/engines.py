@@ -1,5 +1,5 @@
 """The engine factory: builds the task, the model family and the three engines a run needs
-from its config, by registered name. The loop (``controller/sync.py``) receives what this
+from its config, by registered name. The loop (``controller/loop.py``) receives what this
 returns and knows no task or family by name; a Ray factory can return remote engines behind
 the same Protocols (``diffrl.engines``).
 """

@@ -16,7 +16,7 @@ from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller import bench as B
 from diffrl.controller.engines import build
-from diffrl.controller.sync import rollout_and_score
+from diffrl.controller.step import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
 
