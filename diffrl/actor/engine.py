@@ -482,6 +482,7 @@ class ActorEngine:
         """Back-propagate one part (whole prompt groups, in arrival order), its micro-batches
         weighted as the reduction policy says."""
         st = self._step
+        assert st is not None, "train_part outside begin_stream / end_stream"
         check_token_hashes(part, hash_rows)
         if st.diagnose and len(part) and st.rows == 0:  # under the rollout's weights
             st.diagnostics = self._diagnostics(part)
@@ -494,6 +495,7 @@ class ActorEngine:
     def end_stream(self) -> dict[str, float]:
         """The step over every part: a mean over the rows that arrived (on every rank)."""
         st, self._step = self._step, None
+        assert st is not None, "end_stream without begin_stream"
         if st.passes == 0:
             return {"actor/skipped_empty": 1.0}
         total, metrics = self.reduction.combine(self.params, st)

@@ -20,8 +20,10 @@ and what it needs of the rest of the run, as data (``needs_logprobs``, the confi
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 import torch
@@ -249,11 +251,6 @@ def check_rollout_for(algorithm: Algorithm, r: RolloutSettings) -> None:
 
 
 _ALGORITHMS: dict[str, Algorithm[Any]] = {}
-_BUILTIN_MODULES = (
-    "diffrl.algorithms.diffusion_nft",
-    "diffrl.algorithms.flow_grpo",
-    "diffrl.algorithms.diffusion_dpo",
-)
 
 
 def register_algorithm(algo: Algorithm[C]) -> Algorithm[C]:
@@ -264,8 +261,11 @@ def register_algorithm(algo: Algorithm[C]) -> Algorithm[C]:
 
 
 def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
+    """Import every module of this package: each algorithm's registers itself, so adding one
+    touches no other file."""
+    package = __name__.rsplit(".", 1)[0]
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{package}.{info.name}")
 
 
 def registered_algorithms() -> list[str]:
