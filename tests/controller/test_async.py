@@ -197,3 +197,14 @@ def test_a_failing_rollout_stops_the_run(tiny_checkpoint, tmp_path):
     parts.rollout.stream = stream
     with pytest.raises(RuntimeError, match="rollout host lost"):  # raised, not a hang
         asyncio.run(asyncio.wait_for(owned(train_async(cfg, parts), parts), timeout=120))
+
+
+def test_neither_loop_mode_imports_the_other():
+    """sync and async share controller/step.py; controller/loop.py alone picks between them."""
+    from test_import_boundaries import PKG, diffrl_imports
+
+    sync_imports = diffrl_imports(PKG / "controller" / "sync.py")
+    async_imports = diffrl_imports(PKG / "controller" / "async_.py")
+    assert not any(m.startswith("diffrl.controller.async_") for m in sync_imports)
+    assert not any(m.startswith("diffrl.controller.sync") for m in async_imports)
+    assert {"diffrl.controller.step"} <= sync_imports & async_imports
