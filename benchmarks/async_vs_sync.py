@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.reward.scorer import register_scorer
 from diffrl.reward.scorers.shapes import ShapesScorer
 

@@ -77,7 +77,7 @@ def loop(args) -> None:
     """Whole training steps, prefetch off vs on (fresh run directories each)."""
     import tempfile
 
-    from diffrl.controller.sync import train
+    from diffrl.controller.loop import train
 
     scorer = f"[{{name: slow_shapes, params: {{latency_s: {args.latency}}}}}]"
     for prefetch in (False, True):

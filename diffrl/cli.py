@@ -22,7 +22,7 @@ def _recipe_config(argv: list[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from diffrl.controller.sync import train
+    from diffrl.controller.loop import train
 
     cfg = _recipe_config(args.args)
     root = asyncio.run(train(cfg))

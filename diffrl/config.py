@@ -15,7 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from diffrl.actor.engine import ActorConfig
-from diffrl.algorithms.registry import AlgorithmConfig, get_algorithm, registered_algorithms
+from diffrl.algorithms.registry import (
+    AlgorithmConfig,
+    default_config,
+    get_algorithm,
+    registered_algorithms,
+)
 from diffrl.backends import RayConfig
 from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.registry import ModelConfig
@@ -104,7 +109,8 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)  # run.backend=ray only
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun (launch.py)
-    algorithm: Any = None  # the registered algorithm's own frozen config dataclass
+    # the registered algorithm's own frozen config (a subclass; ``algorithm.name`` picks it)
+    algorithm: AlgorithmConfig = field(default_factory=default_config)
 
 
 def resolve_recipe(path: str | None) -> Path:

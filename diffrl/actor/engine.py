@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -20,6 +21,7 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor
 from torch.distributed import ReduceOp
 
+from diffrl.algorithms.registry import Algorithm, AlgorithmConfig
 from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
@@ -184,14 +186,119 @@ def average_over(group, grads: list[Tensor], loss: Tensor, rows: int | None = No
     return flat[len(flat) - (1 if rows is None else 2)]
 
 
+@dataclass
+class PendingStep:
+    """One optimizer step in progress; its rows arrive in parts (``ActorEngine.train_part``).
+    The loss and metrics stay device tensors until the update is decided, so micro-batches
+    queue without a host sync; ``_update`` reads them in one."""
+
+    expected: int  # rows the step expects; a micro-batch weighs its share of them
+    diagnose: bool  # run the algorithm's diagnostics on the first part with rows
+    total: Tensor  # () the weighted loss so far
+    metrics: dict = field(default_factory=dict)  # weighted sums, as the loss
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    rows: int = 0  # rows this process trained
+    passes: int = 0  # micro-batch passes made (a lockstep rank's spare passes included)
+
+
+# One pass: (rows to take ``index`` from, index, weight of its loss in the step)
+Pass = tuple[TrainBatch, Tensor, float]
+
+
+class StepReduction(Protocol):
+    """How the micro-batches of one optimizer step are weighted and their gradients combined:
+    the data-parallel layout, as a policy of the actor's one update path."""
+
+    diagnostics: bool  # whether the step may run the algorithm's (no-grad) diagnostics
+
+    def passes(self, part: TrainBatch, micro_batch: int, expected: int) -> list[Pass] | None:
+        """The forward/backward passes for ``part``; None: every rank skips them."""
+        ...
+
+    def combine(self, params: list[Tensor], step: PendingStep) -> tuple[Tensor, dict]:
+        """After the last part: the step's gradients in ``params``' ``.grad``, its (loss,
+        metrics) as the optimizer step sees them."""
+        ...
+
+
+class OneProcess:
+    """One process holds every row: a micro-batch weighs its share of the expected rows, and
+    a step whose rows fell short (some filtered out) is rescaled to the mean over those that
+    came."""
+
+    diagnostics = True
+
+    def passes(self, part: TrainBatch, micro_batch: int, expected: int) -> list[Pass]:
+        n = len(part)
+        chunks = [torch.arange(s, min(s + micro_batch, n)) for s in range(0, n, micro_batch)]
+        return [(part, idx, len(idx) / expected) for idx in chunks]
+
+    def combine(self, params: list[Tensor], step: PendingStep) -> tuple[Tensor, dict]:
+        total, metrics = step.total, step.metrics
+        if step.rows != step.expected:
+            scale = step.expected / step.rows
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            total, metrics = total * scale, {k: v * scale for k, v in metrics.items()}
+        return total, metrics
+
+
+class Lockstep:
+    """Data parallel over ``group``: each rank trains its slice of the batch, and every rank
+    makes the same passes, because the frozen base is sharded (FSDP2) and each forward and
+    backward is a collective.
+
+    A rank whose slice has fewer micro-batches (its prompt groups were filtered, or its scorer
+    failed) makes the rest on a spare row with weight 0: the last row it trained on. Each rank
+    weighs its micro-batches by rows, and one all-reduce sums gradients, loss and rows, so the
+    update is the mean over every rank's rows. When no rank has any row, or a rank needs a
+    spare it does not have yet, every rank skips. No diagnostics: a rank without rows could
+    not join their forward."""
+
+    diagnostics = False
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.spare: TrainBatch | None = None
+
+    def passes(self, part: TrainBatch, micro_batch: int, expected: int) -> list[Pass] | None:
+        n = len(part)
+        if n:
+            self.spare = part.select(torch.tensor([n - 1]))
+        mine = -(-n // micro_batch)
+        # [the most micro-batches of any rank, whether any rank lacks rows and a spare]
+        lacks = 0 if (mine or self.spare is not None) else 1
+        agree = torch.tensor([mine, lacks], dtype=torch.float64)
+        most, lacking = (int(v) for v in all_reduced(agree, ReduceOp.MAX, self.group))
+        if most == 0 or lacking:
+            return None
+        out: list[Pass] = []
+        for i in range(mine):
+            idx = torch.arange(i * micro_batch, min((i + 1) * micro_batch, n))
+            out.append((part, idx, float(len(idx))))
+        assert self.spare is not None or most == mine
+        # lockstep: the other ranks' passes, contributing nothing
+        out += [(self.spare, torch.tensor([0]), 0.0)] * (most - mine)
+        return out
+
+    def combine(self, params: list[Tensor], step: PendingStep) -> tuple[Tensor, dict]:
+        for p in params:  # a pass-less or zero-weight rank still reduces every adapter
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        total = average_over(self.group, [p.grad for p in params], step.total, rows=step.rows)
+        rows = max(1, step.rows)
+        return total, {k: v / rows for k, v in step.metrics.items()}  # this rank's row means
+
+
 class ActorEngine:
     def __init__(
         self,
         model: FamilyModel,
         cfg: ActorConfig,
         targets: list[str],
-        algorithm,
-        algo_cfg,
+        algorithm: Algorithm,
+        algo_cfg: AlgorithmConfig,
         device: torch.device,
         seed: int = 0,
         shard: Callable[[torch.nn.Module], None] | None = None,
@@ -202,7 +309,9 @@ class ActorEngine:
         on a slice of the batch: the adapters' gradients and the loss are averaged over it."""
         self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
         self.ids_device = model.ids_device(device)
-        self.dp_group = dp_group
+        # how each optimizer step's micro-batches are weighted and reduced: one process, or
+        # every data-parallel rank in lockstep
+        self.reduction: StepReduction = OneProcess() if dp_group is None else Lockstep(dp_group)
         lora = LoraConfig(
             r=cfg.lora.rank,
             lora_alpha=cfg.lora.alpha,
@@ -244,7 +353,7 @@ class ActorEngine:
         )
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0  # optimizer steps taken
-        self._spare: TrainBatch | None = None  # data parallel: the last row trained (lockstep)
+        self._step: PendingStep | None = None  # the optimizer step in progress
         self.nonfinite = 0
 
     def _init_precision(self, model: FamilyModel) -> None:
@@ -328,84 +437,72 @@ class ActorEngine:
                 for frozen in self.frozen:
                     getattr(layer, name)[frozen].requires_grad_(False)
 
-    # --- training -----------------------------------------------------------------------
+    # --- training: one update path, an optimizer step whose rows arrive in parts -----------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL update: ``minibatches`` optimizer steps over a shuffle of the batch."""
+        """One RL update: ``minibatches`` optimizer steps over a shuffle of the batch, each a
+        stream of one part. The diagnostics run first, under the rollout's weights."""
         check_token_hashes(batch, hash_rows)
         self.model.train()
+        diagnose = len(batch) > 0 and self.reduction.diagnostics
+        totals: dict[str, float] = self._diagnostics(batch) if diagnose else {}
+        parts = self._minibatches(batch)
+        for part in parts:
+            self.begin_stream(len(part), diagnose=False)
+            self.train_part(part)
+            for k, v in self.end_stream().items():
+                totals[k] = totals.get(k, 0.0) + v / len(parts)
+        return totals
+
+    def _minibatches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """The batch shuffled and cut into ``minibatches`` parts; an empty batch is one empty
+        part (a data-parallel rank without rows still joins the step)."""
         n = len(batch)
-        if self.dp_group is not None:  # every rank takes this step together
-            totals = self._train_step_dp(batch)
-            if self.device.type == "cpu":
-                release_host_memory()
-            return totals
         if n == 0:
-            return {"actor/skipped_empty": 1.0}
+            return [batch]
         k = min(self.cfg.minibatches, n)
         if batch.pairs is None:
             parts = [p for p in torch.randperm(n, generator=self.gen).chunk(k) if len(p)]
         else:  # keep each (winner, loser) pair whole and adjacent for pairwise losses
             pair_parts = torch.randperm(n // 2, generator=self.gen).chunk(max(1, min(k, n // 2)))
             parts = [torch.stack([2 * p, 2 * p + 1], 1).flatten() for p in pair_parts if len(p)]
-        totals: dict[str, float] = self._diagnostics(batch)  # weights still the rollout's
-        for part in parts:
-            m = self._optimizer_step(batch.select(part))
-            for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + v / len(parts)
-        if self.device.type == "cpu":  # the step's activations were host memory
-            release_host_memory()
-        return totals
+        return [batch.select(p) for p in parts]
 
-    # --- streaming: parts of one update as they are scored (run.stream_train) --------------
-    def begin_stream(self, expected_rows: int) -> None:
+    def begin_stream(self, expected_rows: int, diagnose: bool = True) -> None:
         """Start one optimizer step whose rows arrive in parts (``train_part``), ``expected_rows``
         of them if none is filtered out. Each part's gradient accumulates at once, so training
-        overlaps the rollout of the next part; ``end_stream`` takes the step."""
+        can overlap the rollout of the next part (``run.stream_train``); ``end_stream`` takes
+        the step. ``diagnose``: the algorithm's diagnostics on the first part with rows."""
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         zero = torch.zeros((), device=self.device)
-        self._stream = {"expected": max(1, expected_rows), "rows": 0, "total": zero, "m": {}}
+        diagnose = diagnose and self.reduction.diagnostics
+        self._step = PendingStep(max(1, expected_rows), diagnose, zero)
 
     def train_part(self, part: TrainBatch) -> None:
-        """Back-propagate one part (whole prompt groups, in arrival order), each micro-batch
-        weighted by its share of the expected rows."""
-        st = self._stream
+        """Back-propagate one part (whole prompt groups, in arrival order), its micro-batches
+        weighted as the reduction policy says."""
+        st = self._step
+        assert st is not None, "train_part outside begin_stream / end_stream"
         check_token_hashes(part, hash_rows)
-        n = len(part)
-        if n == 0:
-            return
-        if st["rows"] == 0:  # the first part, under the rollout's weights
-            st["diagnostics"] = self._diagnostics(part)
-        st["total"] = self._backward_all(part, st["expected"], st["total"], st["m"])
-        st["rows"] += n
+        if st.diagnose and len(part) and st.rows == 0:  # under the rollout's weights
+            st.diagnostics = self._diagnostics(part)
+        passes = self.reduction.passes(part, self.cfg.micro_batch, st.expected)
+        for rows, index, w in passes or ():
+            st.total = self._backward(self._on_device(rows, index), w, st.total, st.metrics)
+            st.passes += 1
+        st.rows += len(part)
 
     def end_stream(self) -> dict[str, float]:
-        """The step over every part: a mean over the rows that arrived (the gradient rescaled
-        when some were filtered out)."""
-        st, self._stream = self._stream, None
-        rows, expected = st["rows"], st["expected"]
-        if rows == 0:
+        """The step over every part: a mean over the rows that arrived (on every rank)."""
+        st, self._step = self._step, None
+        assert st is not None, "end_stream without begin_stream"
+        if st.passes == 0:
             return {"actor/skipped_empty": 1.0}
-        total, metrics = st["total"], st["m"]
-        if rows != expected:
-            scale = expected / rows
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-            total, metrics = total * scale, {k: v * scale for k, v in metrics.items()}
-        out = {**st.get("diagnostics", {}), **self._update(total, metrics)}
-        if self.device.type == "cpu":
+        total, metrics = self.reduction.combine(self.params, st)
+        out = {**st.diagnostics, **self._update(total, metrics)}
+        if self.device.type == "cpu":  # the step's activations were host memory
             release_host_memory()
         return out
-
-    def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
-        self.opt.zero_grad(set_to_none=True)
-        # the loss and the metrics stay tensors on the device until the update is decided, so
-        # the micro-batches queue without a host sync; one sync per optimizer step reads the
-        # loss and the gradient norm for the non-finite guard
-        metrics, total = {}, torch.zeros((), device=self.device)
-        total = self._backward_all(batch, len(batch), total, metrics)
-        return self._update(total, metrics)
 
     def _on_device(self, batch: TrainBatch, index: Tensor) -> TrainBatch:
         """Rows ``index`` on the actor's device, the ids where the model wants them
@@ -422,15 +519,6 @@ class ActorEngine:
         mb = self._on_device(batch, torch.arange(min(len(batch), self.cfg.micro_batch)))
         with torch.no_grad():
             return host_floats(self.algorithm.diagnostics(self, mb, self.algo_cfg))
-
-    def _backward_all(self, batch: TrainBatch, rows: int, total: Tensor, metrics: dict) -> Tensor:
-        """``_backward`` over the batch's micro-batches in order, each weighted by its share of
-        an optimizer step of ``rows`` rows."""
-        n = len(batch)
-        for start in range(0, n, self.cfg.micro_batch):
-            mb = self._on_device(batch, torch.arange(start, min(start + self.cfg.micro_batch, n)))
-            total = self._backward(mb, len(mb) / rows, total, metrics)
-        return total
 
     def _backward(self, mb: TrainBatch, w: float, total: Tensor, metrics: dict) -> Tensor:
         """One micro-batch's loss, back-propagated with weight ``w`` (its share of the
@@ -479,44 +567,6 @@ class ActorEngine:
         if self.cfg.ema_decay > 0:
             self.blend("ema", decay=min(self.cfg.ema_decay, self.version / (self.version + 1)))
         return {**metrics, "actor/loss": total, "actor/grad_norm": grad_norm, "actor/lr": lr}
-
-    def _train_step_dp(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over every data-parallel rank's slice, in lockstep.
-
-        The frozen base is sharded (FSDP2), so every forward and backward is a collective, and
-        every rank must make the same passes. A rank whose slice has fewer micro-batches (its
-        prompt groups were filtered, or its scorer failed) makes the rest on a spare row with
-        weight 0. The spare is the last row it trained on. Each rank weighs its micro-batches by
-        rows, and one all-reduce sums gradients, loss and rows, so the update is the mean over
-        every rank's rows. When no rank has any row, or a rank needs a spare it does not have
-        yet, every rank skips the step."""
-        n, mbs = len(batch), self.cfg.micro_batch
-        if n:
-            self._spare = batch.select(torch.tensor([n - 1]))
-        have_spare = self._spare is not None
-        mine = -(-n // mbs)
-        # [the most micro-batches of any rank, whether any rank lacks rows and a spare]
-        agree = torch.tensor([mine, 0 if (mine or have_spare) else 1], dtype=torch.float64)
-        passes, lacking = (int(v) for v in all_reduced(agree, ReduceOp.MAX, self.dp_group))
-        if passes == 0 or lacking:
-            return {"actor/skipped_empty": 1.0}
-        batch = batch.select(torch.randperm(n, generator=self.gen)) if n else batch
-        self.opt.zero_grad(set_to_none=True)
-        metrics, total = {}, torch.zeros((), device=self.device)
-        for i in range(passes):
-            if i < mine:
-                idx = torch.arange(i * mbs, min((i + 1) * mbs, n))
-                mb, w = self._on_device(batch, idx), float(len(idx))
-            else:  # lockstep: the same passes as the other ranks, contributing nothing
-                mb, w = self._on_device(self._spare, torch.tensor([0])), 0.0
-            total = self._backward(mb, w, total, metrics)
-        for p in self.params:  # a pass-less or zero-weight rank still reduces every adapter
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        total = average_over(self.dp_group, [p.grad for p in self.params], total, rows=n)
-        rows = max(1, n)
-        metrics = {k: v / rows for k, v in metrics.items()}  # this rank's row means
-        return self._update(total, metrics)
 
     def update_old(self, decay: float) -> None:
         """old <- decay * old + (1 - decay) * default (decay=0: a copy)."""

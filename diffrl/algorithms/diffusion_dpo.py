@@ -27,6 +27,7 @@ from diffrl.algorithms.registry import (
     AlgorithmConfig,
     Backward,
     Policy,
+    TrainCost,
     WeightPlan,
     add_part,
     check_training_draws,
@@ -134,6 +135,12 @@ def _pair_terms(
     return per_pair, implicit_acc
 
 
+def train_cost(cfg: DPOConfig, batch: TrainBatch) -> TrainCost:
+    """Per draw of a pair, for each of its samples: the policy's forward and backward, and the
+    reference's forward."""
+    return TrainCost(forwards=2 * cfg.timesteps_per_pair, backwards=cfg.timesteps_per_pair)
+
+
 def weight_plan(step: int, cfg: DPOConfig) -> WeightPlan:
     """Samples with the current policy (synced every update); online mode refreshes the
     reference (``old``) every ``ref_every`` updates."""
@@ -148,6 +155,7 @@ ALGORITHM = register_algorithm(
         prepare=prepare,
         loss=loss,
         weight_plan=weight_plan,
+        train_cost=train_cost,
         needs_logprobs=False,
         partial_backward=True,
     )

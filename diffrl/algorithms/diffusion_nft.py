@@ -17,7 +17,8 @@ rollout samples with ``old``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from diffrl.algorithms.registry import (
     AlgorithmConfig,
     Backward,
     Policy,
+    TrainCost,
     WeightPlan,
     add_part,
     check_training_draws,
@@ -78,6 +80,12 @@ class NFTConfig(AlgorithmConfig):
         check_choice("old_update", self.old_update, ("copy", "ema"))
         check(self.old_every >= 1, "old_every", self.old_every, "must be >= 1")
         check(0 <= self.old_ema < 1, "old_ema", self.old_ema, "must be in [0, 1)")
+
+    def unbatched(self) -> Self:
+        return replace(self, old_rows=0)
+
+    def whole_batch_keys(self) -> tuple[str, ...]:
+        return ("global_std",) if self.global_std else ()
 
 
 def optimality(advantages: Tensor, z: float) -> Tensor:
@@ -204,6 +212,15 @@ def batched_velocities(
     return out
 
 
+def train_cost(cfg: NFTConfig, batch: TrainBatch) -> TrainCost:
+    """Per training timestep: the old policy's forward and the policy's forward and backward,
+    and the KL reference's forward when there is one."""
+    kl = 1 if cfg.kl_coef > 0 else 0
+    return TrainCost(
+        forwards=cfg.timesteps_per_sample * (2 + kl), backwards=cfg.timesteps_per_sample
+    )
+
+
 def weight_plan(step: int, cfg: NFTConfig) -> WeightPlan:
     """Sample with ``old`` (as the reference implementation); refresh it by copy every
     ``old_every`` updates, or as an EMA after every update, and sync only then."""
@@ -229,6 +246,7 @@ ALGORITHM = register_algorithm(
         prepare=prepare,
         loss=loss,
         weight_plan=weight_plan,
+        train_cost=train_cost,
         needs_logprobs=False,
         partial_backward=True,
     )

@@ -26,7 +26,8 @@ forward per group and spreads it over the members: the same loss and gradient, f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -37,6 +38,7 @@ from diffrl.algorithms.registry import (
     AlgorithmConfig,
     Backward,
     Policy,
+    TrainCost,
     WeightPlan,
     add_part,
     per_forward,
@@ -75,6 +77,12 @@ class GRPOConfig(AlgorithmConfig):
         )
         check_choice("timestep_order", self.timestep_order, ("shuffled", "ordered"))
         check(self.ref_rows >= 0, "ref_rows", self.ref_rows, "must be >= 0")
+
+    def unbatched(self) -> Self:
+        return replace(self, ref_rows=0)
+
+    def whole_batch_keys(self) -> tuple[str, ...]:
+        return ("global_std",) if self.global_std else ()
 
 
 def prepare(scored: ScoredBatch, cfg: GRPOConfig) -> TrainBatch:
@@ -241,6 +249,16 @@ def consistency(policy: Policy, batch: TrainBatch, cfg: GRPOConfig) -> dict[str,
     return {"grpo/logp_diff_max": float(diff.max()), "grpo/logp_diff_mean": float(diff.mean())}
 
 
+def train_cost(cfg: GRPOConfig, batch: TrainBatch) -> TrainCost:
+    """Per trained SDE step (a ``timestep_fraction`` of the trajectory's, as ``train_steps``
+    draws): the policy's forward and backward, and the KL reference's forward when there is
+    one; x2 when the rollout ran CFG, whose two branches the loss runs too."""
+    trained = max(1, round(cfg.timestep_fraction * int(batch.sde_mask.sum())))
+    rows = 1 if batch.step_spec.cfg_scale == 1 else 2
+    kl = 1 if cfg.kl_coef > 0 else 0
+    return TrainCost(forwards=trained * (1 + kl) * rows, backwards=trained * rows)
+
+
 def weight_plan(step: int, cfg: GRPOConfig) -> WeightPlan:
     return WeightPlan("default")  # on-policy: sample with the current policy, sync every update
 
@@ -252,6 +270,7 @@ ALGORITHM = register_algorithm(
         prepare=prepare,
         loss=loss,
         weight_plan=weight_plan,
+        train_cost=train_cost,
         needs_logprobs=True,
         diagnostics=consistency,
         partial_backward=True,

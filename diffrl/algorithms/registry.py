@@ -1,26 +1,35 @@
 """The algorithm registry: the loop looks an algorithm up by name, never branches on it.
 
-An algorithm is a frozen config class plus pure functions:
+An algorithm is one typed record (``Algorithm``): a frozen config class (an ``AlgorithmConfig``)
+plus pure functions of it:
   prepare(scored, cfg) -> TrainBatch              advantages / r in [0,1] / pairs
-  loss(policy, batch, cfg, gen) -> (loss, metrics) one micro-batch, differentiable
+  loss(policy, batch, cfg, gen[, backward])       one micro-batch, differentiable
+       -> (loss, metrics)
   weight_plan(step, cfg) -> WeightPlan             as data, what happens to the weights after
                                                    update ``step`` (counted from 1): which
                                                    adapter the rollout samples with, whether
                                                    ``old`` refreshes, whether to sync; the
                                                    controller carries it out
+  train_cost(cfg, batch) -> TrainCost              forwards and backwards per trained sample
+                                                   (``diffrl bench``'s FLOP model)
   diagnostics(policy, batch, cfg) -> metrics       optional, before the update (no grad)
+and what it needs of the rest of the run, as data (``needs_logprobs``, the config's
+``whole_batch_keys``), which ``Algorithm.validate`` checks against the run's config.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Generic, Protocol, Self, TypeVar
 
+import torch
 from torch import Tensor
 
-from diffrl.errors import check
+from diffrl.errors import ConfigError, check
 from diffrl.types import ScoredBatch, TrainBatch
 
 
@@ -42,6 +51,20 @@ class AlgorithmConfig:
     """Base of every algorithm's config; each algorithm subclasses it with its own fields."""
 
     name: str = "diffusion_nft"
+
+    def validate(self) -> None:
+        """The algorithm's own fields (``ConfigError`` names the key); none here."""
+
+    def unbatched(self) -> Self:
+        """This config with the loss's no-grad forwards (an old policy's, a reference's) made
+        one per timestep beside the policy's, as a diffusers training script runs them (the
+        ``diffrl bench`` baseline); itself when the loss batches none."""
+        return self
+
+    def whole_batch_keys(self) -> tuple[str, ...]:
+        """Keys set to something ``prepare`` needs the whole step's batch for (a batch-wide
+        normalisation): a micro-batch of whole groups cannot be prepared alone under them."""
+        return ()
 
 
 def check_training_draws(draws_key: str, draws: int, sigma_min: float, sigma_max: float) -> None:
@@ -94,32 +117,143 @@ def per_forward(steps: int, samples: int, max_rows: int) -> int:
 
 
 @dataclass(frozen=True)
-class Algorithm:
+class TrainCost:
+    """Passes through the policy network per trained sample of one update, in forward
+    equivalents of one sample at one timestep (the family's ``flops(1)``). A backward through
+    frozen weights takes input gradients only: one forward's worth (a floor: attention's takes
+    two, both its operands being activations)."""
+
+    forwards: float  # with and without grad: the policy's, the old policy's, a reference's
+    backwards: float
+
+    @property
+    def passes(self) -> float:
+        return self.forwards + self.backwards
+
+
+C = TypeVar("C", bound=AlgorithmConfig)
+C_contra = TypeVar("C_contra", bound=AlgorithmConfig, contravariant=True)
+
+
+class Loss(Protocol[C_contra]):
+    """One micro-batch's loss -> (total, metrics); metric values may be 0-d device tensors
+    (the actor reads them all in one sync per step). With ``partial_backward`` the loss takes
+    ``backward`` and hands it each additive part of itself (``add_part``), returning the total
+    detached."""
+
+    def __call__(
+        self,
+        policy: Policy,
+        batch: TrainBatch,
+        cfg: C_contra,
+        gen: torch.Generator,
+        backward: Backward | None = None,
+    ) -> tuple[Tensor, dict[str, Any]]: ...
+
+
+class RunSettings(Protocol):
+    """The loop settings an algorithm's cross-component rules read (``config.RunConfig``)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def stale(self) -> str: ...
+    @property
+    def stream_train(self) -> bool: ...
+
+
+class RolloutSettings(Protocol):
+    """The rollout settings they read (``rollout.engine.RolloutConfig``)."""
+
+    @property
+    def sampler(self) -> str: ...
+    @property
+    def keep_latents(self) -> bool: ...
+    @property
+    def noise_level(self) -> float: ...
+    @property
+    def ode_tail_steps(self) -> int: ...
+
+
+class Setup(Protocol):
+    """What of the root config (``config.Config``) the rules read."""
+
+    @property
+    def run(self) -> RunSettings: ...
+    @property
+    def rollout(self) -> RolloutSettings: ...
+    @property
+    def algorithm(self) -> AlgorithmConfig: ...
+
+
+@dataclass(frozen=True)
+class Algorithm(Generic[C]):
     name: str
-    config_cls: type
-    prepare: Callable[[ScoredBatch, Any], TrainBatch]
-    # loss(policy, batch, cfg, gen[, backward]) -> (total, metrics); metric values may be
-    # 0-d device tensors (the actor reads them all in one sync per step); an algorithm with
-    # ``partial_backward`` takes ``backward`` and hands it each additive part of its loss
-    # (``add_part``), returning the total detached
-    loss: Callable[..., tuple[Tensor, dict[str, float | Tensor]]]
-    weight_plan: Callable[[int, Any], WeightPlan]
+    config_cls: type[C]
+    prepare: Callable[[ScoredBatch, C], TrainBatch]
+    loss: Loss[C]
+    weight_plan: Callable[[int, C], WeightPlan]
+    # forwards and backwards per trained sample of an update on this batch
+    train_cost: Callable[[C, TrainBatch], TrainCost]
+    # trains on the rollout's per-step log-probs (stochastic, kept trajectories): it can also
+    # correct a stale sample by its importance ratio (run.stale=correct)
     needs_logprobs: bool = False
     partial_backward: bool = False
     # diagnostics(policy, batch, cfg) -> metrics, run by the actor (no grad) before the
     # update, with the weights the rollout used (e.g. FlowGRPO's log-prob consistency)
-    diagnostics: Callable[[Policy, TrainBatch, Any], dict[str, float]] | None = None
+    diagnostics: Callable[[Policy, TrainBatch, C], dict[str, float]] | None = None
+
+    def validate(self, cfg: Setup) -> None:
+        """What this algorithm needs of the rest of the run, checked before any work: the
+        rollout it trains on, run.stale=correct, and run.stream_train."""
+        check_rollout_for(self, cfg.rollout)
+        run = cfg.run
+        if run.mode == "async" and run.stale == "correct" and not self.needs_logprobs:
+            raise ConfigError(
+                f"config key 'run.stale' = 'correct': {self.name} has no importance ratio to "
+                "correct a stale sample with (it trains on final samples, not on recorded "
+                "log-probs); use run.stale=drop or keep"
+            )
+        if run.stream_train:
+            for key in cfg.algorithm.whole_batch_keys():
+                value = getattr(cfg.algorithm, key)
+                default = getattr(type(cfg.algorithm)(), key)
+                want = str(default).lower() if isinstance(default, bool) else default
+                raise ConfigError(
+                    f"config key 'algorithm.{key}' = {value!r}: run.stream_train prepares each "
+                    "micro-batch alone, which this setting needs the whole batch for; set "
+                    f"algorithm.{key}={want}"
+                )
 
 
-_ALGORITHMS: dict[str, Algorithm] = {}
-_BUILTIN_MODULES = (
-    "diffrl.algorithms.diffusion_nft",
-    "diffrl.algorithms.flow_grpo",
-    "diffrl.algorithms.diffusion_dpo",
-)
+def check_rollout_for(algorithm: Algorithm, r: RolloutSettings) -> None:
+    """An algorithm that trains on per-step log-probs needs stochastic, kept trajectories; one
+    that trains on the final samples must not get them from a coarse ODE tail."""
+    if not algorithm.needs_logprobs:
+        if r.ode_tail_steps:
+            raise ConfigError(
+                f"config key 'rollout.ode_tail_steps' = {r.ode_tail_steps}: "
+                f"{algorithm.name} trains on the final samples, so a coarse ODE tail would train "
+                "it on rougher images; the option is for the GRPO family (set it to 0)"
+            )
+        return
+    for key, ok, want in (
+        ("sampler", r.sampler == "sde", "sde"),
+        ("keep_latents", r.keep_latents, "true"),
+        ("noise_level", r.noise_level > 0, "> 0"),
+    ):
+        if not ok:
+            raise ConfigError(
+                f"config key 'rollout.{key}' = {getattr(r, key)!r}: {algorithm.name} trains on "
+                "per-step log-probs of stochastic trajectories; "
+                f"set rollout.{key}={want}"
+            )
 
 
-def register_algorithm(algo: Algorithm) -> Algorithm:
+_ALGORITHMS: dict[str, Algorithm[Any]] = {}
+
+
+def register_algorithm(algo: Algorithm[C]) -> Algorithm[C]:
     if algo.name in _ALGORITHMS:
         raise ValueError(f"algorithm {algo.name!r} registered twice")
     _ALGORITHMS[algo.name] = algo
@@ -127,8 +261,11 @@ def register_algorithm(algo: Algorithm) -> Algorithm:
 
 
 def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
+    """Import every module of this package: each algorithm's registers itself, so adding one
+    touches no other file."""
+    package = __name__.rsplit(".", 1)[0]
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{package}.{info.name}")
 
 
 def registered_algorithms() -> list[str]:
@@ -136,8 +273,13 @@ def registered_algorithms() -> list[str]:
     return sorted(_ALGORITHMS)
 
 
-def get_algorithm(name: str) -> Algorithm:
+def get_algorithm(name: str) -> Algorithm[Any]:
     _load_builtins()
     if name not in _ALGORITHMS:
         raise KeyError(f"unknown algorithm {name!r}; registered: {sorted(_ALGORITHMS)}")
     return _ALGORITHMS[name]
+
+
+def default_config() -> AlgorithmConfig:
+    """The default algorithm's config (``Config.algorithm`` before a recipe names one)."""
+    return get_algorithm(AlgorithmConfig.name).config_cls()

@@ -47,10 +47,10 @@ from tqdm import tqdm
 
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.engines import Engines, build
+from diffrl.controller.engines import Engines
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.signals import StopSignals
-from diffrl.controller.sync import (
+from diffrl.controller.step import (
     close_step,
     perf_metrics,
     resume,
@@ -190,19 +190,11 @@ async def take(
         await clock.notify()
 
 
-async def train_async(cfg: Config, parts: Engines | None = None) -> Path:
+async def train_async(cfg: Config, parts: Engines) -> Path:
     """The actor loop. Consumes one ``Rollout`` per update (``take``); waits on the rollout
     loop's records, the update (in a worker thread, while the rollout runs) and eval; unblocks
-    the rollout loop by publishing each update's weight plan. ``parts`` lets tests pass
-    engines (a slowed actor)."""
-    parts = parts or build(cfg)
-    try:
-        return await _train_async(cfg, parts)
-    finally:  # scorer clients, remote engines: released however the run ends
-        await parts.aclose()
-
-
-async def _train_async(cfg: Config, parts: Engines) -> Path:
+    the rollout loop by publishing each update's weight plan. The caller owns ``parts``
+    (``controller/loop.py`` builds and closes them)."""
     run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)  # in-flight rollouts are not saved: they are redone

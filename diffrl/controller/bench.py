@@ -12,9 +12,9 @@ builds do per second, and at what MFU.
   fp32 (the run's values, copied in), peft LoRA with the run's targets, rank and adapters, the
   loss under ``torch.autocast(bf16)`` when the run's model is bf16 (matmuls in bf16, the loss
   maths in fp32, each backward outside it), eager (no ``actor.compile``), one timestep's graph
-  per backward, and the old policy's (NFT) or the reference's (KL, adapters disabled) forward a
+  per backward, and an old policy's or a reference's (adapters disabled) forward a
   separate no-grad one. It runs the algorithm's own loss with those forwards unbatched
-  (FlowGRPO's ``ref_rows=0``, NFT's ``old_rows=0``: one per timestep beside the policy's).
+  (``AlgorithmConfig.unbatched``: one per timestep beside the policy's).
   Text conditions come from the run's encoders and their cache, as the script reuses the
   prompt embeddings its sampling computed.
 - ``epoch``: rollout, scoring and update, as the training loop runs one step. The baseline is
@@ -49,7 +49,7 @@ from diffrl.actor.engine import ActorEngine
 from diffrl.algorithms.registry import Algorithm, Backward
 from diffrl.config import Config
 from diffrl.controller.engines import Engines, actor_targets, build
-from diffrl.controller.sync import rollout_and_score
+from diffrl.controller.step import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
 from diffrl.rollout.engine import RolloutEngine
@@ -114,21 +114,6 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int 
     return 2 * n**3 * reps / (sync(device) - t)
 
 
-def forwards_per_trained_sample(cfg: Config, batch) -> float:
-    """Forward-equivalents per sample of one update on ``batch`` (see the module docstring)."""
-    a, name = cfg.algorithm, cfg.algorithm.name
-    kl = 1 if getattr(a, "kl_coef", 0) > 0 else 0
-    if name == "diffusion_nft":
-        return a.timesteps_per_sample * (3 + kl)  # old, policy forward, its backward
-    if name == "diffusion_dpo":
-        return a.timesteps_per_pair * 3  # policy forward + backward, reference
-    if name == "flow_grpo":  # a fraction of the trajectory's SDE steps, as train_steps draws
-        trained = max(1, round(a.timestep_fraction * int(batch.sde_mask.sum())))
-        rows = 1 if batch.step_spec.cfg_scale == 1 else 2  # the rollout's CFG, both branches
-        return trained * (2 + kl) * rows
-    raise ConfigError(f"diffrl bench: no FLOP model for algorithm {name!r}")
-
-
 def rollout_flops(parts: Engines, samples: int) -> tuple[float, int]:
     r = parts.cfg.rollout
     rows = samples * (2 if r.cfg_scale > 1 else 1)
@@ -178,7 +163,8 @@ def bench(
         return BenchResult(kind, secs, n, flops, peak, steps, base)
     first = scored()  # the rollout's and the scorers' warm-up
     batch = parts.algorithm.prepare(first, cfg.algorithm)
-    train_fwd = forwards_per_trained_sample(cfg, batch) * fam.flops(1)
+    # forward-equivalents per trained sample, as the algorithm counts them
+    train_fwd = parts.algorithm.train_cost(cfg.algorithm, batch).passes * fam.flops(1)
     head = warmup_batch(batch, cfg.actor.micro_batch)
 
     def update(rows: TrainBatch = batch) -> None:
@@ -335,10 +321,7 @@ def baseline_actor(parts: Engines) -> ActorEngine:
         model.net.frozen, model.net.cache = run_net.frozen, run_net.cache
     autocast = cfg.model.dtype == "bfloat16"
     algorithm = _under_autocast(parts.algorithm, parts.device) if autocast else parts.algorithm
-    algo_cfg = cfg.algorithm  # the no-grad forwards one per timestep, beside the policy's
-    for key in ("ref_rows", "old_rows"):  # FlowGRPO's reference, NFT's old policy
-        if getattr(algo_cfg, key, 0):
-            algo_cfg = replace(algo_cfg, **{key: 0})
+    algo_cfg = cfg.algorithm.unbatched()  # no-grad forwards one per timestep, beside the policy's
     actor = ActorEngine(
         model, replace(cfg.actor, compile=False), actor_targets(cfg), algorithm, algo_cfg,
         parts.device, cfg.run.seed,

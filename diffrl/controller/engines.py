@@ -1,5 +1,5 @@
 """The engine factory: builds the task, the model family and the three engines a run needs
-from its config, by registered name. The loop (``controller/sync.py``) receives what this
+from its config, by registered name. The loop (``controller/loop.py``) receives what this
 returns and knows no task or family by name; a Ray factory can return remote engines behind
 the same Protocols (``diffrl.engines``).
 """
@@ -208,13 +208,7 @@ def build(cfg: Config) -> Engines:
     """The run's engines, for ``run.backend``: in this process (local), or as Ray actors
     (``diffrl.backends.ray``) behind the same Protocols."""
     algorithm = get_algorithm(cfg.algorithm.name)
-    check_rollout_for(algorithm, cfg)
-    if cfg.run.mode == "async" and cfg.run.stale == "correct" and not algorithm.needs_logprobs:
-        raise ConfigError(
-            f"config key 'run.stale' = 'correct': {algorithm.name} has no importance ratio to "
-            "correct a stale sample with (it trains on final samples, not on recorded "
-            "log-probs); use run.stale=drop or keep"
-        )
+    algorithm.validate(cfg)  # what it needs of the rollout and the loop
     check_streaming(cfg)
     check_sampling(cfg)
     if cfg.run.backend == "ray":
@@ -277,15 +271,13 @@ def config_value(cfg, key: str):
 
 def check_streaming(cfg: Config) -> None:
     """``run.stream_train`` trains each scored micro-batch as it comes: one optimizer step per
-    RL step, sync mode, and advantages that a micro-batch of whole groups determines."""
+    RL step, in sync mode (what the algorithm's ``prepare`` needs: ``Algorithm.validate``)."""
     if not cfg.run.stream_train:
         return
     for key, bad, why in (
         ("run.mode", cfg.run.mode != "sync", "streams the sync loop's update; use run.mode=sync"),
         ("actor.minibatches", cfg.actor.minibatches != 1, "takes one optimizer step per RL "
          "step; set actor.minibatches=1"),
-        ("algorithm.global_std", getattr(cfg.algorithm, "global_std", False), "normalises by "
-         "the whole batch, which a micro-batch cannot know; set algorithm.global_std=false"),
     ):  # fmt: skip
         if bad:
             value = config_value(cfg, key)
@@ -311,31 +303,6 @@ def check_sampling(cfg: Config, dp_size: int = 1) -> None:
             f"rank (each of the {dp_size} would see only its share of the rewards); use "
             "data.sampling=uniform"
         )
-
-
-def check_rollout_for(algorithm: Algorithm, cfg: Config) -> None:
-    """An algorithm that trains on per-step log-probs needs stochastic, kept trajectories; one
-    that trains on the final samples must not get them from a coarse ODE tail."""
-    if not algorithm.needs_logprobs:
-        if cfg.rollout.ode_tail_steps:
-            raise ConfigError(
-                f"config key 'rollout.ode_tail_steps' = {cfg.rollout.ode_tail_steps}: "
-                f"{algorithm.name} trains on the final samples, so a coarse ODE tail would train "
-                "it on rougher images; the option is for the GRPO family (set it to 0)"
-            )
-        return
-    r, name = cfg.rollout, algorithm.name
-    for key, ok, want in (
-        ("rollout.sampler", r.sampler == "sde", "sde"),
-        ("rollout.keep_latents", r.keep_latents, "true"),
-        ("rollout.noise_level", r.noise_level > 0, "> 0"),
-    ):
-        if not ok:
-            value = getattr(r, key.split(".")[1])
-            raise ConfigError(
-                f"config key '{key}' = {value!r}: {name} trains on per-step log-probs of "
-                f"stochastic trajectories; set {key}={want}"
-            )
 
 
 def expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:

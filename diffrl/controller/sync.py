@@ -1,8 +1,11 @@
 """The synchronous (on-policy) controller: generate -> score -> advantage -> update -> sync.
 
 Each step streams the rollout's micro-batches through a channel into the reward pool, so
-scoring of micro-batch i overlaps generation of micro-batch i+1; the update waits for the
-whole step's scores. Weights move to the rollout only through versioned, verified syncs.
+scoring of micro-batch i overlaps generation of micro-batch i+1. The update is one path, fed
+in one of two ways (``StepUpdate``): after the whole step is scored (the actor's
+``train_step``), or, with ``run.stream_train``, each scored micro-batch as it comes while the
+next one rolls out, then one optimizer step. Weights move to the rollout only through
+versioned, verified syncs.
 
 What happens to the weights after each update is the algorithm's weight plan, carried out
 here: refresh ``old``, then sync the adapter the rollout samples with. When the plan says
@@ -10,129 +13,82 @@ update k cannot change the rollout's weights (DiffusionNFT between refreshes of 
 k+1's rollout and scoring start while update k runs: the samples are exactly those a strictly
 sequential loop would produce (same weights, same seeds).
 
-The engines come from the factory (``controller/engines.py``); nothing here knows a task or a
-model family by name.
+The engines come from the factory (``controller/engines.py``) through ``controller/loop.py``;
+nothing here knows a task, a model family or an algorithm by name.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from diffrl.actor.checkpoint import load_latest, save_checkpoint
-from diffrl.algorithms.advantage import tied_fraction
 from diffrl.algorithms.registry import WeightPlan
-from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.engines import Engines, build
-from diffrl.controller.run_dir import RunDir, open_run_dir
+from diffrl.controller.engines import Engines
+from diffrl.controller.run_dir import open_run_dir
 from diffrl.controller.signals import StopSignals
-from diffrl.hostmem import peak_rss_bytes
-from diffrl.reward.pool import reward_summary
+from diffrl.controller.step import (
+    OnScored,
+    close_step,
+    perf_metrics,
+    resume,
+    rollout_and_score,
+    run_eval,
+)
 from diffrl.types import ScoredBatch
 
 
-async def rollout_and_score(parts: Engines, step: int, on_scored=None):
-    """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics).
-    ``on_scored`` (async) receives each scored micro-batch as it is ready."""
-    channel = Channel(capacity=2)
-    producer = asyncio.create_task(
-        parts.rollout.stream(
-            parts.prompts.at(step),
-            seed=parts.cfg.run.seed * 1_000_003 + step,
-            channel=channel,
-            iteration=step,
-            # a data-parallel rank's slice: its samples take the one-process rows' seeds
-            first_prompt=parts.prompts.first,
-        )
-    )
-    scored, extra = [], {}
-    async for traj in channel:  # unblocked by each finished micro-batch, ends on close
-        s, m = await parts.rewards.score(traj)
-        scored.append(s)
-        if on_scored is not None:
-            await on_scored(s)
-        for k, v in m.items():  # scorer-specific metrics: sample-weighted over micro-batches
-            extra.setdefault(k, []).append((v, len(s)))
-    await producer
-    batch = ScoredBatch.concat(scored)
-    parts.rewards.observe_step(batch)  # a scorer dead for max_dead_steps steps stops the run
-    parts.prompts.observe(step, batch.traj.prompts.prompt_ids, batch.rewards, batch.valid)
-    metrics = {
-        k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
-    }
-    metrics["reward/tied_groups"] = tied_fraction(batch.rewards, batch.traj.group, batch.valid)
-    return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
+class StepUpdate:
+    """One step's update, trained after the whole step is scored: the prepared batch goes to
+    the actor's ``train_step`` (in a worker thread, so the event loop drives a prefetched
+    rollout meanwhile)."""
+
+    on_scored: OnScored | None = None  # the step's scored micro-batches are not fed one by one
+
+    def __init__(self, parts: Engines, step: int) -> None:
+        self.parts = parts
+
+    async def __aenter__(self) -> StepUpdate:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def finish(self, scored: ScoredBatch) -> dict[str, float]:
+        batch = self.parts.algorithm.prepare(scored, self.parts.cfg.algorithm)
+        return await asyncio.to_thread(self.parts.actor.train_step, batch)
 
 
-async def stream_step(parts: Engines, step: int):
-    """``run.stream_train``: one step whose update trains each scored micro-batch while the
-    next one rolls out, then takes one optimizer step; the rollout's weights never change
-    within the step. Consumes the step's prompts; waits on the rollout, the scorer and the
-    previous part's training (one part trains at a time, in a worker thread). Returns
-    (scored, reward metrics, update metrics)."""
-    cfg = parts.cfg
-    parts.actor.begin_stream(len(parts.prompts.at(step)) * cfg.rollout.group_size)
-    training: list[asyncio.Future] = []
+class StreamedUpdate(StepUpdate):
+    """``run.stream_train``: each scored micro-batch is prepared and trained (one part at a
+    time, in a worker thread) while the next one rolls out; ``finish`` takes the step's one
+    optimizer step. The rollout's weights never change within the step. Waits on the previous
+    part's training before starting the next; leaving the ``async with`` waits for the part
+    still training, however the rollout ended."""
 
-    async def train_part(scored: ScoredBatch) -> None:
-        part = parts.algorithm.prepare(scored, cfg.algorithm)
-        if training:
-            await training[-1]
-        training.append(asyncio.ensure_future(asyncio.to_thread(parts.actor.train_part, part)))
+    def __init__(self, parts: Engines, step: int) -> None:
+        super().__init__(parts, step)
+        self.training: list[asyncio.Future] = []
+        parts.actor.begin_stream(len(parts.prompts.at(step)) * parts.cfg.rollout.group_size)
+        self.on_scored = self.train_part
 
-    try:
-        scored, r_metrics = await rollout_and_score(parts, step, on_scored=train_part)
-    finally:  # a part still training finishes (or fails) before the step ends either way
-        await asyncio.gather(*training, return_exceptions=True)
-    for t in training:
-        t.result()  # a part's error
-    return scored, r_metrics, await asyncio.to_thread(parts.actor.end_stream)
+    async def train_part(self, scored: ScoredBatch) -> None:
+        part = self.parts.algorithm.prepare(scored, self.parts.cfg.algorithm)
+        if self.training:
+            await self.training[-1]
+        job = asyncio.to_thread(self.parts.actor.train_part, part)
+        self.training.append(asyncio.ensure_future(job))
 
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.gather(*self.training, return_exceptions=True)
 
-async def run_eval(parts: Engines, run: RunDir, step: int) -> dict[str, float]:
-    """Held-out eval of the policy the run ships (the EMA one with ``actor.ema_decay``) as
-    ``eval/*``, its sample grid and, for video+audio tasks, its sample clips; with
-    ``run.eval_live`` and an EMA, also the live weights as ``eval_live/*``."""
-    adapter = parts.actor.eval_adapter
-    result = await evaluate_adapter(parts, adapter)
-    run.save_grid(step, result.images, result.captions, result.ok)
-    if result.clips is not None:
-        c = result.clips
-        try:  # sample clips are for people to look at: a bad one must not stop training
-            clips = c["video"], c["audio"], c["fps"], c["sample_rate"]
-            run.save_clips(step, *clips, result.captions, result.ok)
-        except (OSError, ValueError) as e:
-            print(f"diffrl: step {step}: sample clips not written: {e}", file=sys.stderr)
-    metrics = dict(result.metrics)
-    if parts.cfg.run.eval_live and adapter != "default":
-        live = (await evaluate_adapter(parts, "default")).metrics
-        metrics.update({k.replace("eval/", "eval_live/", 1): v for k, v in live.items()})
-    return metrics
-
-
-async def evaluate_adapter(parts: Engines, adapter: str):
-    """The task's held-out evaluation of one adapter: fixed prompts and noise, ODE sampling."""
-    cfg = parts.cfg
-    parts.evaluator.load_weights(parts.actor.export_weights(adapter))
-    prompts = parts.eval_set.all()
-    first, mine = parts.ranks.share(len(prompts))  # under torchrun, this rank's prompts
-    traj = None
-    if len(mine):
-        traj = await parts.evaluator.generate(
-            prompts.select(mine),
-            cfg.data.eval_seed,
-            group_size=cfg.data.eval_samples_per_prompt,
-            sampler="ode",
-            num_steps=cfg.rollout.eval_num_steps,
-            first_prompt=first,
-        )
-    traj = parts.ranks.join(traj, parts.device)  # every rank's share, as one trajectory
-    return await parts.task.evaluate(traj, parts.rewards)
+    async def finish(self, scored: ScoredBatch) -> dict[str, float]:
+        for t in self.training:
+            t.result()  # a part's error
+        return await asyncio.to_thread(self.parts.actor.end_stream)
 
 
 def apply_plan(parts: Engines, plan: WeightPlan) -> dict[str, float]:
@@ -144,88 +100,14 @@ def apply_plan(parts: Engines, plan: WeightPlan) -> dict[str, float]:
     return parts.rollout.load_weights(parts.actor.export_weights(plan.rollout_adapter)).as_metrics()
 
 
-def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
-    """Rank 0 writes it (every rank holds the same adapters and optimizer state)."""
-    if not parts.ranks.primary:
-        return
-    save_checkpoint(
-        run.root / "checkpoints",
-        step,
-        parts.actor.adapter_tensors(),
-        parts.actor.state_dict(),
-        {"step": step, "wall_s": wall, "prompts": parts.prompts.state_dict(step)},
-    )
-
-
-def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
-    """The newest checkpoint that verifies (CheckpointError if there are some but none does)."""
-    ckpt = load_latest(run.root / "checkpoints") if parts.cfg.run.resume else None
-    if ckpt is None:
-        run.truncate_after(-1)  # a fresh run starts a fresh metrics file
-        return 0, 0.0
-    # the non-finite counter counts consecutive bad updates under the config that made them: a
-    # diverged run resumed from its last good checkpoint (say with a lower actor.lr) starts afresh
-    parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
-    parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
-    run.truncate_after(ckpt.step)
-    return ckpt.step, ckpt.wall_s
-
-
-def perf_metrics(samples: int, t_rate: float, t0: float) -> dict[str, float]:
-    return {
-        "perf/samples_per_s": samples / (time.time() - t_rate),
-        "perf/wall_s": time.time() - t0,
-        "perf/host_peak_gb": peak_rss_bytes() / 1e9,
-    }
-
-
-async def close_step(
-    parts: Engines,
-    run: RunDir,
-    stop,
-    bar,
-    done: int,
-    metrics: dict,
-    t0: float,
-    eval_m: dict,
-    **postfix,
-) -> tuple[bool, dict]:
-    """After update ``done`` (both loops): held-out eval when due, the metrics row, the progress
-    bar, a checkpoint when due or when stopping. Returns (the loop stops here, the latest eval
-    metrics)."""  # fmt: skip
-    cfg = parts.cfg
-    # every rank of a torchrun launch takes the same decisions (a clock or a signal may differ)
-    out_of_time = parts.ranks.any(
-        bool(cfg.run.max_minutes) and time.time() - t0 > 60 * cfg.run.max_minutes
-    )
-    if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
-        eval_m = await run_eval(parts, run, done)
-        metrics.update(eval_m)
-    run.log(done, metrics)
-    if parts.ranks.any(stop.requested):
-        checkpoint(parts, run, done, time.time() - t0)
-        return True, eval_m
-    bar.set_postfix(
-        reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-        eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
-        **postfix,
-    )
-    if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
-        checkpoint(parts, run, done, time.time() - t0)
-        run.save_curves()
-    return bool(out_of_time), eval_m
-
-
-async def train(cfg: Config) -> Path:
-    if cfg.run.mode == "async":  # imported here: the async loop reuses this module's parts
-        from diffrl.controller.async_ import train_async
-
-        return await train_async(cfg)
-    parts = build(cfg)
-    try:
-        return await train_sync(cfg, parts)
-    finally:  # scorer clients, remote engines: released however the run ends
-        await parts.aclose()
+def prefetch_next(parts: Engines, step: int, plan: WeightPlan) -> asyncio.Task | None:
+    """Step+1's rollout and scoring, started now when this step's update cannot change the
+    weights it samples with (``plan`` syncs nothing) and waits for the whole step (not
+    streamed): the same samples, earlier."""
+    run = parts.cfg.run
+    if run.prefetch and not run.stream_train and not plan.sync and step + 1 < run.steps:
+        return asyncio.create_task(rollout_and_score(parts, step + 1))
+    return None
 
 
 async def train_sync(cfg: Config, parts: Engines) -> Path:
@@ -243,21 +125,18 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
         range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train",
         disable=not parts.ranks.primary,
     )  # fmt: skip
+    new_update = StreamedUpdate if cfg.run.stream_train else StepUpdate
     t_rate = time.time()
     prefetch = None  # step k+1's rollout, started early when update k cannot change its weights
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
         for step in bar:
             plan = plan_of(step + 1)  # what update step+1 does to the weights, as data
-            if cfg.run.stream_train:  # the update trains while the rollout samples
-                scored, r_metrics, metrics = await stream_step(parts, step)
-            else:
-                scored, r_metrics = await (prefetch or rollout_and_score(parts, step))
-                batch = parts.algorithm.prepare(scored, cfg.algorithm)
-                prefetch = None
-                if cfg.run.prefetch and not plan.sync and step + 1 < cfg.run.steps:
-                    prefetch = asyncio.create_task(rollout_and_score(parts, step + 1))
-                # the loop drives the prefetch while the update runs in a worker thread
-                metrics = await asyncio.to_thread(parts.actor.train_step, batch)
+            async with new_update(parts, step) as update:  # fed as scored, or after
+                scored, r_metrics = await (
+                    prefetch or rollout_and_score(parts, step, update.on_scored)
+                )
+            prefetch = prefetch_next(parts, step, plan)  # runs while the update trains
+            metrics = await update.finish(scored)
             metrics.update(apply_plan(parts, plan))
             samples += len(scored) * parts.ranks.dp_size  # every rank's slice
             done = step + 1

@@ -56,7 +56,7 @@ def load_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[E
 async def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) -> dict[str, float]:
     """Held-out metrics of the run's newest checkpoint (the adapter the run evaluates: the EMA
     one when the run keeps an EMA), with the run's own eval settings."""
-    from diffrl.controller.sync import evaluate_adapter
+    from diffrl.controller.step import evaluate_adapter
     from diffrl.reward.pool import close_pool
 
     parts, ckpt = load_run(run_dir, overrides)

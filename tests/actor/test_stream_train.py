@@ -1,5 +1,5 @@
 """``run.stream_train`` (the actor's begin_stream / train_part / end_stream, and
-``controller.sync.stream_step``): parts fed in the batched update's order give its update bit
+``controller.sync.StreamedUpdate``): parts fed in the batched update's order give its update bit
 for bit; a filtered-out row rescales to the mean over the rows that came; a tiny run streams
 and learns; the layouts it cannot run are refused before any work."""
 
@@ -14,8 +14,8 @@ from tiny_runs import tiny_run
 
 from diffrl.config import load_config
 from diffrl.controller.engines import build
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.engines import StreamingActorProtocol
 from diffrl.errors import ConfigError
 

@@ -14,8 +14,8 @@ from tiny_runs import tiny_run
 
 from diffrl.config import load_config
 from diffrl.controller.engines import build
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.errors import ConfigError, DiffrlError
 
 ray = pytest.importorskip("ray")

@@ -14,8 +14,8 @@ from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller.async_ import Clock, Rollout, Staleness, train_async
 from diffrl.controller.engines import build
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.errors import ConfigError
 
 RECIPE = "recipes/shapes_nft.yaml"
@@ -27,6 +27,14 @@ FAST = [
     # everywhere), the LoRA never moves, and every mode would trivially agree
     "reward.scorers=[{name: shapes, weight: 1.0, required: true, params: {mode: partial}}]",
 ]
+
+
+async def owned(run, parts):
+    """``run`` (a loop over ``parts``), then ``parts`` closed, as ``controller.loop.train`` does."""
+    try:
+        return await run
+    finally:
+        await parts.aclose()
 
 
 def untimed(rows: list[dict]) -> list[dict]:
@@ -84,7 +92,7 @@ def test_rollout_runs_ahead_within_the_bound(tiny_checkpoint, tmp_path):
         return _inner(update)
 
     actor.train_step, rollout.stream, rollout.load_weights = slow_train_step, stream, load_weights
-    rows = read_metrics(asyncio.run(train_async(cfg, parts)))[1:]
+    rows = read_metrics(asyncio.run(owned(train_async(cfg, parts), parts)))[1:]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert trained_at == [0, 1, 2, 3]
     for r, version in zip(rows, trained_at, strict=True):
@@ -188,4 +196,15 @@ def test_a_failing_rollout_stops_the_run(tiny_checkpoint, tmp_path):
 
     parts.rollout.stream = stream
     with pytest.raises(RuntimeError, match="rollout host lost"):  # raised, not a hang
-        asyncio.run(asyncio.wait_for(train_async(cfg, parts), timeout=120))
+        asyncio.run(asyncio.wait_for(owned(train_async(cfg, parts), parts), timeout=120))
+
+
+def test_neither_loop_mode_imports_the_other():
+    """sync and async share controller/step.py; controller/loop.py alone picks between them."""
+    from test_import_boundaries import PKG, diffrl_imports
+
+    sync_imports = diffrl_imports(PKG / "controller" / "sync.py")
+    async_imports = diffrl_imports(PKG / "controller" / "async_.py")
+    assert not any(m.startswith("diffrl.controller.async_") for m in sync_imports)
+    assert not any(m.startswith("diffrl.controller.sync") for m in async_imports)
+    assert {"diffrl.controller.step"} <= sync_imports & async_imports

@@ -15,8 +15,8 @@ import torch
 
 from diffrl.config import load_config
 from diffrl.controller.engines import Engines, build, prompt_set
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.errors import ConfigError
 from diffrl.models.family import noised
 from diffrl.models.registry import ModelConfig, load_model

@@ -11,11 +11,12 @@ import pytest
 import torch
 from tiny_runs import tiny_run
 
+from diffrl.algorithms.registry import get_algorithm
 from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller import bench as B
 from diffrl.controller.engines import build
-from diffrl.controller.sync import rollout_and_score
+from diffrl.controller.step import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
 
@@ -121,11 +122,20 @@ def test_a_bf16_runs_baseline_trains_fp32_weights_under_autocast(tiny_checkpoint
     assert got["actor/loss"] == pytest.approx(want["actor/loss"], rel=5e-3)
 
 
+def passes(cfg, batch) -> float:
+    """Forward-equivalents per trained sample, as the algorithm declares them."""
+    return get_algorithm(cfg.algorithm.name).train_cost(cfg.algorithm, batch).passes
+
+
 def test_flop_model_follows_the_algorithm(tiny_checkpoint, tmp_path) -> None:
     nft = cfg_for(
         tiny_checkpoint, tmp_path, "algorithm.timesteps_per_sample=2", "algorithm.kl_coef=0.1"
     )
-    assert B.forwards_per_trained_sample(nft, None) == 2 * 4  # old, fwd, bwd, KL reference
+    assert passes(nft, None) == 2 * 4  # old, fwd, bwd, KL reference
+    cost = get_algorithm("diffusion_nft").train_cost(nft.algorithm, None)
+    assert (cost.forwards, cost.backwards) == (2 * 3, 2)
+    dpo = get_algorithm("diffusion_dpo")
+    assert dpo.train_cost(dpo.config_cls(timesteps_per_pair=3), None).passes == 3 * 3  # + ref
     grpo = load_config("recipes/shapes_grpo.yaml", tiny_run(tiny_checkpoint, tmp_path, 1))
 
     class Batch:
@@ -134,9 +144,9 @@ def test_flop_model_follows_the_algorithm(tiny_checkpoint, tmp_path) -> None:
 
     k = max(1, round(grpo.algorithm.timestep_fraction * 5))
     kl = 1 if grpo.algorithm.kl_coef > 0 else 0
-    assert B.forwards_per_trained_sample(grpo, Batch()) == k * (2 + kl)
+    assert passes(grpo, Batch()) == k * (2 + kl)
     Batch.step_spec = SimpleNamespace(cfg_scale=4.5)  # both CFG branches in every pass
-    assert B.forwards_per_trained_sample(grpo, Batch()) == 2 * k * (2 + kl)
+    assert passes(grpo, Batch()) == 2 * k * (2 + kl)
 
 
 def test_train_forward_count_matches_torchs_counter_on_a_cfg_update(tmp_path) -> None:
@@ -163,7 +173,7 @@ def test_train_forward_count_matches_torchs_counter_on_a_cfg_update(tmp_path) ->
         with update:
             parts.actor.train_step(batch)
     per_row = one.get_total_flops() / 2
-    analytic = len(batch) * B.forwards_per_trained_sample(cfg, batch) * per_row
+    analytic = len(batch) * passes(cfg, batch) * per_row
     ratio = analytic / update.get_total_flops()
     assert 0.8 < ratio <= 1.0, ratio
 

@@ -9,8 +9,8 @@ from tiny_runs import tiny_run
 
 from diffrl.cli import main
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 
 
 def test_eval_of_a_trained_run_matches_its_last_eval(tiny_checkpoint, tmp_path, capsys):

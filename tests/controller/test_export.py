@@ -11,7 +11,7 @@ import torch
 
 from diffrl.cli import main
 from diffrl.config import load_config
-from diffrl.controller.sync import train
+from diffrl.controller.loop import train
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.sync.weights import LoraDelta, MergedLoraTarget, WeightUpdate
 

@@ -1,7 +1,8 @@
-"""The synchronous loop (diffrl.controller.sync) against fake engines that implement only the
-Protocols of diffrl.engines: it carries out each algorithm's weight plan (which adapter the
-rollout samples with, when ``old`` refreshes, when weights sync), and it starts step k+1's
-rollout during update k exactly when the plan says update k leaves the rollout's weights alone."""
+"""The synchronous loop (diffrl.controller.sync, run by diffrl.controller.loop) against fake
+engines that implement only the Protocols of diffrl.engines: it carries out each algorithm's
+weight plan (which adapter the rollout samples with, when ``old`` refreshes, when weights
+sync), and it starts step k+1's rollout during update k exactly when the plan says update k
+leaves the rollout's weights alone."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import diffrl.controller.sync as sync
+import diffrl.controller.loop as loop
 from diffrl.algorithms.registry import get_algorithm
 from diffrl.channel import Channel
 from diffrl.config import load_config
@@ -221,8 +222,8 @@ def run_loop(monkeypatch, tmp_path, recipe: str, steps: int, *overrides: str):
     assert isinstance(parts.evaluator, RolloutEngineProtocol)
     assert isinstance(parts.rewards, RewardEngineProtocol)
     assert isinstance(parts.actor, ActorEngineProtocol)
-    monkeypatch.setattr(sync, "build", lambda c: parts if c is cfg else pytest.fail("other cfg"))
-    root = asyncio.run(sync.train(cfg))
+    monkeypatch.setattr(loop, "build", lambda c: parts if c is cfg else pytest.fail("other cfg"))
+    root = asyncio.run(loop.train(cfg))
     return parts, read_metrics(root)
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.models.families._diffusers import save_pipeline_dir
 
 pytest.importorskip("diffusers")

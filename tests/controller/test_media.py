@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffrl.controller import media, sync
+from diffrl.controller import media, step
 from diffrl.controller.run_dir import RunDir
 from diffrl.tasks import TaskConfig, build_task
 from diffrl.tasks.avbench import render_batch
@@ -193,7 +193,7 @@ def eval_parts(result: EvalResult, monkeypatch) -> SimpleNamespace:
     async def evaluate_adapter(parts, adapter):
         return result
 
-    monkeypatch.setattr(sync, "evaluate_adapter", evaluate_adapter)
+    monkeypatch.setattr(step, "evaluate_adapter", evaluate_adapter)
     return SimpleNamespace(
         actor=SimpleNamespace(eval_adapter="default"),
         cfg=SimpleNamespace(run=SimpleNamespace(eval_live=False)),
@@ -210,7 +210,7 @@ def test_run_eval_writes_the_clips(tmp_path, monkeypatch) -> None:
     }
     result = EvalResult({"eval/overall": 1.0}, video[:, 6], [TEXT], [True], clips)
     run = RunDir(tmp_path, tensorboard=False)
-    assert asyncio.run(sync.run_eval(eval_parts(result, monkeypatch), run, 3)) == {
+    assert asyncio.run(step.run_eval(eval_parts(result, monkeypatch), run, 3)) == {
         "eval/overall": 1.0
     }
     assert (tmp_path / "samples" / "clips" / "step_000003" / "clip_00.gif").exists()
@@ -221,7 +221,7 @@ def test_a_bad_clip_warns_and_the_eval_goes_on(tmp_path, monkeypatch, capsys) ->
     clips = {"video": video, "audio": audio[:, None, None], "fps": 16.0, "sample_rate": 8000}
     result = EvalResult({"eval/overall": 0.5}, video[:, 6], [TEXT], [False], clips)
     run = RunDir(tmp_path, tensorboard=False)
-    assert asyncio.run(sync.run_eval(eval_parts(result, monkeypatch), run, 4)) == {
+    assert asyncio.run(step.run_eval(eval_parts(result, monkeypatch), run, 4)) == {
         "eval/overall": 0.5
     }
     assert (tmp_path / "samples" / "step_000004.png").exists()  # the grid is still written

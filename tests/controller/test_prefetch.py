@@ -9,8 +9,8 @@ from tiny_runs import tiny_run
 
 from diffrl.algorithms.diffusion_nft import NFTConfig, weight_plan
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 
 
 def run(tiny_checkpoint, out_dir, prefetch: bool) -> list[dict]:

@@ -24,6 +24,7 @@ import pytest
 import torch
 from tiny_runs import tiny_run
 
+import diffrl.controller.step as shared
 import diffrl.controller.sync as sync
 from diffrl.actor.checkpoint import Checkpoint, load_latest
 from diffrl.actor.engine import ActorEngine
@@ -215,14 +216,14 @@ def test_resume_starts_the_nonfinite_count_afresh(tmp_path, monkeypatch):
     resumed run (typically with a lower actor.lr) gets its full allowance again. (Checkpoints
     are not written while the count is above 0, so this guards state written otherwise.)"""
     saved = Checkpoint(tmp_path, {}, {"version": 4, "nonfinite": 2}, {"step": 4, "wall_s": 9.0})
-    monkeypatch.setattr(sync, "load_latest", lambda root: saved)
+    monkeypatch.setattr(shared, "load_latest", lambda root: saved)
     loaded = {}
     parts = SimpleNamespace(
         cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
         actor=SimpleNamespace(load_state=lambda a, s: loaded.update(s)),
         prompts=SimpleNamespace(load_state_dict=lambda state, step: None),
     )
-    assert sync.resume(parts, RunDir(tmp_path, tensorboard=False)) == (4, 9.0)
+    assert shared.resume(parts, RunDir(tmp_path, tensorboard=False)) == (4, 9.0)
     assert loaded == {"version": 4, "nonfinite": 0}
 
 

@@ -10,8 +10,8 @@ import torch
 from tiny_runs import tiny_run
 
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.reward.pool import RewardFailure
 from diffrl.reward.scorer import ScoreResult, register_scorer
 

@@ -1,4 +1,4 @@
-"""One step's streamed generation + scoring (diffrl.controller.sync.rollout_and_score)."""
+"""One step's streamed generation + scoring (diffrl.controller.step.rollout_and_score)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from diffrl.controller.sync import rollout_and_score
+from diffrl.controller.step import rollout_and_score
 from diffrl.data.shapes import split_prompts
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
 from diffrl.reward.scorer import ScoreResult, register_scorer

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from tiny_runs import tiny_run
 
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 
 TOKEN = "test-token-123"
 

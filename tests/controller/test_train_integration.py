@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from diffrl.cli import main
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 
 RECIPE = "recipes/shapes_nft.yaml"
 

@@ -19,8 +19,8 @@ from gloo_ranks import free_port, leave_group, run_ranks
 from tiny_runs import tiny_run
 
 from diffrl.config import load_config
+from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.controller.sync import train
 from diffrl.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(

@@ -1,0 +1,24 @@
+"""``diffrl train``'s loop: builds the run's engines and runs them in the mode the config
+names, sync (``controller/sync.py``, on-policy) or async (``controller/async_.py``, the
+rollout ahead of the actor). The two modes share ``controller/step.py`` and neither imports
+the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffrl.config import Config
+from diffrl.controller.async_ import train_async
+from diffrl.controller.engines import build
+from diffrl.controller.sync import train_sync
+
+MODES = {"sync": train_sync, "async": train_async}  # run.mode -> its loop
+
+
+async def train(cfg: Config) -> Path:
+    parts = build(cfg)
+    try:
+        return await MODES[cfg.run.mode](cfg, parts)
+    finally:  # scorer clients, remote engines: released however the run ends
+        await parts.aclose()

@@ -1,0 +1,172 @@
+"""The parts of a training step both loop modes share (``controller/sync.py``,
+``controller/async_.py``): one iteration's rollout streamed into scoring, the held-out eval,
+checkpoints and resume, and closing a step (eval when due, the metrics row, a checkpoint).
+Neither mode imports the other; ``controller/loop.py`` picks one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from diffrl.actor.checkpoint import load_latest, save_checkpoint
+from diffrl.algorithms.advantage import tied_fraction
+from diffrl.channel import Channel
+from diffrl.controller.engines import Engines
+from diffrl.controller.run_dir import RunDir
+from diffrl.hostmem import peak_rss_bytes
+from diffrl.reward.pool import reward_summary
+from diffrl.types import ScoredBatch
+
+# receives each scored micro-batch of a step as it is ready (run.stream_train trains it)
+OnScored = Callable[[ScoredBatch], Awaitable[None]]
+
+
+async def rollout_and_score(
+    parts: Engines, step: int, on_scored: OnScored | None = None
+) -> tuple[ScoredBatch, dict[str, float]]:
+    """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics).
+    ``on_scored`` (async) receives each scored micro-batch as it is ready."""
+    channel = Channel(capacity=2)
+    producer = asyncio.create_task(
+        parts.rollout.stream(
+            parts.prompts.at(step),
+            seed=parts.cfg.run.seed * 1_000_003 + step,
+            channel=channel,
+            iteration=step,
+            # a data-parallel rank's slice: its samples take the one-process rows' seeds
+            first_prompt=parts.prompts.first,
+        )
+    )
+    scored, extra = [], {}
+    async for traj in channel:  # unblocked by each finished micro-batch, ends on close
+        s, m = await parts.rewards.score(traj)
+        scored.append(s)
+        if on_scored is not None:
+            await on_scored(s)
+        for k, v in m.items():  # scorer-specific metrics: sample-weighted over micro-batches
+            extra.setdefault(k, []).append((v, len(s)))
+    await producer
+    batch = ScoredBatch.concat(scored)
+    parts.rewards.observe_step(batch)  # a scorer dead for max_dead_steps steps stops the run
+    parts.prompts.observe(step, batch.traj.prompts.prompt_ids, batch.rewards, batch.valid)
+    metrics = {
+        k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
+    }
+    metrics["reward/tied_groups"] = tied_fraction(batch.rewards, batch.traj.group, batch.valid)
+    return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
+
+
+async def run_eval(parts: Engines, run: RunDir, step: int) -> dict[str, float]:
+    """Held-out eval of the policy the run ships (the EMA one with ``actor.ema_decay``) as
+    ``eval/*``, its sample grid and, for video+audio tasks, its sample clips; with
+    ``run.eval_live`` and an EMA, also the live weights as ``eval_live/*``."""
+    adapter = parts.actor.eval_adapter
+    result = await evaluate_adapter(parts, adapter)
+    run.save_grid(step, result.images, result.captions, result.ok)
+    if result.clips is not None:
+        c = result.clips
+        try:  # sample clips are for people to look at: a bad one must not stop training
+            clips = c["video"], c["audio"], c["fps"], c["sample_rate"]
+            run.save_clips(step, *clips, result.captions, result.ok)
+        except (OSError, ValueError) as e:
+            print(f"diffrl: step {step}: sample clips not written: {e}", file=sys.stderr)
+    metrics = dict(result.metrics)
+    if parts.cfg.run.eval_live and adapter != "default":
+        live = (await evaluate_adapter(parts, "default")).metrics
+        metrics.update({k.replace("eval/", "eval_live/", 1): v for k, v in live.items()})
+    return metrics
+
+
+async def evaluate_adapter(parts: Engines, adapter: str):
+    """The task's held-out evaluation of one adapter: fixed prompts and noise, ODE sampling."""
+    cfg = parts.cfg
+    parts.evaluator.load_weights(parts.actor.export_weights(adapter))
+    prompts = parts.eval_set.all()
+    first, mine = parts.ranks.share(len(prompts))  # under torchrun, this rank's prompts
+    traj = None
+    if len(mine):
+        traj = await parts.evaluator.generate(
+            prompts.select(mine),
+            cfg.data.eval_seed,
+            group_size=cfg.data.eval_samples_per_prompt,
+            sampler="ode",
+            num_steps=cfg.rollout.eval_num_steps,
+            first_prompt=first,
+        )
+    traj = parts.ranks.join(traj, parts.device)  # every rank's share, as one trajectory
+    return await parts.task.evaluate(traj, parts.rewards)
+
+
+def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
+    """Rank 0 writes it (every rank holds the same adapters and optimizer state)."""
+    if not parts.ranks.primary:
+        return
+    save_checkpoint(
+        run.root / "checkpoints",
+        step,
+        parts.actor.adapter_tensors(),
+        parts.actor.state_dict(),
+        {"step": step, "wall_s": wall, "prompts": parts.prompts.state_dict(step)},
+    )
+
+
+def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
+    """The newest checkpoint that verifies (CheckpointError if there are some but none does)."""
+    ckpt = load_latest(run.root / "checkpoints") if parts.cfg.run.resume else None
+    if ckpt is None:
+        run.truncate_after(-1)  # a fresh run starts a fresh metrics file
+        return 0, 0.0
+    # the non-finite counter counts consecutive bad updates under the config that made them: a
+    # diverged run resumed from its last good checkpoint (say with a lower actor.lr) starts afresh
+    parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
+    parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
+    run.truncate_after(ckpt.step)
+    return ckpt.step, ckpt.wall_s
+
+
+def perf_metrics(samples: int, t_rate: float, t0: float) -> dict[str, float]:
+    return {
+        "perf/samples_per_s": samples / (time.time() - t_rate),
+        "perf/wall_s": time.time() - t0,
+        "perf/host_peak_gb": peak_rss_bytes() / 1e9,
+    }
+
+
+async def close_step(
+    parts: Engines,
+    run: RunDir,
+    stop,
+    bar,
+    done: int,
+    metrics: dict,
+    t0: float,
+    eval_m: dict,
+    **postfix,
+) -> tuple[bool, dict]:
+    """After update ``done`` (both loops): held-out eval when due, the metrics row, the progress
+    bar, a checkpoint when due or when stopping. Returns (the loop stops here, the latest eval
+    metrics)."""  # fmt: skip
+    cfg = parts.cfg
+    # every rank of a torchrun launch takes the same decisions (a clock or a signal may differ)
+    out_of_time = parts.ranks.any(
+        bool(cfg.run.max_minutes) and time.time() - t0 > 60 * cfg.run.max_minutes
+    )
+    if done % cfg.run.eval_every == 0 or done == cfg.run.steps or out_of_time:
+        eval_m = await run_eval(parts, run, done)
+        metrics.update(eval_m)
+    run.log(done, metrics)
+    if parts.ranks.any(stop.requested):
+        checkpoint(parts, run, done, time.time() - t0)
+        return True, eval_m
+    bar.set_postfix(
+        reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+        eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
+        **postfix,
+    )
+    if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
+        checkpoint(parts, run, done, time.time() - t0)
+        run.save_curves()
+    return bool(out_of_time), eval_m
