@@ -16,10 +16,10 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from diffrl.actor.engine import ActorConfig
 from diffrl.algorithms.registry import AlgorithmConfig, get_algorithm, registered_algorithms
-from diffrl.backends import RayConfig
 from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.registry import ModelConfig
 from diffrl.parallel.launch import ParallelConfig
+from diffrl.placement import RayConfig
 from diffrl.reward.pool import RewardConfig
 from diffrl.rollout.engine import RolloutConfig
 from diffrl.tasks.base import TaskConfig

@@ -45,9 +45,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from diffrl.backends import build_engines
+from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.sync import (
@@ -195,7 +196,7 @@ async def train_async(cfg: Config, parts: Engines | None = None) -> Path:
     loop's records, the update (in a worker thread, while the rollout runs) and eval; unblocks
     the rollout loop by publishing each update's weight plan. ``parts`` lets tests pass
     engines (a slowed actor)."""
-    parts = parts or build(cfg)
+    parts = parts or build_engines(cfg)
     try:
         return await _train_async(cfg, parts)
     finally:  # scorer clients, remote engines: released however the run ends

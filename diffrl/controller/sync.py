@@ -10,7 +10,7 @@ update k cannot change the rollout's weights (DiffusionNFT between refreshes of 
 k+1's rollout and scoring start while update k runs: the samples are exactly those a strictly
 sequential loop would produce (same weights, same seeds).
 
-The engines come from the factory (``controller/engines.py``); nothing here knows a task or a
+The engines come from the factory (``build.py``); nothing here knows a task or a
 model family by name.
 """
 
@@ -26,9 +26,10 @@ from tqdm import tqdm
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
 from diffrl.algorithms.advantage import tied_fraction
 from diffrl.algorithms.registry import WeightPlan
+from diffrl.backends import build_engines
+from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.engines import Engines, build
 from diffrl.controller.run_dir import RunDir, open_run_dir
 from diffrl.controller.signals import StopSignals
 from diffrl.hostmem import peak_rss_bytes
@@ -221,7 +222,7 @@ async def train(cfg: Config) -> Path:
         from diffrl.controller.async_ import train_async
 
         return await train_async(cfg)
-    parts = build(cfg)
+    parts = build_engines(cfg)
     try:
         return await train_sync(cfg, parts)
     finally:  # scorer clients, remote engines: released however the run ends

@@ -14,9 +14,9 @@ import torch
 
 import diffrl.controller.sync as sync
 from diffrl.algorithms.registry import get_algorithm
+from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import load_config
-from diffrl.controller.engines import Engines
 from diffrl.controller.run_dir import read_metrics
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
 from diffrl.models.family import TokenBatch, hash_rows

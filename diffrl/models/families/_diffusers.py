@@ -212,7 +212,7 @@ standing sitting running flying under over near behind front next above below in
 
 
 def _tiny_words() -> tuple[str, ...]:
-    from diffrl.data.shapes import all_prompts
+    from diffrl.tasks.shapes.prompts import all_prompts
 
     shapes = {w for p in all_prompts() for w in p.text.split()}
     return tuple(sorted(shapes | set(COMMON_WORDS)))

@@ -16,11 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from diffrl.data.tokenizer import WordTokenizer
 from diffrl.errors import ConfigError
 from diffrl.models.family import FamilyModel, TokenBatch, hash_rows
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS, TinyDiT, TinyDiTConfig
 from diffrl.sync.weights import SlotMap
+from diffrl.tasks.shapes.tokenizer import WordTokenizer
 from diffrl.types import images_to_uint8
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"

@@ -10,8 +10,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffrl.data.shapes import category_accuracy, parse_prompt, render, score_batch, split_prompts
 from diffrl.tasks.base import EvalResult, ProbeData, Prompt, TaskConfig, first_of_each_prompt
+from diffrl.tasks.shapes.prompts import (
+    category_accuracy,
+    parse_prompt,
+    render,
+    score_batch,
+    split_prompts,
+)
 from diffrl.types import Trajectory, images_from_uint8
 
 SPLITS = {"train": "train", "test": "eval"}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from shapes_images import square_off_one_blob
 
-from diffrl.data import shapes
-from diffrl.data.shapes import (
+from diffrl.tasks.shapes import prompts as shapes
+from diffrl.tasks.shapes.prompts import (
     CATEGORIES,
     COLORS,
     IMAGE_SIZE,
