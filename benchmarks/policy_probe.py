@@ -25,7 +25,8 @@ from diffrl.config import load_config
 from diffrl.models.registry import load_model
 from diffrl.rollout.samplers import guided_velocity
 from diffrl.tasks import PromptSet
-from diffrl.tasks.shapes.prompts import parse_prompt, score_batch
+from diffrl.tasks.shapes.prompts import parse_prompt
+from diffrl.tasks.shapes.verify import score_batch
 
 SIGMA_RANGES = ((0, 2), (0.75, 2), (0.65, 2), (0.45, 2), (0, 0.75), (-1, -1))
 

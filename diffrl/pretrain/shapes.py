@@ -27,7 +27,8 @@ from diffrl.models.registry import BUILTIN_WEIGHTS, ModelConfig, load_model, sav
 from diffrl.models.tiny_dit import TinyDiTConfig
 from diffrl.pretrain.common import PretrainConfig, held_out_metrics, optimizer_step, warmup_cosine
 from diffrl.tasks import Prompt, PromptSet
-from diffrl.tasks.shapes.prompts import ShapesPrompt, all_prompts, render, split_prompts
+from diffrl.tasks.shapes.prompts import ShapesPrompt, all_prompts, split_prompts
+from diffrl.tasks.shapes.render import render
 from diffrl.tasks.shapes.tokenizer import WordTokenizer
 from diffrl.types import images_from_uint8
 

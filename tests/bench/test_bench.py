@@ -11,10 +11,10 @@ import pytest
 import torch
 from tiny_runs import tiny_run
 
+from diffrl.bench import mfu as B
 from diffrl.build import build
 from diffrl.cli import main
 from diffrl.config import load_config
-from diffrl.bench import mfu as B
 from diffrl.controller.sync import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model

@@ -29,7 +29,8 @@ from diffrl.reward.http.server import (
 from diffrl.reward.pool import RewardPool
 from diffrl.reward.scorer import ScoreResult
 from diffrl.reward.scorers import build_scorer
-from diffrl.tasks.shapes.prompts import render, split_prompts
+from diffrl.tasks.shapes.prompts import split_prompts
+from diffrl.tasks.shapes.render import render
 from diffrl.types import PromptBatch, Trajectory
 
 TOKEN = "test-token-123"

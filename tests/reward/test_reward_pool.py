@@ -16,7 +16,8 @@ from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerCo
 from diffrl.reward.scorer import ScoreResult, finite_result, register_scorer
 from diffrl.reward.scorers import build_scorer, registered_scorers
 from diffrl.tasks import Prompt, PromptSet
-from diffrl.tasks.shapes.prompts import parse_prompt, render, split_prompts
+from diffrl.tasks.shapes.prompts import parse_prompt, split_prompts
+from diffrl.tasks.shapes.render import render
 from diffrl.types import Trajectory
 
 N = 4

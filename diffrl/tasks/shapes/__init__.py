@@ -11,13 +11,9 @@ import numpy as np
 import torch
 
 from diffrl.tasks.base import EvalResult, ProbeData, Prompt, TaskConfig, first_of_each_prompt
-from diffrl.tasks.shapes.prompts import (
-    category_accuracy,
-    parse_prompt,
-    render,
-    score_batch,
-    split_prompts,
-)
+from diffrl.tasks.shapes.prompts import parse_prompt, split_prompts
+from diffrl.tasks.shapes.render import render
+from diffrl.tasks.shapes.verify import category_accuracy, score_batch
 from diffrl.types import Trajectory, images_from_uint8
 
 SPLITS = {"train": "train", "test": "eval"}

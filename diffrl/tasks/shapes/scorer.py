@@ -9,7 +9,8 @@ import torch
 
 from diffrl.errors import check_choice
 from diffrl.reward.scorer import ScoreResult
-from diffrl.tasks.shapes.prompts import parse_prompt, verify
+from diffrl.tasks.shapes.prompts import parse_prompt
+from diffrl.tasks.shapes.verify import verify
 from diffrl.types import Trajectory
 
 CONSTRAINTS = ("color", "count", "shape", "position")
