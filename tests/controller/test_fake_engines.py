@@ -221,7 +221,9 @@ def run_loop(monkeypatch, tmp_path, recipe: str, steps: int, *overrides: str):
     assert isinstance(parts.evaluator, RolloutEngineProtocol)
     assert isinstance(parts.rewards, RewardEngineProtocol)
     assert isinstance(parts.actor, ActorEngineProtocol)
-    monkeypatch.setattr(sync, "build", lambda c: parts if c is cfg else pytest.fail("other cfg"))
+    monkeypatch.setattr(
+        sync, "build_engines", lambda c: parts if c is cfg else pytest.fail("other cfg")
+    )
     root = asyncio.run(sync.train(cfg))
     return parts, read_metrics(root)
 
