@@ -3,6 +3,11 @@
 Held-out accuracy is the verifier's, per category ("eval/counting", ...), with the overall
 share of samples that pass as the headline ``eval/overall``. The renderer's images are the
 probe's known-good samples.
+
+The package: ``prompts.py`` (the grammar and split), ``render.py`` (ground truth),
+``verify.py`` (the exact verifier), ``tokenizer.py`` (the tiny DiT's word vocabulary),
+``scorer.py`` (the ``shapes`` scorer, registered by ``diffrl.tasks``). Its base models are
+pre-trained by ``diffrl/pretrain/shapes.py``.
 """
 
 from __future__ import annotations
