@@ -27,7 +27,7 @@ from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.reward.scorer import register_scorer
-from diffrl.reward.scorers.shapes import ShapesScorer
+from diffrl.tasks.shapes.scorer import ShapesScorer
 
 
 @register_scorer("slow_shapes")

@@ -17,7 +17,7 @@ import json
 import torch
 
 from diffrl.actor.engine import enable_checkpointing
-from diffrl.controller.bench import sync
+from diffrl.bench.mfu import sync
 from diffrl.models.registry import ModelConfig, load_model
 
 

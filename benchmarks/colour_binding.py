@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from diffrl.controller.engines import pick_device, prompt_set
-from diffrl.data.shapes import ShapesPrompt, Verdict, parse_prompt, score_batch, split_prompts
+from diffrl.build import pick_device, prompt_set
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.tasks import TaskConfig, build_task
 from diffrl.tasks.base import Prompt
+from diffrl.tasks.shapes.prompts import ShapesPrompt, parse_prompt, split_prompts
+from diffrl.tasks.shapes.verify import Verdict, score_batch
 
 BUCKETS = (
     "pass", "swapped", "same_shape", "other_shape", "wrong_colour", "unknown_shape", "missing",

@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from diffrl.controller.bench import sync
+from diffrl.bench.mfu import sync
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.rollout.scheduler import Request

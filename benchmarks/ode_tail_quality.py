@@ -18,11 +18,12 @@ import dataclasses
 
 import torch
 
+from diffrl.build import build
 from diffrl.config import load_config
-from diffrl.controller.engines import build
-from diffrl.data.shapes import parse_prompt, score_batch
 from diffrl.rollout.engine import RolloutEngine, sample_seeds
 from diffrl.rollout.samplers import coarse_tail, sde_window, sigma_schedule
+from diffrl.tasks.shapes.prompts import parse_prompt
+from diffrl.tasks.shapes.verify import score_batch
 from diffrl.types import images_to_uint8
 
 

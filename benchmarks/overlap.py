@@ -19,13 +19,13 @@ import argparse
 import asyncio
 import time
 
+from diffrl.build import build
 from diffrl.channel import Channel
 from diffrl.config import load_config
-from diffrl.controller.engines import build
 from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import rollout_and_score
 from diffrl.reward.scorer import register_scorer
-from diffrl.reward.scorers.shapes import ShapesScorer
+from diffrl.tasks.shapes.scorer import ShapesScorer
 
 
 @register_scorer("slow_shapes")

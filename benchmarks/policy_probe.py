@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from diffrl.actor.checkpoint import latest_checkpoint, load_checkpoint
+from diffrl.build import build
 from diffrl.config import load_config
-from diffrl.controller.engines import build
-from diffrl.data.shapes import parse_prompt, score_batch
 from diffrl.models.registry import load_model
 from diffrl.rollout.samplers import guided_velocity
 from diffrl.tasks import PromptSet
+from diffrl.tasks.shapes.prompts import parse_prompt
+from diffrl.tasks.shapes.verify import score_batch
 
 SIGMA_RANGES = ((0, 2), (0.75, 2), (0.65, 2), (0.45, 2), (0, 0.75), (-1, -1))
 

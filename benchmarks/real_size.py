@@ -22,8 +22,8 @@ import torch
 from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
 from diffrl.algorithms.diffusion_nft import NFTConfig
 from diffrl.algorithms.registry import get_algorithm
-from diffrl.controller.bench import matmul_rate
-from diffrl.controller.engines import expanded_targets
+from diffrl.bench.mfu import matmul_rate
+from diffrl.build import expanded_targets
 from diffrl.models.registry import ModelConfig, load_model, lora_targets
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine

@@ -32,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from diffrl.controller.bench import bench
+    from diffrl.bench.mfu import bench
 
     cfg = _recipe_config(args.args)
     result = bench(
@@ -69,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from diffrl.models.pretrain import load_pretrain_config, pretrain
+    from diffrl.pretrain import load_pretrain_config, pretrain
 
     pcfg = load_pretrain_config(args.args)
     path = pretrain(pcfg)
@@ -83,7 +83,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         metrics = asyncio.run(evaluate_run(args.run, args.overrides))
     else:
-        from diffrl.models.pretrain import evaluate_checkpoint
+        from diffrl.pretrain import evaluate_checkpoint
 
         metrics = evaluate_checkpoint(
             args.checkpoint,
@@ -112,6 +112,8 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     }
     limits = ConnectionLimits(**{k: v for k, v in given.items() if v is not None})
     decoded = {} if args.max_decoded_mb is None else {"max_decoded_mb": args.max_decoded_mb}
+    import diffrl.tasks  # noqa: F401  (registers the tasks' own scorers: shapes, avbench)
+
     serve(
         args.scorer,
         host=args.host,

@@ -21,10 +21,10 @@ from diffrl.algorithms.registry import (
     get_algorithm,
     registered_algorithms,
 )
-from diffrl.backends import RayConfig
 from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.registry import ModelConfig
 from diffrl.parallel.launch import ParallelConfig
+from diffrl.placement import RayConfig
 from diffrl.reward.pool import RewardConfig
 from diffrl.rollout.engine import RolloutConfig
 from diffrl.tasks.base import TaskConfig

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffrl.data.tokenizer import WordTokenizer
 from diffrl.models.families.tiny_dit import build, save_model
 from diffrl.models.family import FamilyModel
 from diffrl.models.tiny_dit import TinyDiTConfig
+from diffrl.tasks.shapes.tokenizer import WordTokenizer
 
 # The models here are tiny: one intra-op thread is much faster than fighting over cores.
 torch.set_num_threads(1)
@@ -97,8 +97,8 @@ def make_actor(
 
 
 def make_train_batch(n: int = 4, seed: int = 0):
-    from diffrl.data.shapes import split_prompts
-    from diffrl.data.tokenizer import hash_ids
+    from diffrl.tasks.shapes.prompts import split_prompts
+    from diffrl.tasks.shapes.tokenizer import hash_ids
     from diffrl.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)

@@ -109,7 +109,7 @@ class SleepyScorer:
     needs = frozenset({"image"})
 
     def __init__(self, delay_s: float = 1.0, journal: str = "") -> None:
-        from diffrl.reward.scorers.shapes import ShapesScorer
+        from diffrl.tasks.shapes.scorer import ShapesScorer
 
         self.delay_s, self.journal, self.shapes = delay_s, journal, ShapesScorer()
 

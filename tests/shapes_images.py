@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import ndimage
 
-from diffrl.data.shapes import COLORS
+from diffrl.tasks.shapes.prompts import COLORS
 
 
 def square_off_one_blob(image: np.ndarray, color: str) -> None:

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from diffrl.data.tokenizer import hash_ids
 from diffrl.errors import ContractError
+from diffrl.tasks.shapes.tokenizer import hash_ids
 from diffrl.types import (
     PromptBatch,
     ScoredBatch,

@@ -1,66 +1,19 @@
-"""Engine backends beyond the local one. ``run.backend=ray`` places the rollout, reward and
-actor engines as Ray actors (``backends/ray.py``); its settings are the ``ray`` config section
-below. Importing this package does not import Ray (an optional extra: ``pip install -e '.[ray]'``).
+"""Engine backends: where a run's engines live. ``run.backend=local`` builds them in this
+process (``diffrl.build``); ``run.backend=ray`` places them as Ray actors (``backends/ray.py``),
+behind the same Protocols. Importing this package does not import Ray (an optional extra:
+``pip install -e '.[ray]'``); its settings are ``diffrl.placement.RayConfig``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from diffrl.errors import check, check_choice
+from diffrl.build import Engines, build
+from diffrl.config import Config
 
 
-@dataclass(frozen=True)
-class PoolConfig:
-    """One engine's resource pool: a placement group of one bundle. All zero = no group; the
-    engine's actor then takes no resources and lands anywhere."""
+def build_engines(cfg: Config) -> Engines:
+    """The run's engines for ``run.backend``."""
+    if cfg.run.backend == "ray":
+        from diffrl.backends.ray import build_ray  # ray is an optional extra
 
-    cpus: float = 1.0
-    gpus: float = 0.0
-
-    def validate(self) -> None:
-        check(math.isfinite(self.cpus) and self.cpus >= 0, "cpus", self.cpus, "must be >= 0")
-        check(math.isfinite(self.gpus) and self.gpus >= 0, "gpus", self.gpus, "must be >= 0")
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    # "" starts a local Ray instance (and stops it at the end); "auto" or host:port joins a
-    # running cluster (left running)
-    address: str = ""
-    num_cpus: int = 0  # a local instance's logical CPUs; 0 = Ray's default (all cores)
-    rollout: PoolConfig = field(default_factory=PoolConfig)
-    reward: PoolConfig = field(default_factory=lambda: PoolConfig(cpus=0.0))
-    actor: PoolConfig = field(default_factory=PoolConfig)
-    # how trajectories reach the controller: Ray's object store (a streaming generator), or
-    # TransferQueue (the data layer verl-omni uses; backends/ray.py, channel/transferqueue.py)
-    channel: str = "object_store"  # object_store | transferqueue
-    place_timeout_s: float = 60.0  # how long to wait for the pools to be placed
-    # modules (dotted names) or .py files every host imports before it builds its engines:
-    # plug-ins registered outside diffrl (a scorer, task or family) exist in each process
-    imports: list[str] = field(default_factory=list)
-
-    def validate(self) -> None:
-        check(self.num_cpus >= 0, "num_cpus", self.num_cpus, "must be >= 0")
-        check_choice("channel", self.channel, ("object_store", "transferqueue"))
-        check(self.place_timeout_s > 0, "place_timeout_s", self.place_timeout_s, "must be > 0")
-        for name in self.imports:
-            if name.endswith(".py"):
-                check(Path(name).is_file(), "imports", name, "a .py file that exists")
-
-
-def import_plugins(names: list[str]) -> None:
-    """Import each module or .py file (``ray.imports``) for its registrations."""
-    for name in names:
-        if not name.endswith(".py"):
-            importlib.import_module(name)
-            continue
-        path = Path(name).resolve()
-        spec = importlib.util.spec_from_file_location(f"diffrl_plugin_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        return build_ray(cfg)
+    return build(cfg)

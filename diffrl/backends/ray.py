@@ -27,25 +27,23 @@ and ``score`` are awaited on the controller's event loop.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
 import logging
+import sys
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from diffrl.backends import PoolConfig, import_plugins
+from diffrl.build import Engines, actor_side, check_config, rollout_side, setup_process
 from diffrl.channel import Channel
 from diffrl.config import Config
-from diffrl.controller.engines import (
-    Engines,
-    actor_side,
-    rollout_side,
-    setup_process,
-)
 from diffrl.errors import ConfigError, DiffrlError
 from diffrl.models.registry import load_model
+from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.weights import SyncReport, WeightUpdate
 from diffrl.tasks import build_task, prompt_source
@@ -64,6 +62,19 @@ def _ray():
             "pip install -e '.[ray]' (or set run.backend=local)"
         ) from None
     return ray
+
+
+def import_plugins(names: list[str]) -> None:
+    """Import each module or .py file (``ray.imports``) for its registrations."""
+    for name in names:
+        if not name.endswith(".py"):
+            importlib.import_module(name)
+            continue
+        path = Path(name).resolve()
+        spec = importlib.util.spec_from_file_location(f"diffrl_plugin_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
 
 
 # --- the hosts: one Ray actor each ----------------------------------------------------------
@@ -416,6 +427,8 @@ def _start_transferqueue() -> bool:
 
 
 def build_ray(cfg: Config) -> Engines:
+    """The run's engines as Ray actors, behind the local engines' Protocols."""
+    algorithm = check_config(cfg)
     ray = _ray()
     started = _start_ray(cfg)
     groups, actors = [], []
@@ -468,8 +481,6 @@ def build_ray(cfg: Config) -> Engines:
     except BaseException:
         shutdown()
         raise
-    from diffrl.algorithms.registry import get_algorithm
-
     return Engines(
         cfg,
         device,
@@ -480,7 +491,7 @@ def build_ray(cfg: Config) -> Engines:
         RemoteRollout(rollout_host, "evaluator", info["produces"], cfg.ray.channel),
         rewards,
         actor,
-        get_algorithm(cfg.algorithm.name),
+        algorithm,
         info["probe"],
         close=close,
     )

@@ -45,9 +45,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.engines import Engines
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diffrl.backends import build_engines
 from diffrl.config import Config
 from diffrl.controller.async_ import train_async
-from diffrl.controller.engines import build
 from diffrl.controller.sync import train_sync
 
 MODES = {"sync": train_sync, "async": train_async}  # run.mode -> its loop
 
 
 async def train(cfg: Config) -> Path:
-    parts = build(cfg)
+    parts = build_engines(cfg)
     try:
         return await MODES[cfg.run.mode](cfg, parts)
     finally:  # scorer clients, remote engines: released however the run ends

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
 from diffrl.algorithms.advantage import tied_fraction
+from diffrl.build import Engines
 from diffrl.channel import Channel
-from diffrl.controller.engines import Engines
 from diffrl.controller.run_dir import RunDir
 from diffrl.hostmem import peak_rss_bytes
 from diffrl.reward.pool import reward_summary

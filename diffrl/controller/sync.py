@@ -13,7 +13,7 @@ update k cannot change the rollout's weights (DiffusionNFT between refreshes of 
 k+1's rollout and scoring start while update k runs: the samples are exactly those a strictly
 sequential loop would produce (same weights, same seeds).
 
-The engines come from the factory (``controller/engines.py``) through ``controller/loop.py``;
+The engines come from the factory (``build.py``) through ``controller/loop.py``;
 nothing here knows a task, a model family or an algorithm by name.
 """
 
@@ -26,8 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from diffrl.algorithms.registry import WeightPlan
+from diffrl.build import Engines
 from diffrl.config import Config, to_yaml
-from diffrl.controller.engines import Engines
 from diffrl.controller.run_dir import open_run_dir
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (

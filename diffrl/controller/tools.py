@@ -17,7 +17,7 @@ from diffrl.config import Config, load_config
 from diffrl.errors import DiffrlError
 
 if TYPE_CHECKING:
-    from diffrl.controller.engines import Engines
+    from diffrl.build import Engines
 
 # peft's parameter names in the actor: base_model.model.net.<module>.lora_{A,B}.<adapter>.weight
 LORA_KEY = re.compile(
@@ -45,10 +45,10 @@ def open_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[C
 def load_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Engines, Checkpoint]:
     """The run's engines built from its config (probe off: the run already passed it), with
     the actor holding its newest checkpoint's adapters and state; returns (parts, checkpoint)."""
-    from diffrl.controller.engines import build
+    from diffrl.backends import build_engines
 
     cfg, ckpt = open_run(run_dir, [*(overrides or []), "model.probe=false"])
-    parts = build(cfg)
+    parts = build_engines(cfg)
     parts.actor.load_state(ckpt.adapters, ckpt.actor_state)
     return parts, ckpt
 

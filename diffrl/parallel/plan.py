@@ -26,7 +26,7 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
   ``old`` as a full frozen copy, and the activations as for LoRA (peft's fp32 input copies
   become the Linears' own bf16 inputs, kept for every Linear, not only the targets).
 - *The rollout's copy*: ``RolloutEngine`` deep-copies the DiT, and the held-out evaluator
-  (``controller/engines.build``) holds another; each keeps a frozen base copy of the
+  (``build.build``) holds another; each keeps a frozen base copy of the
   LoRA-targeted weights for verified sync (``rollout.base_copy``: "" on the GPU, "cpu" on the
   host). Copies are TP-sharded, never FSDP-sharded. ``--share-rollout`` samples with the
   actor's own weights instead (``RolloutEngine(share_model=True)``: no copy, no sync).

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from diffrl.errors import DiffrlError, check
-from diffrl.reward.scorer import Scorer, build_scorer, check_fields, missing_fields, producers_of
+from diffrl.reward.scorer import Scorer, check_fields, missing_fields, producers_of
+from diffrl.reward.scorers import build_scorer
 from diffrl.types import ScoredBatch, Trajectory
 
 log = logging.getLogger(__name__)

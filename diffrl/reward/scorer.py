@@ -1,4 +1,5 @@
-"""The scorer protocol and registry.
+"""The scorer protocol and the registry's table (``register_scorer``; built by name in
+``diffrl.reward.scorers``, which imports the built-in scorers).
 
 A scorer declares which trajectory fields it reads (``needs``, e.g. {"image"}); the pool checks
 them at start-up against what the rollout produces, and again on every batch, so a missing
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -104,20 +105,3 @@ def register_scorer(name: str):
         return factory
 
     return deco
-
-
-def build_scorer(name: str, params: dict[str, Any] | None = None) -> Scorer:
-    import diffrl.reward.scorers  # noqa: F401  (registers the built-in scorers)
-
-    if name not in _SCORERS:
-        raise KeyError(f"unknown scorer {name!r}; registered: {sorted(_SCORERS)}")
-    try:
-        return _SCORERS[name](**(params or {}))
-    except TypeError as e:
-        raise ValueError(f"bad params for scorer {name!r}: {e}") from None
-
-
-def registered_scorers() -> list[str]:
-    import diffrl.reward.scorers  # noqa: F401
-
-    return sorted(_SCORERS)

@@ -1,10 +1,19 @@
-"""Tasks by name (lazily imported): the controller builds whichever the config names."""
+"""Tasks by name (lazily imported): the controller builds whichever the config names.
+
+A task that grades its own samples exactly (ShapesBench, AVBench) keeps its scorer in its
+package; this registry adds those scorers to the reward registry under the names recipes use,
+so reward/ never imports a task. Every process that builds engines imports this package (the
+local factory, each Ray host, ``diffrl serve-reward``), so the names exist wherever a pool is
+built.
+"""
 
 from __future__ import annotations
 
 import importlib
 
 from diffrl.errors import ConfigError
+from diffrl.reward.scorer import register_scorer
+from diffrl.tasks.avbench.scorer import AVBenchScorer
 from diffrl.tasks.base import (
     EvalResult,
     ProbeData,
@@ -16,6 +25,7 @@ from diffrl.tasks.base import (
     TaskConfig,
     prompt_source,
 )
+from diffrl.tasks.shapes.scorer import ShapesScorer
 
 TASK_MODULES = {
     "shapes": "diffrl.tasks.shapes",
@@ -23,6 +33,11 @@ TASK_MODULES = {
     "avbench": "diffrl.tasks.avbench",  # T2VA
     "avbench_fl2va": "diffrl.tasks.avbench",  # FL2VA: the same module, mode from cfg.task
 }
+
+# scorer name (as recipes spell it) -> the task's scorer
+TASK_SCORERS = {"shapes": ShapesScorer, "avbench": AVBenchScorer}
+for _name, _scorer in TASK_SCORERS.items():
+    register_scorer(_name)(_scorer)
 
 
 def build_task(cfg: TaskConfig) -> Task:

@@ -109,7 +109,7 @@ class PromptSet:
 
     def __init__(self, prompts: list[Prompt], tokenize, cond: Tensor | None = None) -> None:
         """``cond``: (N, ...) per-prompt conditions beyond the text, encoded once here beside
-        the tokens (FL2VA keyframe latents; ``controller.engines.prompt_set``)."""
+        the tokens (FL2VA keyframe latents; ``diffrl.build.prompt_set``)."""
         if not prompts:
             raise ValueError("a prompt set needs at least one prompt")
         self.prompts = prompts

@@ -14,10 +14,10 @@ import torch
 from diffrl.algorithms.diffusion_nft import NFTConfig
 from diffrl.algorithms.flow_grpo import GRPOConfig, prepare
 from diffrl.algorithms.registry import get_algorithm
-from diffrl.data.shapes import split_prompts
 from diffrl.models import compile as C
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.types import ScoredBatch
 
 # inductor's CPU code against eager, fp32: the same maths, fused and reordered

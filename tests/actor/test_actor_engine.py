@@ -364,8 +364,8 @@ def test_the_scheduled_lr_is_applied_and_resumes_exactly(
 
 
 def test_lr_schedule_config_errors() -> None:
+    from diffrl.build import actor_with_horizon
     from diffrl.config import load_config
-    from diffrl.controller.engines import actor_with_horizon
     from diffrl.errors import ConfigError
 
     recipe = "recipes/shapes_grpo_fast.yaml"

@@ -15,9 +15,9 @@ from diffrl.algorithms.diffusion_dpo import DPOConfig
 from diffrl.algorithms.diffusion_nft import NFTConfig
 from diffrl.algorithms.flow_grpo import GRPOConfig, prepare
 from diffrl.algorithms.registry import add_part, get_algorithm
-from diffrl.data.shapes import split_prompts
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.types import ScoredBatch
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tiny_runs import tiny_run
 
+from diffrl.build import build
 from diffrl.config import load_config
-from diffrl.controller.engines import build
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.engines import StreamingActorProtocol

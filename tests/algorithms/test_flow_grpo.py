@@ -17,10 +17,10 @@ from diffrl.algorithms.flow_grpo import (
     train_steps,
 )
 from diffrl.algorithms.registry import get_algorithm
-from diffrl.data.shapes import split_prompts
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.rollout.samplers import sde_step_with_logprob, sigma_schedule
 from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.types import ScoredBatch, StepSpec, TrainBatch
 
 

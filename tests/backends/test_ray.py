@@ -12,8 +12,8 @@ import sys
 import pytest
 from tiny_runs import tiny_run
 
+from diffrl.backends import build_engines
 from diffrl.config import load_config
-from diffrl.controller.engines import build
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ConfigError, DiffrlError
@@ -106,7 +106,7 @@ def test_pools_that_do_not_fit_are_a_config_error(tiny_checkpoint, tmp_path):
         RECIPE, tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray", "ray.actor.cpus=8")
     )
     with pytest.raises(ConfigError, match=r"ray.actor.cpus=8.*Ray cluster has 2"):
-        build(cfg)
+        build_engines(cfg)
     assert all_released()
 
 
@@ -114,7 +114,7 @@ def test_a_host_that_fails_to_build_raises_its_own_error(tiny_checkpoint, tmp_pa
     missing = tmp_path / "missing.safetensors"
     over = tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray", f"model.checkpoint={missing}")
     with pytest.raises(DiffrlError, match="missing.safetensors") as info:
-        build(load_config(RECIPE, over))
+        build_engines(load_config(RECIPE, over))
     assert not isinstance(info.value, ray.exceptions.RayError)  # the host's error, unwrapped
     assert all_released()
 
@@ -123,4 +123,4 @@ def test_ray_not_installed_is_a_config_error(tiny_checkpoint, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     cfg = load_config(RECIPE, tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray"))
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[ray\]'"):
-        build(cfg)
+        build_engines(cfg)

@@ -10,10 +10,10 @@ import time
 import pytest
 from tiny_runs import tiny_run
 
+from diffrl.build import build
 from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller.async_ import Clock, Rollout, Staleness, train_async
-from diffrl.controller.engines import build
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ConfigError

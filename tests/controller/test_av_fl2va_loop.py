@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffrl.build import Engines, build, prompt_set
 from diffrl.config import load_config
-from diffrl.controller.engines import Engines, build, prompt_set
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ConfigError

@@ -15,9 +15,9 @@ import torch
 
 import diffrl.controller.loop as loop
 from diffrl.algorithms.registry import get_algorithm
+from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import load_config
-from diffrl.controller.engines import Engines
 from diffrl.controller.run_dir import read_metrics
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
 from diffrl.models.family import TokenBatch, hash_rows
@@ -222,7 +222,9 @@ def run_loop(monkeypatch, tmp_path, recipe: str, steps: int, *overrides: str):
     assert isinstance(parts.evaluator, RolloutEngineProtocol)
     assert isinstance(parts.rewards, RewardEngineProtocol)
     assert isinstance(parts.actor, ActorEngineProtocol)
-    monkeypatch.setattr(loop, "build", lambda c: parts if c is cfg else pytest.fail("other cfg"))
+    monkeypatch.setattr(
+        loop, "build_engines", lambda c: parts if c is cfg else pytest.fail("other cfg")
+    )
     root = asyncio.run(loop.train(cfg))
     return parts, read_metrics(root)
 

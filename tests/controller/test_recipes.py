@@ -9,8 +9,8 @@ import pytest
 from safetensors.torch import load_file
 from tiny_runs import tiny_run
 
+from diffrl.build import build
 from diffrl.config import REPO_ROOT, load_config
-from diffrl.controller.engines import build
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ConfigError

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from diffrl.controller.step import rollout_and_score
-from diffrl.data.shapes import split_prompts
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
 from diffrl.reward.scorer import ScoreResult, register_scorer
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, sample_seeds
 from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.shapes.prompts import split_prompts
 
 
 class ByGroup:

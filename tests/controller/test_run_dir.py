@@ -82,7 +82,7 @@ def test_grid_shows_every_prompt_with_whole_captions(tmp_path):
     from PIL import Image
 
     from diffrl.controller.run_dir import RunDir
-    from diffrl.data.shapes import split_prompts
+    from diffrl.tasks.shapes.prompts import split_prompts
 
     texts = [p.text for p in split_prompts("eval")]
     run = RunDir(tmp_path / "run", tensorboard=False)

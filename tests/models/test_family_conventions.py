@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from diffrl.build import build, run_probe
 from diffrl.config import load_config
-from diffrl.controller.engines import build, run_probe
 from diffrl.errors import ContractError
 from diffrl.models.family import FamilyModel
 from diffrl.models.registry import ModelConfig, load_model

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffrl.data.shapes import all_prompts
-from diffrl.data.tokenizer import WordTokenizer as ShapesTokenizer
 from diffrl.models.words import WORDS_DIR, WordTokenizer, read_words
 from diffrl.tasks.avbench.prompts import vocabulary
+from diffrl.tasks.shapes.prompts import all_prompts
+from diffrl.tasks.shapes.tokenizer import WordTokenizer as ShapesTokenizer
 
 
 def test_shapes_words_are_the_grammars() -> None:

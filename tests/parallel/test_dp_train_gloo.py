@@ -57,7 +57,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 def _train_worker(rank: int, world: int, port: int, over: list[str], out: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from diffrl.controller.engines import build
+    from diffrl.build import build
     from diffrl.controller.sync import train_sync
 
     as_rank(rank, world, port)
@@ -115,7 +115,7 @@ def test_two_ranks_train_as_one_process_would_sample(tiny_checkpoint, tmp_path):
 
 
 def _lockstep_worker(rank: int, world: int, port: int, over: list[str], out: str) -> None:
-    from diffrl.controller.engines import build
+    from diffrl.build import build
     from diffrl.controller.sync import rollout_and_score
 
     as_rank(rank, world, port)
@@ -258,7 +258,7 @@ def test_layouts_train_cannot_run_are_refused_first(
     tiny_checkpoint, tmp_path, monkeypatch, extra, says
 ):  # noqa: E501
     """Under a 2-rank launch, before any process group or model: a clear error naming the key."""
-    from diffrl.controller.engines import build
+    from diffrl.build import build
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config(RECIPE, [*overrides(tiny_checkpoint, tmp_path, 1), *extra])

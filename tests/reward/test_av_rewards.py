@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_model_scorers import CLAP_RATE, TinyAV, clap_dir  # noqa: F401  (clap_dir: a fixture)
 
-from diffrl.controller.engines import prompt_set
+from diffrl.build import prompt_set
 from diffrl.errors import DiffrlError
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig

@@ -15,7 +15,6 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from diffrl.data.shapes import split_prompts
 from diffrl.reward.http import (
     HttpScorer,
     RewardReplyMalformed,
@@ -27,7 +26,9 @@ from diffrl.reward.http.client import backoff_delay, parse_retry_after, resolves
 from diffrl.reward.http.codec import TOKEN_ENV
 from diffrl.reward.http.server import BackgroundServer, create_app
 from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig
-from diffrl.reward.scorer import ScoreResult, build_scorer
+from diffrl.reward.scorer import ScoreResult
+from diffrl.reward.scorers import build_scorer
+from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.types import PromptBatch, Trajectory
 
 N = 3

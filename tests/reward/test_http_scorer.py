@@ -16,7 +16,6 @@ from reward_server import serve_reward_process
 
 from diffrl.cli import main
 from diffrl.config import load_config
-from diffrl.data.shapes import render, split_prompts
 from diffrl.reward.http import HttpScorer, RewardRequestRejected, codec
 from diffrl.reward.http.server import (
     BackgroundServer,
@@ -28,7 +27,10 @@ from diffrl.reward.http.server import (
     is_loopback,
 )
 from diffrl.reward.pool import RewardPool
-from diffrl.reward.scorer import ScoreResult, build_scorer
+from diffrl.reward.scorer import ScoreResult
+from diffrl.reward.scorers import build_scorer
+from diffrl.tasks.shapes.prompts import split_prompts
+from diffrl.tasks.shapes.render import render
 from diffrl.types import PromptBatch, Trajectory
 
 TOKEN = "test-token-123"

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
-from diffrl.reward.scorer import ScoreResult, build_scorer, registered_scorers
+from diffrl.reward.scorer import ScoreResult
+from diffrl.reward.scorers import build_scorer, registered_scorers
 from diffrl.reward.scorers.ocr import levenshtein, ocr_similarity, quoted_text
 
 MODEL_SCORERS = (
@@ -86,7 +87,7 @@ def test_registered_and_imports_stay_lazy() -> None:
     a core install (no extras) must still import the package and its registry."""
     assert set(MODEL_SCORERS) <= set(registered_scorers())
     code = (
-        "import sys\nfrom diffrl.reward.scorer import registered_scorers\nregistered_scorers()\n"
+        "import sys\nfrom diffrl.reward.scorers import registered_scorers\nregistered_scorers()\n"
         "print(sorted(m for m in ('transformers', 'httpx', 'rapidocr_onnxruntime', 'uvicorn') "
         "if m in sys.modules))"
     )

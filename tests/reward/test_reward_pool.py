@@ -11,17 +11,13 @@ import pytest
 import torch
 from shapes_images import square_off_one_blob
 
-from diffrl.data.shapes import parse_prompt, render, split_prompts
 from diffrl.errors import DiffrlError
 from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig
-from diffrl.reward.scorer import (
-    ScoreResult,
-    build_scorer,
-    finite_result,
-    register_scorer,
-    registered_scorers,
-)
+from diffrl.reward.scorer import ScoreResult, finite_result, register_scorer
+from diffrl.reward.scorers import build_scorer, registered_scorers
 from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.shapes.prompts import parse_prompt, split_prompts
+from diffrl.tasks.shapes.render import render
 from diffrl.types import Trajectory
 
 N = 4

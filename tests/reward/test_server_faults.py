@@ -24,9 +24,10 @@ from PIL import Image
 from reward_server import RunningServer, journal_events, serve_reward_cli
 
 from diffrl.cli import main
-from diffrl.data.shapes import render, split_prompts
 from diffrl.reward.http import HttpScorer, RewardRequestRejected, RewardServerUnavailable, codec
 from diffrl.reward.scorer import ScoreResult
+from diffrl.tasks.shapes.prompts import split_prompts
+from diffrl.tasks.shapes.render import render
 from diffrl.types import PromptBatch, Trajectory
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
-from diffrl.reward.scorer import build_scorer
+from diffrl.reward.scorers import build_scorer
 from diffrl.reward.scorers.vlm import TEMPLATES, chat_url, parse_score, parse_yesno
 
 pytest.importorskip("httpx")

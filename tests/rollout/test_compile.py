@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from diffrl.data.shapes import split_prompts
 from diffrl.models.compile import cpu_toolchain
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, compile_blocks
 from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.shapes.prompts import split_prompts
 
 needs_cc = pytest.mark.skipif(  # the check compile_blocks makes before compiling
     bool(cpu_toolchain()), reason="inductor needs a C++ compiler"

@@ -8,12 +8,12 @@ import pytest
 import torch
 from stream_helpers import stream_parts
 
-from diffrl.data.shapes import split_prompts
 from diffrl.errors import FieldError
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, noise_from_seeds, sample_seeds
 from diffrl.rollout.samplers import sigma_schedule
 from diffrl.sync.weights import SyncError, WeightUpdate
 from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.types import images_to_uint8
 
 

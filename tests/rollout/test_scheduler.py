@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffrl.data.shapes import split_prompts
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.rollout.samplers import sigma_schedule
 from diffrl.rollout.scheduler import ContinuousBatcher, Request, tokens
+from diffrl.tasks.shapes.prompts import split_prompts
 
 CPU = torch.device("cpu")
 

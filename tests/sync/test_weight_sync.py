@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffrl.controller.engines import expanded_targets
+from diffrl.build import expanded_targets
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.sync.weights import (

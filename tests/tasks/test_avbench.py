@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import ndimage
 
-from diffrl.reward.scorer import build_scorer
+from diffrl.reward.scorers import build_scorer
 from diffrl.tasks import Prompt, TaskConfig, build_task
 from diffrl.tasks.avbench import render, render_batch, trajectory_checks
 from diffrl.tasks.avbench.prompts import all_prompts, make_prompt, parse_prompt, split_prompts

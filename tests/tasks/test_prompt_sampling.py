@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from diffrl.build import check_sampling
 from diffrl.config import load_config
-from diffrl.controller.engines import check_sampling
 from diffrl.errors import ConfigError
 from diffrl.models.family import TokenBatch, hash_rows
 from diffrl.tasks import Prompt, PromptSet, PromptSource, SpreadSampler, TaskConfig, prompt_source

@@ -53,7 +53,8 @@ from diffrl.reward.http.guard import (
     uvicorn_config,
     wait_for_disconnect,
 )
-from diffrl.reward.scorer import Scorer, ScoreResult, build_scorer
+from diffrl.reward.scorer import Scorer, ScoreResult
+from diffrl.reward.scorers import build_scorer
 from diffrl.types import PromptBatch, Trajectory
 
 log = logging.getLogger(__name__)

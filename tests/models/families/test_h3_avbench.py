@@ -11,7 +11,7 @@ import torch
 from diffrl.errors import ConfigError, ContractError
 
 pytest.importorskip("diffusers")
-from diffrl.controller.engines import run_probe  # noqa: E402
+from diffrl.build import run_probe  # noqa: E402
 from diffrl.models.families._h3_codecs import DCTAudio, dct_basis  # noqa: E402
 from diffrl.models.registry import ModelConfig, load_model  # noqa: E402
 from diffrl.tasks import TaskConfig, build_task  # noqa: E402
@@ -68,7 +68,7 @@ def test_the_probe_confirms_data_progress_and_refuses_a_wrong_declaration(model)
 
 
 def test_fl2va_conditions_are_encoded_once_per_prompt(model) -> None:
-    from diffrl.controller.engines import prompt_set
+    from diffrl.build import prompt_set
 
     task = build_task(TaskConfig(task="avbench_fl2va"))
     prompts = task.prompts("test")[:3]

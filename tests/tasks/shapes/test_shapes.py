@@ -9,21 +9,19 @@ import numpy as np
 import pytest
 from shapes_images import square_off_one_blob
 
-from diffrl.data import shapes
-from diffrl.data.shapes import (
+from diffrl.tasks.shapes import prompts as shapes
+from diffrl.tasks.shapes.prompts import (
     CATEGORIES,
     COLORS,
     IMAGE_SIZE,
     POSITIONS,
     SHAPES,
     ShapesPrompt,
-    category_accuracy,
     parse_prompt,
-    render,
-    score_batch,
     split_prompts,
-    verify,
 )
+from diffrl.tasks.shapes.render import _draw, render
+from diffrl.tasks.shapes.verify import category_accuracy, detect, score_batch, verify
 
 SEEDS = range(4)
 
@@ -132,9 +130,9 @@ def test_render_properties(gt_images: list[tuple[ShapesPrompt, np.ndarray]]) -> 
         colours = {tuple(int(v) for v in px) for px in np.unique(image.reshape(-1, 3), axis=0)}
         assert colours <= palette, "renderer must be hard-edged (palette + black only)"
         expected = sum(o.count for o in prompt.objects)
-        assert len(shapes.detect(image)) == expected
+        assert len(detect(image)) == expected
     # Object size: bounding box side in [7, 10] (area bounds of the drawn masks).
-    areas = [d.area for _, img in gt_images for d in shapes.detect(img)]
+    areas = [d.area for _, img in gt_images for d in detect(img)]
     assert min(areas) >= 24 and max(areas) <= 100
 
 
@@ -161,7 +159,7 @@ def test_render_other_sizes(size: int) -> None:
 def test_raw_placement_already_satisfies_verifier(prompts: list[ShapesPrompt]) -> None:
     """render() self-checks; the placement it wraps should rarely (never) need a retry."""
     rng = np.random.default_rng(123)
-    ok = sum(verify(shapes._draw(p, rng, IMAGE_SIZE), p).overall for p in prompts)
+    ok = sum(verify(_draw(p, rng, IMAGE_SIZE), p).overall for p in prompts)
     assert ok / len(prompts) >= 0.99
 
 
@@ -290,14 +288,12 @@ def test_verifier_input_validation() -> None:
 
 
 def test_position_regions_match_spec() -> None:
-    assert shapes._in_region("left", 11.9, 5, 32, 32) and not shapes._in_region(
-        "left", 12, 5, 32, 32
-    )
-    assert shapes._in_region("right", 20.1, 5, 32, 32)
-    assert not shapes._in_region("right", 20, 5, 32, 32)
-    assert shapes._in_region("center", 12, 20, 32, 32)
-    assert not shapes._in_region("center", 11.9, 16, 32, 32)
-    assert shapes._in_region("bottom", 3, 20.5, 32, 32) and shapes._in_region("top", 3, 11, 32, 32)
+    assert shapes.in_region("left", 11.9, 5, 32, 32) and not shapes.in_region("left", 12, 5, 32, 32)
+    assert shapes.in_region("right", 20.1, 5, 32, 32)
+    assert not shapes.in_region("right", 20, 5, 32, 32)
+    assert shapes.in_region("center", 12, 20, 32, 32)
+    assert not shapes.in_region("center", 11.9, 16, 32, 32)
+    assert shapes.in_region("bottom", 3, 20.5, 32, 32) and shapes.in_region("top", 3, 11, 32, 32)
     assert set(POSITIONS) == {"left", "right", "top", "bottom", "center"}
 
 

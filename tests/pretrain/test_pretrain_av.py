@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 pytest.importorskip("diffusers")
 from diffrl.errors import ConfigError  # noqa: E402
-from diffrl.models.pretrain import load_pretrain_config, pretrain  # noqa: E402
 from diffrl.models.registry import ModelConfig, load_model  # noqa: E402
+from diffrl.pretrain import load_pretrain_config, pretrain  # noqa: E402
 
 
 def test_pretrain_avbench_writes_a_loadable_scored_base(tmp_path) -> None:

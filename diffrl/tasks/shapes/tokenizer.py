@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from diffrl.data.shapes import all_prompts
 from diffrl.models.family import hash_rows
+from diffrl.tasks.shapes.prompts import all_prompts
 
 PAD_TOKEN = "<pad>"
 NULL_TOKEN = "<null>"

@@ -47,8 +47,9 @@ import torch
 
 from diffrl.actor.engine import ActorEngine
 from diffrl.algorithms.registry import Algorithm, Backward
+from diffrl.backends import build_engines
+from diffrl.build import Engines, actor_targets
 from diffrl.config import Config
-from diffrl.controller.engines import Engines, actor_targets, build
 from diffrl.controller.step import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
@@ -141,7 +142,7 @@ def bench(
         raise ConfigError(f"diffrl bench: kind must be one of {KINDS}, got {kind!r}")
     if repeats < 1:
         raise ConfigError(f"diffrl bench: repeats must be >= 1, got {repeats}")
-    parts = build(cfg)
+    parts = build_engines(cfg)
     dev, fam = parts.device, parts.rollout.family
     dtype = next(parts.rollout.model.parameters()).dtype
     peak = matmul_rate(dev, dtype)

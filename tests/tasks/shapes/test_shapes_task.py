@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from diffrl.data.shapes import CATEGORIES, parse_prompt, render, split_prompts
 from diffrl.tasks import Prompt, PromptSet, TaskConfig, build_task
+from diffrl.tasks.shapes.prompts import CATEGORIES, parse_prompt, split_prompts
+from diffrl.tasks.shapes.render import render
 from diffrl.types import Trajectory, images_to_uint8
 
 

@@ -1,7 +1,8 @@
-"""The engine factory: builds the task, the model family and the three engines a run needs
-from its config, by registered name. The loop (``controller/loop.py``) receives what this
-returns and knows no task or family by name; a Ray factory can return remote engines behind
-the same Protocols (``diffrl.engines``).
+"""The engine builders: the task, the model family and the three engines a run needs, from its
+config, by registered name. The controller receives what ``build`` returns and knows no task or
+family by name; each Ray host (``backends/ray.py``) builds its own engine with the same
+``rollout_side``/``actor_side``, so this module sits below both and imports neither.
+``diffrl.backends.build_engines`` picks the backend.
 """
 
 from __future__ import annotations
@@ -204,17 +205,19 @@ def actor_side(
     )  # fmt: skip
 
 
-def build(cfg: Config) -> Engines:
-    """The run's engines, for ``run.backend``: in this process (local), or as Ray actors
-    (``diffrl.backends.ray``) behind the same Protocols."""
+def check_config(cfg: Config) -> Algorithm:
+    """The rules that span components, checked before any backend builds an engine; returns
+    the run's algorithm."""
     algorithm = get_algorithm(cfg.algorithm.name)
     algorithm.validate(cfg)  # what it needs of the rollout and the loop
     check_streaming(cfg)
     check_sampling(cfg)
-    if cfg.run.backend == "ray":
-        from diffrl.backends.ray import build_ray  # ray is an optional extra
+    return algorithm
 
-        return build_ray(cfg)
+
+def build(cfg: Config) -> Engines:
+    """The run's engines in this process (``run.backend=local``)."""
+    algorithm = check_config(cfg)
     ranks = start_ranks(cfg)  # torchrun: the process group and meshes; else SOLO
     check_sampling(cfg, ranks.dp_size)
     device = setup_process(cfg)

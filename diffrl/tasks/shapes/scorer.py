@@ -7,15 +7,15 @@ import asyncio
 import numpy as np
 import torch
 
-from diffrl.data.shapes import parse_prompt, verify
 from diffrl.errors import check_choice
-from diffrl.reward.scorer import ScoreResult, register_scorer
+from diffrl.reward.scorer import ScoreResult
+from diffrl.tasks.shapes.prompts import parse_prompt
+from diffrl.tasks.shapes.verify import verify
 from diffrl.types import Trajectory
 
 CONSTRAINTS = ("color", "count", "shape", "position")
 
 
-@register_scorer("shapes")
 class ShapesScorer:
     """mode="partial": 0.5 * overall + 0.5 * mean of the four constraints (denser signal);
     mode="graded": as partial, but each constraint counts the share of its checks that pass

@@ -12,10 +12,10 @@ import torch
 from tiny_runs import tiny_run
 
 from diffrl.algorithms.registry import get_algorithm
+from diffrl.bench import mfu as B
+from diffrl.build import build
 from diffrl.cli import main
 from diffrl.config import load_config
-from diffrl.controller import bench as B
-from diffrl.controller.engines import build
 from diffrl.controller.step import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model

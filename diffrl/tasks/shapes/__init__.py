@@ -3,6 +3,11 @@
 Held-out accuracy is the verifier's, per category ("eval/counting", ...), with the overall
 share of samples that pass as the headline ``eval/overall``. The renderer's images are the
 probe's known-good samples.
+
+The package: ``prompts.py`` (the grammar and split), ``render.py`` (ground truth),
+``verify.py`` (the exact verifier), ``tokenizer.py`` (the tiny DiT's word vocabulary),
+``scorer.py`` (the ``shapes`` scorer, registered by ``diffrl.tasks``). Its base models are
+pre-trained by ``diffrl/pretrain/shapes.py``.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffrl.data.shapes import category_accuracy, parse_prompt, render, score_batch, split_prompts
 from diffrl.tasks.base import EvalResult, ProbeData, Prompt, TaskConfig, first_of_each_prompt
+from diffrl.tasks.shapes.prompts import parse_prompt, split_prompts
+from diffrl.tasks.shapes.render import render
+from diffrl.tasks.shapes.verify import category_accuracy, score_batch
 from diffrl.types import Trajectory, images_from_uint8
 
 SPLITS = {"train": "train", "test": "eval"}

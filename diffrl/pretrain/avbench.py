@@ -19,9 +19,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from diffrl.build import pick_device
 from diffrl.models.convention import noised
 from diffrl.models.family import FamilyModel
 from diffrl.models.registry import ModelConfig, builtin_path, load_model, save_weights
+from diffrl.pretrain.common import PretrainConfig, held_out_metrics, optimizer_step, warmup_cosine
+from diffrl.tasks import Prompt, PromptSet
+from diffrl.tasks.avbench import ClipSpec, render_batch, split_prompts
 
 DEFAULT_PRESET = "h3-avbench"
 
@@ -29,8 +33,6 @@ DEFAULT_PRESET = "h3-avbench"
 def clip_bank(model: FamilyModel, per_prompt: int, seed: int, device) -> tuple:
     """Every train prompt's ``per_prompt`` ground-truth clips, encoded once: latents
     (P, n, D) and keyframe latents (P, n, 2, C, 1, h, w), on ``device``."""
-    from diffrl.tasks.avbench import ClipSpec, render_batch, split_prompts
-
     fam = model.family
     geo = fam.media_geometry()
     spec = ClipSpec(geo["frames"], geo["size"], geo["fps"], geo["sample_rate"])
@@ -44,12 +46,7 @@ def clip_bank(model: FamilyModel, per_prompt: int, seed: int, device) -> tuple:
     return torch.stack(latents), torch.stack(keys)
 
 
-def pretrain_avbench(cfg) -> Path:
-    from diffrl.controller.engines import pick_device
-    from diffrl.models.pretrain import optimizer_step, warmup_cosine
-    from diffrl.tasks import Prompt, PromptSet
-    from diffrl.tasks.avbench import split_prompts
-
+def pretrain_avbench(cfg: PretrainConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -138,9 +135,6 @@ def evaluate_av(
 ) -> dict[str, float]:
     """Held-out AVBench metrics of a base (no adapters) in one mode, sampled by the rollout
     engine with the data stage's conditions, exactly as a run's eval."""
-    from diffrl.controller.engines import pick_device
-    from diffrl.models.pretrain import held_out_metrics
-
     dev = pick_device(device)
     model = load_model(ModelConfig(family="minimax_h3", preset=preset, weights=weights), dev)
     return held_out_metrics(model, task_name, samples_per_prompt, num_steps, seed)

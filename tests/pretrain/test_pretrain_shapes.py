@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from diffrl.errors import ConfigError
-from diffrl.models.pretrain import load_pretrain_config, pretrain
+from diffrl.pretrain import load_pretrain_config, pretrain
 
 TOY = ["steps=1", "batch=4", "bank_per_prompt=1", "eval_samples=1", "hidden=16", "depth=1",
        "heads=2", "workers=1", "threads=1", "device=cpu"]  # fmt: skip

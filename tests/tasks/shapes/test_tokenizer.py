@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from diffrl.data.shapes import all_prompts
-from diffrl.data.tokenizer import WordTokenizer, hash_ids
+from diffrl.tasks.shapes.prompts import all_prompts
+from diffrl.tasks.shapes.tokenizer import WordTokenizer, hash_ids
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ import asyncio
 import torch
 
 from diffrl.errors import check_choice
-from diffrl.reward.scorer import ScoreResult, register_scorer
+from diffrl.reward.scorer import ScoreResult
 from diffrl.tasks.avbench import trajectory_checks
 from diffrl.types import Trajectory
 
 
-@register_scorer("avbench")
 class AVBenchScorer:
     """mode="overall": 1 if every check passes else 0 (the eval's strict score);
     mode="partial": the mean of the checks' fractions (pitch, beep_count, sync, color,

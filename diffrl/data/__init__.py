@@ -1,1 +1,0 @@
-"""Datasets, prompts and tokenizers for diffrl."""
