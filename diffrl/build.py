@@ -208,18 +208,15 @@ def actor_side(
 def check_config(cfg: Config) -> Algorithm:
     """The rules that span components, checked before any backend builds an engine; returns
     the run's algorithm."""
-    algorithm = get_algorithm(cfg.algorithm.name)
-    algorithm.validate(cfg)  # what it needs of the rollout and the loop
-    check_streaming(cfg)
-    check_sampling(cfg)
-    return algorithm
+    cfg.check_across()  # load_config ran it too; a config built in code may not have been
+    return get_algorithm(cfg.algorithm.name)
 
 
 def build(cfg: Config) -> Engines:
     """The run's engines in this process (``run.backend=local``)."""
     algorithm = check_config(cfg)
     ranks = start_ranks(cfg)  # torchrun: the process group and meshes; else SOLO
-    check_sampling(cfg, ranks.dp_size)
+    cfg.data.check_loop(cfg.run.mode, ranks.dp_size)
     device = setup_process(cfg)
     side = rollout_side(cfg, device)
     rewards = RewardPool(cfg.reward)
@@ -262,50 +259,6 @@ def actor_with_horizon(cfg: Config) -> ActorConfig:
             f"horizon, run.steps x actor.minibatches = {horizon} (or set actor.lr_horizon)"
         )
     return dataclasses.replace(actor, lr_horizon=horizon)
-
-
-def config_value(cfg, key: str):
-    """The value at a dotted config key ("actor.minibatches")."""
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def check_streaming(cfg: Config) -> None:
-    """``run.stream_train`` trains each scored micro-batch as it comes: one optimizer step per
-    RL step, in sync mode (what the algorithm's ``prepare`` needs: ``Algorithm.validate``)."""
-    if not cfg.run.stream_train:
-        return
-    for key, bad, why in (
-        ("run.mode", cfg.run.mode != "sync", "streams the sync loop's update; use run.mode=sync"),
-        ("actor.minibatches", cfg.actor.minibatches != 1, "takes one optimizer step per RL "
-         "step; set actor.minibatches=1"),
-    ):  # fmt: skip
-        if bad:
-            value = config_value(cfg, key)
-            raise ConfigError(f"config key '{key}' = {value!r}: run.stream_train {why}")
-
-
-def check_sampling(cfg: Config, dp_size: int = 1) -> None:
-    """``data.sampling=spread`` draws step k's prompts from the rewards of the steps before it,
-    so each step must be scored before the next one's prompts are drawn, in one process: the
-    async loop draws ahead of its scores, and data-parallel ranks would each see only their
-    share of the rewards and draw differently."""
-    if cfg.data.sampling == "uniform":
-        return
-    if cfg.run.mode != "sync":
-        raise ConfigError(
-            f"config key 'data.sampling' = {cfg.data.sampling!r}: needs run.mode=sync (the "
-            "async loop draws prompts before the steps before them are scored); use "
-            "data.sampling=uniform"
-        )
-    if dp_size > 1:
-        raise ConfigError(
-            f"config key 'data.sampling' = {cfg.data.sampling!r}: needs one data-parallel "
-            f"rank (each of the {dp_size} would see only its share of the rewards); use "
-            "data.sampling=uniform"
-        )
 
 
 def expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:

@@ -98,6 +98,22 @@ class RunConfig:
         check_choice("stale", self.stale, ("drop", "keep", "correct"))
         check_choice("backend", self.backend, ("local", "ray"))
 
+    def check_streaming(self, minibatches: int) -> None:
+        """``stream_train`` trains each scored micro-batch as it comes: one optimizer step per
+        RL step, in sync mode (what the algorithm's ``prepare`` needs: ``Algorithm.validate``)."""
+        if not self.stream_train:
+            return
+        if self.mode != "sync":
+            raise ConfigError(
+                f"config key 'run.mode' = {self.mode!r}: run.stream_train streams the sync "
+                "loop's update; use run.mode=sync"
+            )
+        if minibatches != 1:
+            raise ConfigError(
+                f"config key 'actor.minibatches' = {minibatches!r}: run.stream_train takes one "
+                "optimizer step per RL step; set actor.minibatches=1"
+            )
+
 
 @dataclass(frozen=True)
 class Config:
@@ -111,6 +127,14 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun (launch.py)
     # the registered algorithm's own frozen config (a subclass; ``algorithm.name`` picks it)
     algorithm: AlgorithmConfig = field(default_factory=default_config)
+
+    def check_across(self) -> None:
+        """The rules that span sections, each kept beside the component it protects: the run's
+        streaming, the data's prompt draw, and what the algorithm needs of the rest. Run after
+        every section's own ``validate`` (``load_config``), so each sees valid sections."""
+        self.run.check_streaming(self.actor.minibatches)
+        self.data.check_loop(self.run.mode)
+        get_algorithm(self.algorithm.name).validate(self)
 
 
 def resolve_recipe(path: str | None) -> Path:
@@ -180,6 +204,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config: {e}") from None
     validate_tree(cfg)
+    cfg.check_across()
     return cfg
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from diffrl.errors import check, check_choice
+from diffrl.errors import ConfigError, check, check_choice
 from diffrl.types import PromptBatch, Trajectory
 
 
@@ -50,6 +50,26 @@ class TaskConfig:
         check(self.eval_prompts >= 0, "eval_prompts", self.eval_prompts, "must be >= 0")
         check_choice("sampling", self.sampling, ("uniform", "spread"))
         check(0 < self.sampling_floor <= 1, "sampling_floor", self.sampling_floor, "in (0, 1]")
+
+    def check_loop(self, mode: str, dp_size: int = 1) -> None:
+        """``sampling=spread`` draws step k's prompts from the rewards of the steps before it,
+        so each step must be scored before the next one's prompts are drawn, in one process:
+        the async loop draws ahead of its scores, and data-parallel ranks would each see only
+        their share of the rewards and draw differently."""
+        if self.sampling == "uniform":
+            return
+        if mode != "sync":
+            raise ConfigError(
+                f"config key 'data.sampling' = {self.sampling!r}: needs run.mode=sync (the "
+                "async loop draws prompts before the steps before them are scored); use "
+                "data.sampling=uniform"
+            )
+        if dp_size > 1:
+            raise ConfigError(
+                f"config key 'data.sampling' = {self.sampling!r}: needs one data-parallel "
+                f"rank (each of the {dp_size} would see only its share of the rewards); use "
+                "data.sampling=uniform"
+            )
 
 
 @dataclass(frozen=True)

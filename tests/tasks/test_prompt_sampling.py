@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from diffrl.build import check_sampling
 from diffrl.config import load_config
 from diffrl.errors import ConfigError
 from diffrl.models.family import TokenBatch, hash_rows
@@ -128,9 +127,11 @@ def test_a_late_observation_and_a_foreign_state_are_errors() -> None:
 
 
 def test_spread_sampling_is_refused_where_it_cannot_be_exact() -> None:
-    with pytest.raises(ConfigError, match="run.mode=sync"):
-        check_sampling(load_config(None, ["data.sampling=spread", "run.mode=async"]))
+    with pytest.raises(ConfigError, match="run.mode=sync"):  # at load time, before any work
+        load_config(None, ["data.sampling=spread", "run.mode=async"])
+    cfg = load_config(None, ["data.sampling=spread"])
     with pytest.raises(ConfigError, match="data-parallel"):
-        check_sampling(load_config(None, ["data.sampling=spread"]), dp_size=2)
-    check_sampling(load_config(None, ["data.sampling=spread"]))
-    check_sampling(load_config(None, ["run.mode=async"]), dp_size=2)
+        cfg.data.check_loop(cfg.run.mode, dp_size=2)
+    cfg.data.check_loop(cfg.run.mode)
+    cfg = load_config(None, ["run.mode=async"])
+    cfg.data.check_loop(cfg.run.mode, dp_size=2)
