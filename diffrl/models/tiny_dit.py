@@ -60,8 +60,8 @@ class Attention(nn.Module):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
             # under bf16 autocast on the CPU, attention stays fp32 (autocast would cast it back
-            # down): torch's CPU flash-attention backward took 5x as long in bf16 as in fp32 on
-            # these shapes (BENCHMARKS)
+            # down): torch's CPU flash-attention backward is much slower in bf16 than in fp32
+            # on these shapes
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(
                     q.float(), k.float(), v.float(), attn_mask=mask

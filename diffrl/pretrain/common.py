@@ -32,7 +32,7 @@ class PretrainConfig:
     # std of the tiny DiT's token-embedding init; 0 = nn.Embedding's N(0, 1), which the shipped
     # base used. At N(0, 1) a token's embedding (norm ~11 at width 128) dwarfs its position's
     # (init std 0.02), so the text reaches the blocks nearly as a bag of words and colour-shape
-    # binding is hard to learn (benchmarks/BENCHMARKS.md, colour binding)
+    # binding is hard to learn
     text_embed_std: float = 0.0
     hidden: int = 128
     depth: int = 6
@@ -60,7 +60,7 @@ class PretrainConfig:
     chunk: int = 32  # avbench: clips per transformer call (one sigma each)
     # avbench: weight of the audio latent's dims in the loss against the video's (1 = the plain
     # mean over all dims); AVBench's beeps fill ~0.3% of the audio dims, so the plain mean barely
-    # sees them (benchmarks/BENCHMARKS.md, the AVBench base)
+    # sees them
     audio_weight: float = 1.0
     # start from these weights instead of a random init ("" = random): a .safetensors written by
     # an earlier `diffrl pretrain` or a built-in (builtin:avbench_h3, ...). The optimizer, LR
