@@ -10,9 +10,7 @@ is chosen so the base model is clearly imperfect on held-out prompts, leaving RL
 from __future__ import annotations
 
 import copy
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,49 +25,10 @@ from diffrl.models.registry import ModelConfig, builtin_path, load_model, save_w
 from diffrl.models.tiny_dit import TinyDiTConfig
 from diffrl.pretrain.common import PretrainConfig, held_out_metrics, optimizer_step, warmup_cosine
 from diffrl.tasks import Prompt, PromptSet
-from diffrl.tasks.shapes.prompts import ShapesPrompt, all_prompts, split_prompts
-from diffrl.tasks.shapes.render import render
+from diffrl.tasks.shapes.bank import render_bank
+from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.tasks.shapes.tokenizer import WordTokenizer
 from diffrl.types import images_from_uint8
-
-
-def near_misses(prompt: ShapesPrompt) -> list[ShapesPrompt]:
-    """Prompts of the same category whose text differs from ``prompt`` in exactly one word."""
-    words = prompt.text.split()
-    return [
-        q
-        for q in all_prompts()
-        if q.category == prompt.category
-        and q != prompt
-        and len(qw := q.text.split()) == len(words)
-        and sum(a != b for a, b in zip(words, qw, strict=True)) == 1
-    ]
-
-
-def _render_many(args) -> np.ndarray:
-    prompt, n, seed, noise = args
-    rng = np.random.default_rng(seed)
-    misses = near_misses(prompt) if noise > 0 else []
-    drawn = [
-        misses[rng.integers(len(misses))] if misses and rng.random() < noise else prompt
-        for _ in range(n)
-    ]
-    return np.stack([render(p, rng) for p in drawn])
-
-
-def render_bank(
-    prompts, per_prompt: int, seed: int, workers: int, caption_noise: float = 0.0
-) -> torch.Tensor:
-    """(len(prompts), per_prompt, H, W, 3) uint8 images for each caption, rendered in parallel
-    once so the training loop is not bound by the (CPU) renderer."""
-    jobs = [(p, per_prompt, seed * 100_003 + i, caption_noise) for i, p in enumerate(prompts)]
-    workers = workers or os.cpu_count() or 1
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            parts = list(pool.map(_render_many, jobs, chunksize=4))
-    else:
-        parts = [_render_many(j) for j in jobs]
-    return torch.from_numpy(np.stack(parts))
 
 
 def pretrain_shapes(cfg: PretrainConfig) -> Path:

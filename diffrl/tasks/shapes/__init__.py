@@ -6,8 +6,11 @@ probe's known-good samples.
 
 The package: ``prompts.py`` (the grammar and split), ``render.py`` (ground truth),
 ``verify.py`` (the exact verifier), ``tokenizer.py`` (the tiny DiT's word vocabulary),
-``scorer.py`` (the ``shapes`` scorer, registered by ``diffrl.tasks``). Its base models are
-pre-trained by ``diffrl/pretrain/shapes.py``.
+``scorer.py`` (the ``shapes`` scorer, registered by ``diffrl.tasks``), ``bank.py`` (the
+pre-training data: ground-truth banks, near-miss captions). Its base models are pre-trained by
+``diffrl/pretrain/shapes.py`` (the loop; its settings are ``pretrain/common.py``'s
+``PretrainConfig``, shared with AVBench), and their network, the tiny DiT, is a model family
+(``models/``), below the tasks.
 """
 
 from __future__ import annotations
