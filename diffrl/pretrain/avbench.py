@@ -15,7 +15,6 @@ import copy
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -23,7 +22,13 @@ from diffrl.build import pick_device
 from diffrl.models.convention import noised
 from diffrl.models.family import FamilyModel
 from diffrl.models.registry import ModelConfig, builtin_path, load_model, save_weights
-from diffrl.pretrain.common import PretrainConfig, held_out_metrics, optimizer_step, warmup_cosine
+from diffrl.pretrain.common import (
+    PretrainConfig,
+    held_out_metrics,
+    optimizer_step,
+    start_process,
+    warmup_cosine,
+)
 from diffrl.tasks import Prompt, PromptSet
 from diffrl.tasks.avbench import ClipSpec, render_batch, split_prompts
 
@@ -47,11 +52,7 @@ def clip_bank(model: FamilyModel, per_prompt: int, seed: int, device) -> tuple:
 
 
 def pretrain_avbench(cfg: PretrainConfig) -> Path:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    device = pick_device(cfg.device)
+    rng, device = start_process(cfg)
     preset = cfg.preset or DEFAULT_PRESET
     mcfg = ModelConfig(family="minimax_h3", preset=preset, weights=cfg.init, probe=False)
     model = load_model(mcfg, device)

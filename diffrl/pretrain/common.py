@@ -7,11 +7,12 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from diffrl.build import prompt_set
+from diffrl.build import pick_device, prompt_set
 from diffrl.config import mergeable_schema, validate_tree
 from diffrl.errors import ConfigError, check
 from diffrl.models.family import FamilyModel
@@ -133,3 +134,11 @@ def held_out_metrics(
         return (await task.evaluate(traj)).metrics
 
     return asyncio.run(run())
+
+
+def start_process(cfg: PretrainConfig) -> tuple[np.random.Generator, torch.device]:
+    """Threads and seeds as the config says; returns the data RNG and the device."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    return np.random.default_rng(cfg.seed), pick_device(cfg.device)

@@ -13,7 +13,6 @@ import copy
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -23,7 +22,13 @@ from diffrl.models.families.tiny_dit import build, save_model
 from diffrl.models.family import FamilyModel
 from diffrl.models.registry import ModelConfig, builtin_path, load_model, save_weights
 from diffrl.models.tiny_dit import TinyDiTConfig
-from diffrl.pretrain.common import PretrainConfig, held_out_metrics, optimizer_step, warmup_cosine
+from diffrl.pretrain.common import (
+    PretrainConfig,
+    held_out_metrics,
+    optimizer_step,
+    start_process,
+    warmup_cosine,
+)
 from diffrl.tasks import Prompt, PromptSet
 from diffrl.tasks.shapes.bank import render_bank
 from diffrl.tasks.shapes.prompts import split_prompts
@@ -32,11 +37,7 @@ from diffrl.types import images_from_uint8
 
 
 def pretrain_shapes(cfg: PretrainConfig) -> Path:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    device = pick_device(cfg.device)
+    rng, device = start_process(cfg)
     tok = WordTokenizer()
     shapes = split_prompts("train")
     arch = TinyDiTConfig(
