@@ -21,9 +21,17 @@ class RolloutEngineProtocol(Protocol):
     def produces(self) -> frozenset[str]: ...  # the extra_fields its trajectories carry
 
     async def stream(
-        self, prompts: PromptBatch, seed: int, channel: Channel, *, iteration: int = 0
+        self,
+        prompts: PromptBatch,
+        seed: int,
+        channel: Channel,
+        *,
+        iteration: int = 0,
+        first_prompt: int = 0,
     ) -> None:
-        """Puts one Trajectory per finished micro-batch into ``channel``, then closes it."""
+        """Puts one Trajectory per finished micro-batch into ``channel``, then closes it.
+        ``first_prompt``: where ``prompts`` start in a larger batch that others sample the
+        rest of (a data-parallel rank's slice): their samples take that batch's seeds."""
 
     async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory: ...
 
@@ -42,12 +50,22 @@ class RewardEngineProtocol(Protocol):
 
 @runtime_checkable
 class ActorEngineProtocol(Protocol):
+    """One update path: an optimizer step whose rows arrive in parts (``begin_stream``, a
+    ``train_part`` per scored micro-batch, ``end_stream``; ``run.stream_train`` feeds it while
+    the rollout runs); ``train_step`` is a whole batch's update through the same path."""
+
     version: int  # optimizer steps taken
 
     @property
     def eval_adapter(self) -> str: ...
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+
+    def begin_stream(self, expected_rows: int) -> None: ...
+
+    def train_part(self, part: TrainBatch) -> None: ...
+
+    def end_stream(self) -> dict[str, float]: ...
 
     def update_old(self, decay: float) -> None: ...
 
@@ -58,15 +76,3 @@ class ActorEngineProtocol(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state(self, adapters: dict, state: dict) -> None: ...
-
-
-@runtime_checkable
-class StreamingActorProtocol(ActorEngineProtocol, Protocol):
-    """An actor that also takes one update's rows in parts, as they are scored
-    (``run.stream_train``); the local and Ray actors do."""
-
-    def begin_stream(self, expected_rows: int) -> None: ...
-
-    def train_part(self, part: TrainBatch) -> None: ...
-
-    def end_stream(self) -> dict[str, float]: ...

@@ -30,7 +30,7 @@ def select_rows(record, index: Tensor):
     fields picked, shared fields such as ``sigmas`` kept, ``extra_fields`` picked per key).
     Every ``prepare``, the actor's minibatching and ``concat`` go through it or its inverse."""
     idx = index.tolist()
-    changes = {}
+    changes: dict[str, object] = {}
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
         if not f.metadata.get("rows") or value is None:
@@ -51,7 +51,7 @@ def concat_rows(records: list):
     first = records[0]
     if len(records) == 1:
         return first
-    changes = {}
+    changes: dict[str, object] = {}
     for f in dataclasses.fields(first):
         values = [getattr(r, f.name) for r in records]
         if not f.metadata.get("rows") or values[0] is None:
@@ -157,7 +157,7 @@ class Trajectory:
     # (B, *S) final clean sample in the family's latent space; S = (C, H, W) for images,
     # (C, F, H, W) for video ([-1, 1] pixels for the pixel-space tiny DiT)
     x0: Tensor = rows()
-    sigmas: Tensor = None  # (T+1,) the sampler's sigma schedule, 1 -> 0
+    sigmas: Tensor | None = None  # (T+1,) the sampler's sigma schedule, 1 -> 0
     policy_version: int = 0  # version of the weights that sampled this trajectory
     latents: Tensor | None = rows()  # (B, T+1, *S) x at each sigma (kept when asked)
     log_probs: Tensor | None = rows()  # (B, T) per-step Gaussian log-prob (SDE; 0 for ODE)
@@ -181,13 +181,18 @@ class Trajectory:
         if len({p.policy_version for p in parts}) != 1:
             raise ValueError("cannot concat trajectories sampled by different policy versions")
         if len({p.step_spec for p in parts}) != 1 or any(
-            (p.sde_mask is None) != (first.sde_mask is None)
-            or (p.sde_mask is not None and not torch.equal(p.sde_mask, first.sde_mask))
-            for p in parts
+            not _same_mask(p.sde_mask, first.sde_mask) for p in parts
         ):
             raise ValueError("cannot concat trajectories sampled with different SDE settings")
 
         return concat_rows(parts)
+
+
+def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
+    """Both None, or equal tensors."""
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
 
 
 @dataclass(frozen=True)

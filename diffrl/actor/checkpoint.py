@@ -208,7 +208,9 @@ def _newest_first(dirs: list[Path]) -> list[Path]:
             saved_at = float(json.loads((p / MANIFEST).read_bytes())["saved_at"])
         except (OSError, ValueError, KeyError, TypeError):
             saved_at = p.stat().st_mtime  # no readable manifest: it will be skipped anyway
-        return saved_at, int(_NAME.fullmatch(p.name).group(1)), not p.name.startswith(".")
+        name = _NAME.fullmatch(p.name)
+        assert name is not None, "_checkpoint_dirs lists only names _NAME matches"
+        return saved_at, int(name.group(1)), not p.name.startswith(".")
 
     return sorted(dirs, key=written, reverse=True)
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 from peft import LoraConfig, get_peft_model
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, LoraModel
 from torch import Tensor
 from torch.distributed import ReduceOp
 
@@ -186,6 +186,13 @@ def average_over(group, grads: list[Tensor], loss: Tensor, rows: int | None = No
     return flat[len(flat) - (1 if rows is None else 2)]
 
 
+def grad_or_zeros(p: Tensor) -> Tensor:
+    """``p``'s gradient, zeros set first where it has none yet."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
 @dataclass
 class PendingStep:
     """One optimizer step in progress; its rows arrive in parts (``ActorEngine.train_part``).
@@ -277,16 +284,15 @@ class Lockstep:
         for i in range(mine):
             idx = torch.arange(i * micro_batch, min((i + 1) * micro_batch, n))
             out.append((part, idx, float(len(idx))))
-        assert self.spare is not None or most == mine
-        # lockstep: the other ranks' passes, contributing nothing
-        out += [(self.spare, torch.tensor([0]), 0.0)] * (most - mine)
+        if most > mine:  # lockstep: the other ranks' passes, contributing nothing
+            assert self.spare is not None, "a rank short of passes has a spare row (agreed above)"
+            out += [(self.spare, torch.tensor([0]), 0.0)] * (most - mine)
         return out
 
     def combine(self, params: list[Tensor], step: PendingStep) -> tuple[Tensor, dict]:
-        for p in params:  # a pass-less or zero-weight rank still reduces every adapter
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        total = average_over(self.group, [p.grad for p in params], step.total, rows=step.rows)
+        # a pass-less or zero-weight rank still reduces every adapter
+        grads = [grad_or_zeros(p) for p in params]
+        total = average_over(self.group, grads, step.total, rows=step.rows)
         rows = max(1, step.rows)
         return total, {k: v / rows for k, v in step.metrics.items()}  # this rank's row means
 
@@ -314,7 +320,8 @@ class ActorEngine:
         self.reduction: StepReduction = OneProcess() if dp_group is None else Lockstep(dp_group)
         lora = LoraConfig(
             r=cfg.lora.rank,
-            lora_alpha=cfg.lora.alpha,
+            # peft annotates lora_alpha as int; it only divides it by r, so a float is fine
+            lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]
             target_modules=list(targets),
             lora_dropout=0.0,
             init_lora_weights=True,
@@ -325,8 +332,10 @@ class ActorEngine:
         self.frozen = ("old", "ema") if cfg.ema_decay > 0 else ("old",)
         for name in self.frozen:
             self.model.add_adapter(name, lora)
-        self.model.base_model.set_adapter("default")
-        self.layers = {
+        tuner = self.model.base_model  # peft types it nn.Module; a LoRA config makes a LoraModel
+        assert isinstance(tuner, LoraModel), "a LoRA config's peft model tunes with LoraModel"
+        tuner.set_adapter("default")
+        self.layers: dict[str, LoraLayer] = {
             name.removeprefix(PEFT_PREFIX): m
             for name, m in self.model.named_modules()
             if isinstance(m, LoraLayer)
@@ -343,13 +352,16 @@ class ActorEngine:
         self.compiled = compile_blocks(model, "actor.compile") if cfg.compile else 0
         if shard is not None:
             shard(self.model)
-        self.trained = [p for n, p in self.model.named_parameters() if ".default." in n]
+        self.trained: list[Tensor] = [
+            p for n, p in self.model.named_parameters() if ".default." in n
+        ]
         for p in self.trained:
             p.requires_grad_(True)
         # what the optimizer steps: the fp32 masters when the factors compute in bf16
         self.params = [self.masters[p] for p in self.trained] if self.masters else self.trained
+        beta1, beta2 = cfg.betas  # a tuple, or a list from YAML
         self.opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+            self.params, lr=cfg.lr, betas=(beta1, beta2), weight_decay=cfg.weight_decay
         )
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0  # optimizer steps taken
@@ -376,15 +388,11 @@ class ActorEngine:
         backward, not a hook per factor), leaving the factors without gradients."""
         if not self.masters:
             return
-        ws = [w for w in self.trained if w.grad is not None]
-        if not ws:
+        folded = [(self.masters[w], w.grad) for w in self.trained if w.grad is not None]
+        if not folded:
             return
-        ms = [self.masters[w] for w in ws]
-        for m in ms:
-            if m.grad is None:
-                m.grad = torch.zeros_like(m)
-        torch._foreach_add_([m.grad for m in ms], [w.grad for w in ws])
-        for w in ws:
+        torch._foreach_add_([grad_or_zeros(m) for m, _ in folded], [g for _, g in folded])
+        for w in self.trained:
             w.grad = None
 
     @torch.no_grad()
@@ -398,7 +406,9 @@ class ActorEngine:
 
     def _factor(self, mod: torch.nn.Module) -> Tensor:
         """A LoRA factor's value of record: its fp32 master, or the weight itself."""
-        return self.masters.get(mod.weight, mod.weight)
+        weight = mod.weight
+        assert isinstance(weight, Tensor), "a LoRA factor is a layer with a weight"
+        return self.masters.get(weight, weight)
 
     # --- the Policy the algorithms see -------------------------------------------------
     def velocity(
@@ -542,20 +552,20 @@ class ActorEngine:
     def _update(self, total: Tensor, metrics: dict) -> dict[str, float]:
         """Clip, guard against non-finite values, and take the optimizer step."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        total, grad_norm = torch.stack([total, norm.float().to(total.device)]).tolist()
+        loss, grad_norm = torch.stack([total, norm.float().to(total.device)]).tolist()
         metrics = host_floats(metrics)
-        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.nonfinite += 1
             self.opt.zero_grad(set_to_none=True)
             log.warning(
-                "non-finite loss/grad (loss=%s, grad_norm=%s): update skipped", total, grad_norm
+                "non-finite loss/grad (loss=%s, grad_norm=%s): update skipped", loss, grad_norm
             )
             if self.nonfinite >= self.cfg.max_nonfinite_steps:
                 raise NonFiniteLoss(
                     f"loss or gradients were NaN/inf for {self.nonfinite} steps in "
                     "a row; lower actor.lr or check the rewards"
                 )
-            return {**metrics, "actor/loss": total, "actor/skipped_nonfinite": 1.0}
+            return {**metrics, "actor/loss": loss, "actor/skipped_nonfinite": 1.0}
         self.nonfinite = 0
         lr = self.cfg.lr * lr_factor(self.cfg, self.version)
         for group in self.opt.param_groups:
@@ -566,7 +576,7 @@ class ActorEngine:
         self.version += 1
         if self.cfg.ema_decay > 0:
             self.blend("ema", decay=min(self.cfg.ema_decay, self.version / (self.version + 1)))
-        return {**metrics, "actor/loss": total, "actor/grad_norm": grad_norm, "actor/lr": lr}
+        return {**metrics, "actor/loss": loss, "actor/grad_norm": grad_norm, "actor/lr": lr}
 
     def update_old(self, decay: float) -> None:
         """old <- decay * old + (1 - decay) * default (decay=0: a copy)."""

@@ -26,6 +26,7 @@ from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
     Backward,
+    Metrics,
     Policy,
     TrainCost,
     WeightPlan,
@@ -99,12 +100,13 @@ def loss(
     cfg: DPOConfig,
     gen: torch.Generator,
     backward: Backward | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, Metrics]:
     x0 = batch.x0  # rows alternate winner, loser (micro-batches keep pairs whole)
     if len(x0) % 2:
         raise ValueError("diffusion_dpo micro-batches must hold whole pairs (even size)")
     n_pairs, steps = len(x0) // 2, cfg.timesteps_per_pair
-    total, acc = x0.new_zeros(()), 0.0
+    total = x0.new_zeros(())
+    acc: Tensor | float = 0.0
     for _ in range(steps):
         per_pair, implicit_acc = _pair_terms(policy, batch, cfg, gen, n_pairs)
         total, acc = add_part(total, per_pair.mean() / steps, backward), acc + implicit_acc / steps

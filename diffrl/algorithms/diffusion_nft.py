@@ -18,7 +18,7 @@ rollout samples with ``old``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Self
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
     Backward,
+    Metrics,
     Policy,
     TrainCost,
     WeightPlan,
@@ -39,6 +40,9 @@ from diffrl.algorithms.registry import (
 from diffrl.errors import check, check_choice
 from diffrl.models.family import broadcast, noised
 from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 
 @dataclass(frozen=True)
@@ -119,14 +123,16 @@ def training_noise(
         sigma = torch.empty(len(x0)).uniform_(cfg.sigma_min, cfg.sigma_max, generator=gen)
         eps = torch.randn(x0.shape, generator=gen)
         return host_to_device(sigma, x0.device, x0.dtype), host_to_device(eps, x0.device, x0.dtype)
-    sig, eps = [], []
+    assert batch.noise_key is not None, "shared_noise: prepare keys each row's noise"
+    sigmas: list[Tensor] = []
+    noises: list[Tensor] = []
     for key in batch.noise_key.tolist():  # the group's key: identical draws for its members
         g = torch.Generator().manual_seed((key * 31 + j) % (2**63 - 1))
-        sig.append(torch.empty(()).uniform_(cfg.sigma_min, cfg.sigma_max, generator=g))
-        eps.append(torch.randn(x0.shape[1:], generator=g))
+        sigmas.append(torch.empty(()).uniform_(cfg.sigma_min, cfg.sigma_max, generator=g))
+        noises.append(torch.randn(x0.shape[1:], generator=g))
     return (
-        host_to_device(torch.stack(sig), x0.device, x0.dtype),
-        host_to_device(torch.stack(eps), x0.device, x0.dtype),
+        host_to_device(torch.stack(sigmas), x0.device, x0.dtype),
+        host_to_device(torch.stack(noises), x0.device, x0.dtype),
     )
 
 
@@ -153,10 +159,12 @@ def loss(
     cfg: NFTConfig,
     gen: torch.Generator,
     backward: Backward | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, Metrics]:
+    assert batch.optimality is not None, "prepare gives every row its optimality r"
     x0, ids, r = batch.x0, batch.input_ids, batch.optimality.to(batch.x0)
     cond = batch.cond
-    total, metrics = x0.new_zeros(()), {"nft/r_mean": r.mean()}
+    total = x0.new_zeros(())
+    metrics: Metrics = {"nft/r_mean": r.mean()}
     k = cfg.timesteps_per_sample
     draws = [training_noise(batch, cfg, gen, j) for j in range(k)]  # gen's order is unchanged
     inputs = [noised(x0, sigma, eps) for sigma, eps in draws]

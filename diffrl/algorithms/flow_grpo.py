@@ -27,7 +27,7 @@ forward per group and spreads it over the members: the same loss and gradient, f
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Self
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
     Backward,
+    Metrics,
     Policy,
     TrainCost,
     WeightPlan,
@@ -48,6 +49,13 @@ from diffrl.errors import check, check_choice
 from diffrl.models.family import broadcast
 from diffrl.rollout.samplers import STOCHASTIC_STEPS, guided_velocity
 from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
+
+# the rollout's path fields are Optional on a TrainBatch; FlowGRPO's validate makes the rollout
+# keep them (needs_logprobs), so a batch without them is a bug upstream
+NO_PATH = "a FlowGRPO batch carries the rollout's path (latents, log_probs, sde_mask, step_spec)"
 
 
 @dataclass(frozen=True)
@@ -126,8 +134,9 @@ def step_logprob(
     level and CFG scale the rollout recorded: (logp (b,), mean, std). ``j`` (b,) is each
     row's step; ``rows`` (b,), host indices into the batch, say which sample each row is
     (default: every sample once, in order)."""
-    spec, x = batch.step_spec, batch.latents
-    sig = host_to_device(batch.sigmas, x.device, batch.x0.dtype)
+    spec, x, sigmas = batch.step_spec, batch.latents, batch.sigmas
+    assert spec is not None and x is not None and sigmas is not None, NO_PATH
+    sig = host_to_device(sigmas, x.device, batch.x0.dtype)
     ids, cond = batch.input_ids, batch.cond  # (ids on the host for a diffusers net)
     if rows is None:
         at = torch.arange(len(j), device=x.device)
@@ -155,7 +164,7 @@ def step_logprob(
             velocity, x_t[first], sigma[first], ids_first, spec.cfg_scale, spec.null_ids
         )[inverse]
     _, logp, mean, std = STOCHASTIC_STEPS[spec.kind](
-        x_t, v, sigma, sigma_next, spec.noise_level, float(batch.sigmas[1]), x_next=x_next
+        x_t, v, sigma, sigma_next, spec.noise_level, float(sigmas[1]), x_next=x_next
     )
     return logp, mean, std
 
@@ -189,19 +198,21 @@ def loss(
     cfg: GRPOConfig,
     gen: torch.Generator,
     backward: Backward | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    n, sde_steps = len(batch), batch.sde_mask.nonzero().squeeze(1)
+) -> tuple[Tensor, Metrics]:
+    mask, rollout_logp, adv = batch.sde_mask, batch.log_probs, batch.advantages
+    assert mask is not None and rollout_logp is not None and adv is not None, NO_PATH
+    n, sde_steps = len(batch), mask.nonzero().squeeze(1)
     steps = host_to_device(train_steps(sde_steps, n, cfg, gen), batch.x0.device)  # (n, k)
     total = batch.x0.new_zeros(())
-    m = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
+    m: Metrics = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
     refs = None
     if cfg.kl_coef > 0 and cfg.ref_rows > 0:
         refs = reference_means(policy, batch, steps, cfg.ref_rows)
     for c in range(steps.shape[1]):
         j = steps[:, c]
         logp, mean, std = step_logprob(policy, batch, j)
-        ratio = torch.exp(logp - batch.log_probs[torch.arange(n, device=j.device), j])
-        step_loss = clipped_objective(ratio, batch.advantages, cfg.clip_range).mean()
+        ratio = torch.exp(logp - rollout_logp[torch.arange(n, device=j.device), j])
+        step_loss = clipped_objective(ratio, adv, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
             if refs is not None:
                 mean_ref = refs[c]
@@ -243,9 +254,11 @@ def consistency(policy: Policy, batch: TrainBatch, cfg: GRPOConfig) -> dict[str,
     """Before any update (same weights as the rollout): recompute the log-prob of the first
     trained SDE step and compare with the rollout's. ~0 in fp32; a large value means rollout
     and training disagree (sampler settings, weights not synced, non-determinism)."""
-    j0 = int(batch.sde_mask.nonzero()[0])
+    mask, rollout_logp = batch.sde_mask, batch.log_probs
+    assert mask is not None and rollout_logp is not None, NO_PATH
+    j0 = int(mask.nonzero()[0])
     logp, _, _ = step_logprob(policy, batch, torch.full((len(batch),), j0, device=batch.x0.device))
-    diff = (logp - batch.log_probs[:, j0].to(logp)).abs()
+    diff = (logp - rollout_logp[:, j0].to(logp)).abs()
     return {"grpo/logp_diff_max": float(diff.max()), "grpo/logp_diff_mean": float(diff.mean())}
 
 
@@ -253,8 +266,10 @@ def train_cost(cfg: GRPOConfig, batch: TrainBatch) -> TrainCost:
     """Per trained SDE step (a ``timestep_fraction`` of the trajectory's, as ``train_steps``
     draws): the policy's forward and backward, and the KL reference's forward when there is
     one; x2 when the rollout ran CFG, whose two branches the loss runs too."""
-    trained = max(1, round(cfg.timestep_fraction * int(batch.sde_mask.sum())))
-    rows = 1 if batch.step_spec.cfg_scale == 1 else 2
+    mask, spec = batch.sde_mask, batch.step_spec
+    assert mask is not None and spec is not None, NO_PATH
+    trained = max(1, round(cfg.timestep_fraction * int(mask.sum())))
+    rows = 1 if spec.cfg_scale == 1 else 2
     kl = 1 if cfg.kl_coef > 0 else 0
     return TrainCost(forwards=trained * (1 + kl) * rows, backwards=trained * rows)
 

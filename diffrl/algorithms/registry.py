@@ -24,13 +24,16 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from diffrl.errors import ConfigError, check
 from diffrl.types import ScoredBatch, TrainBatch
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are never evaluated at run time
+    from typing_extensions import Self
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class Policy(Protocol):
 
 
 Backward = Callable[[Tensor], None]
+# a loss's metrics: name -> value, a 0-d device tensor or a number (the actor reads the
+# tensors all in one host sync per step)
+Metrics = dict[str, Tensor | float]
 
 
 def add_part(total: Tensor, part: Tensor, backward: Backward | None) -> Tensor:
@@ -148,7 +154,7 @@ class Loss(Protocol[C_contra]):
         cfg: C_contra,
         gen: torch.Generator,
         backward: Backward | None = None,
-    ) -> tuple[Tensor, dict[str, Any]]: ...
+    ) -> tuple[Tensor, Metrics]: ...
 
 
 class RunSettings(Protocol):

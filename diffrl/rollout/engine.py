@@ -219,7 +219,7 @@ class RolloutEngine:
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
         self.target = MergedLoraTarget(self.model, lora_targets, slot_map, cfg.base_copy)
         self.compiled = compile_blocks(self.model) if cfg.compile else 0
-        self._decode_stream = None  # overlap_decode, on a GPU
+        self._decode_stream: torch.cuda.Stream | None = None  # overlap_decode, on a GPU
         self.graphs = None
         if cfg.cuda_graphs:
             if device.type != "cuda":
@@ -308,7 +308,7 @@ class RolloutEngine:
         on the GPU on a stream of its own, while the sampling thread denoises the next
         micro-batch on the default stream. ``x0`` is complete (the sampling thread copied it
         to the host), and the decode ends in a copy to the host, so no event is needed."""
-        side = contextlib.nullcontext()
+        side: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if x0.device.type == "cuda":
             if self._decode_stream is None:
                 self._decode_stream = torch.cuda.Stream(x0.device)

@@ -63,16 +63,17 @@ class Finished:
 
 @dataclass
 class _Rows:
-    """A bucket's running rows: state (n, *shape), each row's request, member and step."""
+    """A bucket's running rows: state (n, *shape), each row's request, member and step. A
+    bucket starts with its first request's rows, and starts afresh once it has emptied."""
 
-    x: Tensor | None = None
-    ids: Tensor | None = None
-    cond: Tensor | None = None
+    x: Tensor  # (n, *shape)
+    ids: Tensor  # (n, L)
+    cond: Tensor | None = None  # (n, ...)
     owner: list[Request] = field(default_factory=list)
     step: list[int] = field(default_factory=list)
 
     def cost(self) -> int:
-        return 0 if self.x is None else len(self.owner) * tokens(tuple(self.x.shape[1:]))
+        return len(self.owner) * tokens(tuple(self.x.shape[1:]))
 
 
 def tokens(shape: Sequence[int]) -> int:
@@ -181,21 +182,23 @@ class ContinuousBatcher:
         self.waiting = keep
 
     def _start(self, req: Request) -> None:
-        rows = self.buckets.setdefault(tuple(req.shape), _Rows())
+        shape = tuple(req.shape)
         g = len(req.seeds)
-        x = initial_noise(req.seeds, req.num_steps, tuple(req.shape))
+        x = initial_noise(req.seeds, req.num_steps, shape)
         x = host_to_device(x, self.device, self.dtype)
         ids = req.input_ids.to(self.ids_device).expand(g, -1)
         cond = None if req.cond is None else req.cond.to(self.device, self.dtype)
-        if rows.x is None or not rows.owner:
-            rows.x, rows.ids, rows.cond = x, ids, cond
+        rows = self.buckets.get(shape)
+        if rows is None or not rows.owner:
+            rows = self.buckets[shape] = _Rows(x, ids, cond)
         else:
             if (rows.cond is None) != (cond is None) or rows.ids.shape[1] != ids.shape[1]:
                 raise ValueError(
                     "requests of one latent shape must agree on conditions and token length"
                 )
             rows.x, rows.ids = torch.cat([rows.x, x]), torch.cat([rows.ids, ids])
-            rows.cond = None if cond is None else torch.cat([rows.cond, cond])
+            if rows.cond is not None and cond is not None:  # both or neither, as checked
+                rows.cond = torch.cat([rows.cond, cond])
         rows.owner += [req] * g
         rows.step += [0] * g
         if req.num_steps not in self._sigmas:

@@ -102,7 +102,8 @@ def fuse_qkv(
             _replace(model, name, None if native else RowView(lin, rows))
             start = rows.stop
         if native:
-            model.get_submodule(prefix).fused_projections = True
+            # nn.Module.__setattr__ is annotated for tensors and modules; it takes any value
+            model.get_submodule(prefix).fused_projections = True  # type: ignore[assignment]
     return SlotMap(slots)
 
 

@@ -16,7 +16,7 @@ from diffrl.build import build
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.engines import StreamingActorProtocol
+from diffrl.engines import ActorEngineProtocol
 from diffrl.errors import ConfigError
 
 RECIPE = "recipes/shapes_nft.yaml"
@@ -38,7 +38,7 @@ def test_parts_in_the_batched_order_are_the_batched_update(
 ):
     batch = train_batch_factory(6)
     whole, streamed = two_actors(tiny_model, actor_factory)
-    assert isinstance(streamed, StreamingActorProtocol)
+    assert isinstance(streamed, ActorEngineProtocol)
     m_whole = whole.train_step(batch)
     # the same rows, in the order train_step's shuffle puts them, cut at a micro-batch edge
     order = batch.select(torch.randperm(6, generator=streamed.gen))

@@ -23,7 +23,14 @@ from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEng
 from diffrl.models.family import TokenBatch, hash_rows
 from diffrl.sync.weights import LoraDelta, SyncError, SyncReport, WeightUpdate
 from diffrl.tasks import EvalResult, Prompt, PromptSet, PromptSource
-from diffrl.types import PromptBatch, ScoredBatch, StepSpec, TrainBatch, Trajectory
+from diffrl.types import (
+    PromptBatch,
+    ScoredBatch,
+    StepSpec,
+    TrainBatch,
+    Trajectory,
+    concat_rows,
+)
 
 # how long an update waits for step k+1's prompts to be asked for: a prefetch asks at once
 # (while the update runs); without one they cannot be asked for until the update returns
@@ -136,6 +143,7 @@ class FakeActor:
         self.version, self.old_source = 0, 0.0
         self.refreshes: list[tuple[int, float]] = []  # (version, decay)
         self.prefetched: dict[int, bool] = {}  # loop step -> next step's prompts asked for
+        self.parts: list[TrainBatch] = []  # the streamed step's parts so far
 
     @property
     def eval_adapter(self) -> str:
@@ -151,6 +159,16 @@ class FakeActor:
             self.prefetched[step] = step + 1 in self.prompts.asked
         self.version += 1
         return {"actor/loss": 0.0}
+
+    # run.stream_train's path: the step's parts, joined, are one train_step
+    def begin_stream(self, expected_rows: int) -> None:
+        self.parts = []
+
+    def train_part(self, part: TrainBatch) -> None:
+        self.parts.append(part)
+
+    def end_stream(self) -> dict[str, float]:
+        return self.train_step(concat_rows(self.parts))
 
     def update_old(self, decay: float) -> None:
         self.refreshes.append((self.version, decay))
