@@ -39,6 +39,7 @@ the actor's generator is used in the same order. The rows equal sync's except ti
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,7 +114,7 @@ async def produce(parts: Engines, clock: Clock, channel: Channel, start: int) ->
     i = start
     while True:
         async with clock.changed:
-            await clock.changed.wait_for(lambda i=i: clock.may_start(i))
+            await clock.changed.wait_for(functools.partial(clock.may_start, i))
         clock.synced.update(clock.apply_pending(parts))  # the latest plan, before this batch
         version = clock.version
         clock.rollout_busy = True

@@ -21,7 +21,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-VERDICT_COLOURS = {True: (30, 170, 60), False: (210, 40, 40)}  # pass / fail
+# pass / fail; a None verdict (no verdict) falls back to NO_VERDICT
+VERDICT_COLOURS: dict[bool | None, tuple[int, int, int]] = {
+    True: (30, 170, 60),
+    False: (210, 40, 40),
+}
 NO_VERDICT = (150, 150, 150)  # grey: the task gives no verdict
 
 # the spectrogram's colour map, quiet to loud: black, purple, orange, pale yellow
@@ -111,7 +115,7 @@ def strip_png(
     # the top is at least 0 dB (a sine of amplitude 4 / n_fft), so silence shows black rather
     # than as the loudest thing in the picture
     level = np.clip((db - max(db.max(), 0.0)) / 80 + 1, 0, 1)
-    spec = Image.fromarray(_colour(level)).resize((width, spec_px), Image.BILINEAR)
+    spec = Image.fromarray(_colour(level)).resize((width, spec_px), Image.Resampling.BILINEAR)
 
     pad, gap, line_h = 4, 2, 11
     lines = textwrap.wrap(caption, max(8, (width + 2 * pad) // 6)) or [""]  # ~6 px a character
@@ -194,7 +198,7 @@ def _frames(video: np.ndarray, height: int) -> list[Image.Image]:
     nearest-neighbour (pixel art stays pixel art), downscaled smoothly."""
     _, h, w, _ = _video(video).shape
     size = (max(1, round(w * height / h)), height)
-    resample = Image.NEAREST if height >= h else Image.LANCZOS
+    resample = Image.Resampling.NEAREST if height >= h else Image.Resampling.LANCZOS
     return [Image.fromarray(f).resize(size, resample) for f in video]
 
 

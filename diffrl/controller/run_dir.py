@@ -15,6 +15,7 @@ import os
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -109,7 +110,7 @@ class RunDir:
             x, y = (i % cols) * cell_w, (i // cols) * cell_h
             border = media.VERDICT_COLOURS.get(ok[i], media.NO_VERDICT)
             draw.rectangle([x + 1, y + 1, x + tile + 6, y + tile + 6], fill=border)
-            resample = Image.NEAREST if small else Image.LANCZOS
+            resample = Image.Resampling.NEAREST if small else Image.Resampling.LANCZOS
             canvas.paste(Image.fromarray(images[i]).resize((tile, tile), resample), (x + 4, y + 4))
             draw.text((x + 2, y + tile + 9), "\n".join(captions[i]), fill=(0, 0, 0), spacing=1)
         path = self.root / "samples" / f"step_{step:06d}.png"
@@ -194,14 +195,14 @@ class FollowerRunDir(RunDir):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         pass
 
-    def save_grid(self, *args, **kw) -> None:
-        pass
+    def save_grid(self, step: int, *args: Any, **kw: Any) -> Path:
+        return self.root / "samples" / f"step_{step:06d}.png"  # rank 0 writes it
 
-    def save_clips(self, *args, **kw) -> None:
-        pass
+    def save_clips(self, step: int, *args: Any, **kw: Any) -> Path:
+        return self.root / "samples" / "clips" / f"step_{step:06d}"  # rank 0 writes them
 
-    def save_curves(self) -> None:
-        pass
+    def save_curves(self) -> Path:
+        return self.root / "curves.png"  # rank 0 writes it
 
 
 def open_run_dir(root: Path, tensorboard: bool, primary: bool = True) -> RunDir:

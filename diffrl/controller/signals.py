@@ -12,7 +12,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
+
+# what signal.signal takes and returns: a handler, SIG_DFL/SIG_IGN, or None (set from C)
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +28,7 @@ class StopSignals:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.signals = signals
         self.received: str | None = None  # name of the first signal, e.g. "SIGTERM"
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     @property
     def requested(self) -> bool:

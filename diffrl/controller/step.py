@@ -40,7 +40,8 @@ async def rollout_and_score(
             first_prompt=parts.prompts.first,
         )
     )
-    scored, extra = [], {}
+    scored: list[ScoredBatch] = []
+    extra: dict[str, list[tuple[float, int]]] = {}
     async for traj in channel:  # unblocked by each finished micro-batch, ends on close
         s, m = await parts.rewards.score(traj)
         scored.append(s)

@@ -57,13 +57,12 @@ async def evaluate_run(run_dir: str | Path, overrides: list[str] | None = None) 
     """Held-out metrics of the run's newest checkpoint (the adapter the run evaluates: the EMA
     one when the run keeps an EMA), with the run's own eval settings."""
     from diffrl.controller.step import evaluate_adapter
-    from diffrl.reward.pool import close_pool
 
     parts, ckpt = load_run(run_dir, overrides)
     try:
         result = await evaluate_adapter(parts, parts.actor.eval_adapter)
     finally:
-        await close_pool(parts.rewards)
+        await parts.aclose()  # scorer clients, remote engines
     return {"step": float(ckpt.step), **result.metrics}
 
 
