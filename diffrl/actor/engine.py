@@ -37,8 +37,8 @@ PEFT_PREFIX = "base_model.model."
 @dataclass(frozen=True)
 class AdapterConfig:
     # Adam moves every adapter weight by about lr per step, so at the same scale (alpha = rank)
-    # a higher rank is a larger update: rank 128 (full rank on the tiny DiT) diverged at the
-    # GRPO recipes' lr 3e-4 (BENCHMARKS section 13). Lower actor.lr when raising it
+    # a higher rank is a larger update: full rank on the tiny DiT diverged at the GRPO
+    # recipes' learning rate. Lower actor.lr when raising it
     rank: int = 32
     alpha: float = 32.0  # LoRA scale = alpha / rank
     targets: list[str] = field(default_factory=list)  # empty = the model family's explicit list
@@ -90,14 +90,14 @@ class ActorConfig:
     # LoRA factors are held in bf16 for the forward and backward, and every adapter (trained,
     # old, ema) keeps an fp32 master copy, which the optimizer steps, blends, exports and
     # checkpoints read; gradients accumulate into the fp32 masters. "float32": peft's default,
-    # fp32 factors and each LoRA input cast up to fp32 (on an H200 the fp32 LoRA matmuls took
-    # 18% of a FlowGRPO update's GPU time, BENCHMARKS). An fp32 model computes in fp32 either way
+    # fp32 factors and each LoRA input cast up to fp32 (the fp32 LoRA matmuls are a large share
+    # of a bf16 model's update on a GPU). An fp32 model computes in fp32 either way
     lora_compute: str = "auto"  # auto | float32
     # the policy's forward passes (policy, old, reference) under torch.autocast in this dtype,
     # each output cast back to the model's dtype, so the losses' maths stay outside it (the
     # backward mirrors the forward's dtypes); parameters, gradients and optimizer state keep the
-    # model's dtype. On an fp32 model on an AVX512-BF16 CPU, bf16 matmuls ran 2.7-3.6x fp32's
-    # on the tiny DiT's shapes (BENCHMARKS). "off": the model's own precision
+    # model's dtype. On a CPU with bf16 instructions, bf16 matmuls run several times faster
+    # than fp32's on the tiny DiT's shapes. "off": the model's own precision
     autocast: str = "off"  # off | bfloat16
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 

@@ -68,8 +68,8 @@ class RolloutConfig:
     # trained; only their end point is scored) re-gridded to this many Euler steps; 0 = off.
     # Held-out eval (ODE, eval_num_steps) is never re-gridded
     ode_tail_steps: int = 0
-    # precision of the deterministic steps' forward passes (autocast): bfloat16 ran the tiny DiT's
-    # forward 1.4x faster on our AVX512-BF16 CPU. SDE steps always run in the model's own dtype,
+    # precision of the deterministic steps' forward passes (autocast): bfloat16 is faster on a
+    # CPU with bf16 instructions. SDE steps always run in the model's own dtype,
     # so the recorded log-probs stay exact; held-out eval always runs in it
     ode_dtype: str = "float32"  # float32 | bfloat16
     shift: float = 1.0  # sigma-schedule time shift
