@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -73,9 +74,15 @@ def test_recipe_runs_two_steps(recipe: str, tiny_checkpoint, tmp_path: Path) -> 
     ],
 )
 def test_grpo_refuses_rollouts_without_log_probs(bad, key, tiny_checkpoint, tmp_path) -> None:
-    cfg = load_config("shapes_grpo.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, bad))
-    with pytest.raises(ConfigError, match=key):
-        build(cfg)
+    with pytest.raises(ConfigError, match=key):  # when the config loads, before any work
+        load_config("shapes_grpo.yaml", tiny_run(tiny_checkpoint, tmp_path, 1, bad))
+
+
+def test_a_config_built_in_code_is_checked_by_the_builder(tiny_checkpoint, tmp_path) -> None:
+    cfg = load_config("shapes_grpo.yaml", tiny_run(tiny_checkpoint, tmp_path, 1))
+    bad = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, sampler="ode"))
+    with pytest.raises(ConfigError, match="rollout.sampler"):
+        build(bad)
 
 
 @pytest.mark.parametrize("recipe", ["shapes_nft.yaml", "shapes_dpo.yaml"])
@@ -84,9 +91,8 @@ def test_sample_trained_algorithms_refuse_a_coarse_ode_tail(recipe, tiny_checkpo
     cfg = load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 1, *window))
     build(cfg)  # a window alone is fine: the samples are still the full grid's
     tail = (*window, "rollout.ode_tail_steps=2")
-    cfg = load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 1, *tail))
     with pytest.raises(ConfigError, match="rollout.ode_tail_steps"):
-        build(cfg)
+        load_config(recipe, tiny_run(tiny_checkpoint, tmp_path, 1, *tail))
 
 
 def test_eval_samples_without_the_rollouts_guidance_or_shared_noise(
