@@ -249,9 +249,10 @@ class ShardedLoraTarget:
                 width = self.shards[self.slot_map.slots_for(name)[0].module].param.shape[1]
                 for i, slab in enumerate(self._slabs(name, len(want), width)):
                     local = self.base[slab.module]
-                    rows = local[slab.local_rows.to(local.device)]
+                    device = _local(self.shards[slab.module].param).device
+                    rows = local[slab.local_rows.to(local.device)].to(device)
                     r = probe(name, width)
-                    r = (r if slab.cols is None else r[slab.cols]).to(local.device)
+                    r = (r if slab.cols is None else r[slab.cols]).to(device)
                     eps = eps_of(local.dtype, prints.dtypes.get(name, local.dtype))
                     got, tol = slot_prints(rows, None, r, eps)
                     if slab.cols is None:  # whole rows: this rank checks them itself

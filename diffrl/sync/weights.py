@@ -67,18 +67,16 @@ def probe(name: str, width: int) -> Tensor:
     return torch.randn(width, PROBES, dtype=torch.float64, generator=gen)
 
 
-def _row_chunks(n_rows: int, width: int) -> range:
-    """Row offsets that keep each float64 temporary near 32 MB."""
-    return range(0, n_rows, max(1, (1 << 22) // max(1, width)))
+def _chunk_rows(width: int) -> int:
+    """Rows per chunk that keep each float64 temporary near 32 MB."""
+    return max(1, (1 << 22) // max(1, width))
 
 
 def row_prints(weight: Tensor, name: str) -> Tensor:
     """(out, PROBES) float64 on the CPU: ``weight`` (out, in) @ probe(name, in)."""
     r = probe(name, weight.shape[1]).to(weight.device)
-    step = max(1, (1 << 22) // max(1, weight.shape[1]))
-    parts = [
-        weight[i : i + step].double() @ r for i in _row_chunks(weight.shape[0], weight.shape[1])
-    ]
+    step = _chunk_rows(weight.shape[1])
+    parts = [weight[i : i + step].double() @ r for i in range(0, weight.shape[0], step)]
     return (torch.cat(parts) if parts else r.new_zeros(0, PROBES)).cpu()
 
 
@@ -89,10 +87,10 @@ def slot_prints(rows: Tensor, base: Tensor | None, r: Tensor, eps: float) -> tup
     ``eps``: the relative rounding of each entry (the coarsest dtype the values went through).
     The tolerance takes |rows| + |base| as each entry's magnitude, an upper bound for every
     value rounded on the way (base, delta and their sum)."""
-    step = max(1, (1 << 22) // max(1, rows.shape[1]))
+    step = _chunk_rows(rows.shape[1])
     got, tol = [], []
     r_abs, r_sq = r.abs(), r.square()
-    for i in _row_chunks(rows.shape[0], rows.shape[1]):
+    for i in range(0, rows.shape[0], step):
         x = rows[i : i + step].double()
         mag = x.abs()
         if base is not None:
@@ -347,14 +345,15 @@ class MergedLoraTarget:
             check_cover(name, slots, len(want))
             for i, slot in enumerate(slots):
                 w = self.base[slot.module]
-                rows = w[slot.dst_rows]
+                # on the weight's device: a base copy kept on the host is copied in, as for a sync
+                rows = w[slot.dst_rows].to(self.weights[slot.module].device)
                 src = torch.arange(len(want))[slot.rows]
                 if rows.shape[0] != len(src):
                     raise SyncError(
                         f"{name} -> {slot.module} (slot {i}): {len(src)} trained rows do not "
                         f"fit rows {_span(slot.dst_rows, w.shape[0])} ({rows.shape[0]})"
                     )
-                r = probe(name, w.shape[1]).to(w.device)
+                r = probe(name, w.shape[1]).to(rows.device)
                 eps = eps_of(w.dtype, prints.dtypes.get(name, w.dtype))
                 got, tol = slot_prints(rows, None, r, eps)
                 what = (

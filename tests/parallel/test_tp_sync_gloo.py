@@ -13,6 +13,12 @@ unsharded reference, shards the model with a TP plan, syncs, and writes what it 
 - A fused QKV (``layouts.fuse_qkv``'s SlotMap) held by ``FusedColwiseParallel(3)``
   (``_StridedShard``: each rank holds its slice of each of q, k and v).
 
+Both take the base row prints before the plan (the actor's view), as the actor's updates
+carry them. Beyond counts and shapes, a sync must refuse on every rank: a slot map with Q and K
+swapped (base prints), two rows swapped in transit in a column-split weight (only the row
+prints summed across ranks see it: each rank agrees with the factors it got), and factors
+downcast in transit.
+
 Tolerances, fp32: shards vs the reference slice atol 1e-6 (|W + delta| ~ 0.3; the delta is
 formed in float64 on both sides and rounded to fp32 once: seen 0.0); sharded
 vs merged unsharded forward atol 1e-5 (the sharded matmuls reorder sums, as in
