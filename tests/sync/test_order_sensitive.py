@@ -281,3 +281,71 @@ def test_rollout_on_other_base_weights_raises(tiny_model, actor_factory, lora_na
     with pytest.raises(SyncError, match=rf"base of {name} .*the actor's base"):
         rollout.load_weights(up)
     assert good.load_weights(up).max_print_frac < 1.0
+
+
+# --- every family's own serving layout ---------------------------------------------------------
+
+FAMILY_PRESETS = [
+    ("sd3", "sd35-tiny"),
+    ("flux", "flux1-tiny"),
+    ("qwen_image", "qwen-image-tiny"),
+    ("wan", "wan-tiny"),
+    ("ltx2", "ltx2-tiny"),
+    ("minimax_h3", "h3-tiny"),
+]
+
+
+def _family_faults(slot_map: SlotMap) -> dict[str, SlotMap]:
+    """The family's slot map with the first fused pair exchanged (two trained modules sharing
+    one weight, e.g. Q and K) and the first split module's shards exchanged, where it has them."""
+    faults: dict[str, SlotMap] = {}
+    by_module: dict[str, list[str]] = {}
+    for name, slots in slot_map.slots.items():
+        if len(slots) == 1:
+            by_module.setdefault(slots[0].module, []).append(name)
+    fused = next((names for names in by_module.values() if len(names) >= 2), None)
+    if fused:
+        a, b = fused[:2]
+        faults[f"{a} <-> {b}"] = SlotMap(
+            {**slot_map.slots, a: slot_map.slots[b], b: slot_map.slots[a]}
+        )
+    split = next((n for n, s in slot_map.slots.items() if len(s) == 2), None)
+    if split:
+        s0, s1 = slot_map.slots[split]
+        swapped = [dataclasses.replace(s0, rows=s1.rows), dataclasses.replace(s1, rows=s0.rows)]
+        faults[f"{split} shards"] = SlotMap({**slot_map.slots, split: swapped})
+    return faults
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, preset", FAMILY_PRESETS)
+def test_every_family_layout_passes_and_a_swap_raises(family, preset, dtype) -> None:
+    pytest.importorskip("diffusers")
+    from diffrl.build import expanded_targets
+    from diffrl.models.registry import ModelConfig, load_model
+
+    torch.manual_seed(0)
+    base = load_model(ModelConfig(family=family, preset=preset))
+    names = expanded_targets(base, list(base.family.lora_targets))
+    actor = BasePrints.of_model(base, names)  # the actor's, in fp32
+    rollout = copy.deepcopy(base).to(dtype)
+    slot_map = rollout.family.serving_layout(rollout)
+    assert slot_map.slots, "the family re-lays something out"
+    faults = _family_faults(slot_map)
+    assert faults
+    for what, bad in faults.items():
+        with pytest.raises(
+            SyncError, match="the slot map sends these rows to the wrong place"
+        ) as e:
+            MergedLoraTarget(rollout, names, bad, base_prints=actor)
+        moved = what.removesuffix(" shards").split(" <-> ")
+        assert any(f"base of {n} ->" in str(e.value) for n in moved), (what, str(e.value))
+    target = MergedLoraTarget(rollout, names, slot_map, base_prints=actor)
+    g = torch.Generator().manual_seed(1)
+    deltas = {}
+    for n in names:
+        out, cols = base.get_submodule(n).weight.shape
+        a, b = torch.randn(4, cols, generator=g) * 0.1, torch.randn(out, 4, generator=g) * 0.1
+        deltas[n] = LoraDelta(a, b, 1.0)
+    report = target.apply(WeightUpdate.build(1, "default", deltas, actor))
+    assert report.applied == len(names) and report.max_print_frac < 1.0
