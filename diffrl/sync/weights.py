@@ -85,20 +85,24 @@ def slot_prints(rows: Tensor, base: Tensor | None, r: Tensor, eps: float) -> tup
     device (``r``: (in, PROBES)).
 
     ``eps``: the relative rounding of each entry (the coarsest dtype the values went through).
-    The tolerance takes |rows| + |base| as each entry's magnitude, an upper bound for every
-    value rounded on the way (base, delta and their sum)."""
+    The tolerance takes m = |rows| + |base| as each entry's magnitude, an upper bound for every
+    value rounded on the way (base, delta and their sum): PRINT_SIGMAS eps sqrt(sum m^2 r^2),
+    plus F64_REL sum m |r| <= F64_REL sqrt(in) sqrt(sum m^2 r^2) (Cauchy-Schwarz), so that one
+    product gives both."""
     step = _chunk_rows(rows.shape[1])
+    scale = PRINT_SIGMAS * eps + F64_REL * math.sqrt(rows.shape[1])
     got, tol = [], []
-    r_abs, r_sq = r.abs(), r.square()
+    r_sq = r.square()
     for i in range(0, rows.shape[0], step):
-        x = rows[i : i + step].double()
-        mag = x.abs()
-        if base is not None:
-            b = base[i : i + step].to(x)
-            x = x - b
-            mag = mag + b.abs()
-        got.append(x @ r)
-        tol.append(PRINT_SIGMAS * eps * (mag.square() @ r_sq).sqrt() + F64_REL * (mag @ r_abs))
+        x = rows[i : i + step].to(torch.float64, copy=True)  # a copy: changed in place below
+        if base is None:
+            got.append(x @ r)
+            mag = x.abs_()
+        else:
+            b = base[i : i + step].to(x, copy=True)
+            got.append((x - b) @ r)
+            mag = x.abs_().add_(b.abs_())
+        tol.append((mag.square_() @ r_sq).sqrt_().mul_(scale))
     if not got:
         empty = r.new_zeros(0, r.shape[1])
         return empty, empty
