@@ -27,7 +27,7 @@ from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, hash_rows
 from diffrl.parallel.launch import all_reduced
-from diffrl.sync.weights import LoraDelta, WeightUpdate
+from diffrl.sync.weights import BasePrints, LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
 
 log = logging.getLogger(__name__)
@@ -349,6 +349,11 @@ class ActorEngine:
         self._init_precision(model)
         for name in self.frozen:  # == default at start (peft inits A randomly per adapter)
             self.blend(name, decay=0.0)
+        # the frozen base's row prints, sent with every update so the rollout can check where
+        # its serving layout put each trained row (taken before any sharding: whole weights)
+        self.base_prints = BasePrints.of(
+            {name: _weight(layer.get_base_layer()) for name, layer in self.layers.items()}
+        )
         self.compiled = compile_blocks(model, "actor.compile") if cfg.compile else 0
         if shard is not None:
             shard(self.model)
@@ -607,7 +612,7 @@ class ActorEngine:
             )
             for name, layer in self.layers.items()
         }
-        return WeightUpdate.build(self.version, adapter, deltas)
+        return WeightUpdate.build(self.version, adapter, deltas, self.base_prints)
 
     # --- checkpoints (tensors only; loaded with weights_only=True) ------------------------
     def adapter_tensors(self) -> dict[str, Tensor]:
@@ -660,3 +665,11 @@ class ActorEngine:
         self.version = int(state["version"])
         self.gen.set_state(state["gen"])
         self.nonfinite = int(state["nonfinite"])
+
+
+def _weight(module: torch.nn.Module) -> Tensor:
+    """A LoRA-wrapped module's base weight (peft types the attribute loosely)."""
+    weight = module.weight
+    if not isinstance(weight, Tensor):
+        raise DiffrlError(f"LoRA wraps {type(module).__name__}, which has no weight tensor")
+    return weight

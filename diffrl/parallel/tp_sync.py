@@ -45,13 +45,20 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from diffrl.sync.weights import (  # the single-process sync's base copies and dtype bound
+    PROBES,
+    BasePrints,
     SlotMap,
     SyncError,
     SyncReport,
     WeightUpdate,
     _copy,
     _rounding_bound,
+    check_disjoint,
+    check_prints,
     check_targets,
+    eps_of,
+    probe,
+    slot_prints,
     slot_weights,
 )
 
@@ -60,9 +67,9 @@ REL_TOL = 1e-4  # as MergedLoraTarget: fp32 rounding of W + delta is far inside 
 
 @dataclass(frozen=True)
 class TpSyncReport(SyncReport):
-    rank: int  # this rank's index on the TP mesh
-    written: int  # weight entries this rank wrote (its shards' share of every delta)
-    max_global_checksum_err: float  # |sum over ranks - actor's checksum|, the same on every rank
+    rank: int = 0  # this rank's index on the TP mesh
+    written: int = 0  # weight entries this rank wrote (its shards' share of every delta)
+    max_global_checksum_err: float = 0.0  # |sum over ranks - actor's checksum|, on every rank
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -103,9 +110,13 @@ class ShardedLoraTarget:
         expected: list[str],
         slot_map: SlotMap | None = None,
         base_device: str = "",
+        base_prints: BasePrints | None = None,
     ):
         """``mesh`` is the 1-D TP mesh the plan was applied on; ``expected`` the trained module
-        names (as in the model); ``base_device`` as for ``MergedLoraTarget``."""
+        names (as in the model); ``base_device`` and ``base_prints`` as for
+        ``MergedLoraTarget`` (the prints taken before the serving layout and the plan; given,
+        every rank checks them here, in one collective, else on the first update that
+        carries the actor's)."""
         if mesh.ndim != 1:
             raise SyncError(f"ShardedLoraTarget takes the 1-D TP mesh; got {mesh}")
         self.model, self.mesh = model, mesh
@@ -113,8 +124,20 @@ class ShardedLoraTarget:
         self.expected = sorted(expected)
         weights = slot_weights(model, self.slot_map, self.expected)
         self.shards = {m: self._shard_of(m, w) for m, w in weights.items()}
-        self._check_disjoint()
+        rows = {m: s.param.shape[0] for m, s in self.shards.items()}
+        check_disjoint(self.slot_map, self.expected, rows)
+        # where each trained module's rows sit in the shared row-print vectors: sized from the
+        # slot map, the same on every rank whatever an update carries
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name in self.expected:
+            n = sum(len(range(rows[s.module])[s.dst_rows]) for s in self.slot_map.slots_for(name))
+            self.offsets[name], start = (start, n), start + n
+        self.n_rows = start
         self.base = {k: _copy(_local(s.param), base_device) for k, s in self.shards.items()}
+        self.verified: BasePrints | None = None
+        if base_prints is not None:
+            self.check_base(base_prints, "the rollout's own base before its layout and plan")
 
     def _shard_of(self, module: str, weight: Tensor) -> _Shard:
         if not isinstance(weight, DTensor):
@@ -137,20 +160,6 @@ class ShardedLoraTarget:
             )
         copies = self.mesh.size() if rows is None and cols is None else 1
         return _Shard(weight, rows, cols, copies)
-
-    def _check_disjoint(self) -> None:
-        """No two trained modules write the same rows of one weight (each lands once)."""
-        owner: dict[str, Tensor] = {}
-        for name in self.expected:
-            for slot in self.slot_map.slots_for(name):
-                n_rows = self.shards[slot.module].param.shape[0]
-                taken = owner.setdefault(slot.module, torch.zeros(n_rows, dtype=torch.bool))
-                dst = torch.arange(n_rows)[slot.dst_rows]
-                if taken[dst].any():
-                    raise SyncError(
-                        f"{name}: rows {slot.dst_rows} of {slot.module} are mapped twice"
-                    )
-                taken[dst] = True
 
     def _slabs(self, name: str, out: int, cols_in: int) -> list[_Slab]:
         """This rank's pieces of trained module ``name`` (delta (out, cols_in))."""
@@ -184,25 +193,14 @@ class ShardedLoraTarget:
             )
         return slabs
 
-    @torch.no_grad()
-    def apply(self, update: WeightUpdate) -> TpSyncReport:
-        """Write base + this rank's slice of every delta into its shards, after every rank has
-        verified its part; raise ``SyncError`` on every rank otherwise."""
-        n = len(self.expected)
+    def _reduce(self, parts: list[Tensor], error: Exception | None, what: str) -> list[Tensor]:
+        """Sum ``parts`` (float64, CPU) over the TP mesh in one all-reduce, with a failure flag
+        per rank; raise on every rank if any failed; return the sums (CPU, shaped as given)."""
         rank, size = self.mesh.get_local_rank(), self.mesh.size()
-        # [failed flag per rank | per target: written sum / copies | per target: rounding bound]
-        shared = torch.zeros(size + 2 * n, dtype=torch.float64, device=self.mesh.device_type)
-        new: dict[str, Tensor] = {}
-        max_err, written, error = 0.0, 0, None
-        try:
-            self._check_names(update)
-            for i, name in enumerate(self.expected):
-                err, count, total, rounding = self._apply_one(name, update, new)
-                max_err, written = max(max_err, err), written + count
-                shared[size + i], shared[size + n + i] = total, rounding
-        except Exception as e:  # any failure, so that every rank still reaches the all-reduce
-            error = e
-            shared[rank] = 1.0
+        flags = torch.zeros(size, dtype=torch.float64)
+        if error is not None:
+            flags[rank] = 1.0
+        shared = torch.cat([flags, *(p.flatten() for p in parts)]).to(self.mesh.device_type)
         # every rank reaches this, failed or not: no rank waits on one that gave up
         dist.all_reduce(shared, group=self.mesh.get_group())
         shared = shared.cpu()
@@ -211,43 +209,165 @@ class ShardedLoraTarget:
             raise error  # this rank's own (a SyncError, or a bug as itself)
         if failed:
             raise SyncError(
-                f"weight update v{update.version}: TP rank(s) {failed} failed verification; "
+                f"{what}: TP rank(s) {failed} failed verification; "
                 f"rank {rank} verified its shards but commits nothing"
             )
+        out, at = [], size
+        for p in parts:
+            out.append(shared[at : at + p.numel()].view_as(p))
+            at += p.numel()
+        return out
+
+    def _check_global(self, name: str, got: Tensor, tol: Tensor, want: Tensor, what: str) -> float:
+        """The ranks' partial row prints of ``name``, summed, against the full ones."""
+        if len(want) != len(got):
+            raise SyncError(f"{what}: {len(want)} row prints sent, its slots hold {len(got)} rows")
+        return check_prints(
+            got,
+            want,
+            tol,
+            f"{what}, the TP ranks' shards together: rows held by no rank or by two, or sent "
+            "to the wrong place",
+            torch.arange(len(got)),
+        )
+
+    @torch.no_grad()
+    def check_base(self, prints: BasePrints, source: str) -> float:
+        """Every rank checks its shards' base rows against ``prints`` (rows it holds whole:
+        here; rows split by columns: their partial prints, summed across ranks in one
+        all-reduce); raise ``SyncError`` on every rank unless all match."""
+        rank = self.mesh.get_local_rank()
+        # per trained row: [partial print / copies, its tolerance / copies]
+        buf = torch.zeros(2, self.n_rows, PROBES, dtype=torch.float64)
+        error, worst = None, 0.0
+        try:
+            for name in self.expected:
+                want = prints.rows.get(name)
+                if want is None:
+                    raise SyncError(f"{source}: no base row prints for trained module {name}")
+                start, n = self.offsets[name]
+                width = self.shards[self.slot_map.slots_for(name)[0].module].param.shape[1]
+                for i, slab in enumerate(self._slabs(name, len(want), width)):
+                    local = self.base[slab.module]
+                    device = _local(self.shards[slab.module].param).device
+                    rows = local[slab.local_rows.to(local.device)].to(device)
+                    r = probe(name, width)
+                    r = (r if slab.cols is None else r[slab.cols]).to(device)
+                    eps = eps_of(local.dtype, prints.dtypes.get(name, local.dtype))
+                    got, tol = slot_prints(rows, None, r, eps)
+                    if slab.cols is None:  # whole rows: this rank checks them itself
+                        what = (
+                            f"base of {name} -> {slab.module} (slot {i}) on TP rank {rank} "
+                            f"against {source}: the slot map sends these rows to the wrong "
+                            "place, or the rollout holds other base weights"
+                        )
+                        worst = max(
+                            worst, check_prints(got, want[slab.src_rows], tol, what, slab.src_rows)
+                        )
+                    idx = start + slab.src_rows
+                    buf[0].index_add_(0, idx, got.cpu() / slab.copies)
+                    buf[1].index_add_(0, idx, tol.cpu() / slab.copies)
+        except Exception as e:  # any failure, so that every rank still reaches the all-reduce
+            error = e
+        (buf,) = self._reduce([buf], error, f"base prints from {source}")
+        for name in self.expected:
+            start, n = self.offsets[name]
+            got, tol = buf[0, start : start + n], buf[1, start : start + n]
+            what = f"base of {name} against {source}"
+            worst = max(worst, self._check_global(name, got, tol, prints.rows[name], what))
+        self.verified = prints
+        return worst
+
+    @torch.no_grad()
+    def apply(self, update: WeightUpdate) -> TpSyncReport:
+        """Write base + this rank's slice of every delta into its shards, after every rank has
+        verified its part; raise ``SyncError`` on every rank otherwise."""
+        n = len(self.expected)
+        rank = self.mesh.get_local_rank()
+        if update.base is not None and not update.base.same_as(self.verified):
+            # the same update on every rank, so every rank takes this collective or none does
+            self.check_base(update.base, f"the actor's base (update v{update.version})")
+        # per target: [written sum / copies, rounding bound]; per trained row: [partial delta
+        # print / copies, its tolerance / copies]
+        sums = torch.zeros(2, n, dtype=torch.float64)
+        buf = torch.zeros(2, self.n_rows, PROBES, dtype=torch.float64)
+        new: dict[str, Tensor] = {}
+        max_err, max_frac, written, error = 0.0, 0.0, 0, None
+        try:
+            self._check_names(update)
+            for i, name in enumerate(self.expected):
+                start, rows = self.offsets[name]
+                err, count, sum_, rounding, frac = self._apply_one(
+                    name, update, new, buf[0, start : start + rows], buf[1, start : start + rows]
+                )
+                max_err, written = max(max_err, err), written + count
+                max_frac = max(max_frac, frac)
+                sums[0, i], sums[1, i] = sum_, rounding
+        except Exception as e:  # any failure, so that every rank still reaches the all-reduce
+            error = e
+        sums, buf = self._reduce([sums, buf], error, f"weight update v{update.version}")
         max_global = 0.0
         for i, name in enumerate(self.expected):
-            total, rounding = float(shared[size + i]), float(shared[size + n + i])
+            sum_, rounding = float(sums[0, i]), float(sums[1, i])
             want = update.checksums[name]
-            err, tol = abs(total - want), REL_TOL * max(1.0, abs(want)) + rounding
+            err, tol = abs(sum_ - want), REL_TOL * max(1.0, abs(want)) + rounding
             if err > tol:  # the same numbers on every rank, so every rank raises
                 raise SyncError(
-                    f"{name}: the ranks' shards together hold {total:.6g} of its delta, the "
+                    f"{name}: the ranks' shards together hold {sum_:.6g} of its delta, the "
                     f"actor sent {want:.6g} (tolerance {tol:.3g}): rows held by no rank or by "
                     "two, or a corrupted update"
                 )
             max_global = max(max_global, err)
+            start, rows = self.offsets[name]
+            frac = self._check_global(
+                name,
+                buf[0, start : start + rows],
+                buf[1, start : start + rows],
+                update.delta_rows[name],
+                f"delta of {name} (update v{update.version})",
+            )
+            max_frac = max(max_frac, frac)
         for module, w in new.items():  # commit only after every rank verified every target
             _local(self.shards[module].param).copy_(w)
         return TpSyncReport(
-            update.version, update.adapter, n, n, max_err, rank, written, max_global
+            update.version,
+            update.adapter,
+            n,
+            n,
+            max_err,
+            max_frac,
+            rank=rank,
+            written=written,
+            max_global_checksum_err=max_global,
         )
 
     def _check_names(self, update: WeightUpdate) -> None:
         check_targets(update, self.expected)
 
     def _apply_one(
-        self, name: str, update: WeightUpdate, new: dict[str, Tensor]
-    ) -> tuple[float, int, float, float]:
-        """Add this rank's slice of ``name``'s delta into ``new`` (local shards, from the base);
-        return (local checksum error, entries written, written sum / copies, rounding bound)."""
+        self,
+        name: str,
+        update: WeightUpdate,
+        new: dict[str, Tensor],
+        prints: Tensor,
+        tols: Tensor,
+    ) -> tuple[float, int, float, float, float]:
+        """Add this rank's slice of ``name``'s delta into ``new`` (local shards, from the base),
+        and its partial row prints / copies into ``prints`` and ``tols`` (per trained row);
+        return (local checksum error, entries written, written sum / copies, rounding bound,
+        the worst whole-row print error as a fraction of its tolerance)."""
         d = update.deltas[name]
         a, b = d.a.double(), d.b.double()  # (r, in), (out, r)
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise SyncError(
                 f"{name}: LoRA factors A {tuple(a.shape)}, B {tuple(b.shape)} do not chain"
             )
-        err, count, total, rounding = 0.0, 0, 0.0, 0.0
-        for slab in self._slabs(name, b.shape[0], a.shape[1]):
+        want_rows = update.delta_rows[name]
+        if want_rows.shape != (b.shape[0], PROBES):
+            raise SyncError(f"{name}: {tuple(want_rows.shape)} row prints for {b.shape[0]} rows")
+        rank = self.mesh.get_local_rank()
+        err, count, total, rounding, frac = 0.0, 0, 0.0, 0.0, 0.0
+        for i, slab in enumerate(self._slabs(name, b.shape[0], a.shape[1])):
             target = new.get(slab.module)
             if target is None:
                 target = self.base[slab.module].to(_local(self.shards[slab.module].param).device)
@@ -277,7 +397,21 @@ class ShardedLoraTarget:
             got = float(applied.sum())  # the plain sum, for the actor's checksum across ranks
             err, count = max(err, e), count + part.numel()
             total, rounding = total + got / slab.copies, rounding + bound / slab.copies
-        return err, count, total, rounding
+            # row prints of what this rank wrote: whole rows checked here, partial ones (a
+            # column shard) summed across ranks and checked after the all-reduce
+            r = probe(name, a.shape[1])
+            r = (r if slab.cols is None else r[slab.cols]).to(target.device)
+            eps = eps_of(target.dtype, d.a.dtype, torch.float32)
+            p, t = slot_prints(target[rows], base[rows.to(base.device)], r, eps)
+            if slab.cols is None:
+                what = (
+                    f"delta of {name} -> {slab.module} (slot {i}) on TP rank {rank}: the "
+                    "merged shard differs from what the actor sent"
+                )
+                frac = max(frac, check_prints(p, want_rows[slab.src_rows], t, what, slab.src_rows))
+            prints.index_add_(0, slab.src_rows, p.cpu() / slab.copies)
+            tols.index_add_(0, slab.src_rows, t.cpu() / slab.copies)
+        return err, count, total, rounding, frac
 
 
 _PROBE_MAX = 1.5  # the largest weight _probe gives

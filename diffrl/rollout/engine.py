@@ -32,7 +32,14 @@ from diffrl.rollout.samplers import (
     tree_noise_blocks,
 )
 from diffrl.rollout.scheduler import ContinuousBatcher
-from diffrl.sync.weights import MergedLoraTarget, SlotMap, SyncError, SyncReport, WeightUpdate
+from diffrl.sync.weights import (
+    BasePrints,
+    MergedLoraTarget,
+    SlotMap,
+    SyncError,
+    SyncReport,
+    WeightUpdate,
+)
 from diffrl.types import PromptBatch, StepSpec, Trajectory, host_to_device
 
 
@@ -216,8 +223,13 @@ class RolloutEngine:
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
         self.device = device
         self.version = 0
+        # the trained modules' base rows as they are before the serving layout moves them: the
+        # anchor the slot map is checked against, here and against the actor's on each sync
+        base_prints = BasePrints.of_model(self.model, lora_targets)
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
-        self.target = MergedLoraTarget(self.model, lora_targets, slot_map, cfg.base_copy)
+        self.target = MergedLoraTarget(
+            self.model, lora_targets, slot_map, cfg.base_copy, base_prints
+        )
         self.compiled = compile_blocks(self.model) if cfg.compile else 0
         self._decode_stream: torch.cuda.Stream | None = None  # overlap_decode, on a GPU
         self.graphs = None

@@ -13,6 +13,12 @@ unsharded reference, shards the model with a TP plan, syncs, and writes what it 
 - A fused QKV (``layouts.fuse_qkv``'s SlotMap) held by ``FusedColwiseParallel(3)``
   (``_StridedShard``: each rank holds its slice of each of q, k and v).
 
+Both take the base row prints before the plan (the actor's view), as the actor's updates
+carry them. Beyond counts and shapes, a sync must refuse on every rank: a slot map with Q and K
+swapped (base prints), two rows swapped in transit in a column-split weight (only the row
+prints summed across ranks see it: each rank agrees with the factors it got), and factors
+downcast in transit.
+
 Tolerances, fp32: shards vs the reference slice atol 1e-6 (|W + delta| ~ 0.3; the delta is
 formed in float64 on both sides and rounded to fp32 once: seen 0.0); sharded
 vs merged unsharded forward atol 1e-5 (the sharded matmuls reorder sums, as in
@@ -23,6 +29,7 @@ the delta missing.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -33,7 +40,7 @@ import torch.distributed as dist
 from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
 from torch import nn
 
-from diffrl.sync.weights import LoraDelta, SlotMap, SyncError, WeightUpdate
+from diffrl.sync.weights import BasePrints, LoraDelta, Slot, SlotMap, SyncError, WeightUpdate
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -67,8 +74,11 @@ def _read(out: Path) -> list[dict]:
 # --- shared pieces -----------------------------------------------------------------------------
 
 
-def _update(version: int, shapes: dict[str, tuple[int, int]], seed: int) -> WeightUpdate:
-    """A random LoRA update (rank RANK, scale 2) for modules of the given (out, in) shapes."""
+def _update(
+    version: int, shapes: dict[str, tuple[int, int]], seed: int, base: BasePrints | None = None
+) -> WeightUpdate:
+    """A random LoRA update (rank RANK, scale 2) for modules of the given (out, in) shapes,
+    carrying the actor's ``base`` row prints when given."""
     g = torch.Generator().manual_seed(seed)
     deltas = {
         name: LoraDelta(
@@ -78,7 +88,7 @@ def _update(version: int, shapes: dict[str, tuple[int, int]], seed: int) -> Weig
         )
         for name, (out, cols) in sorted(shapes.items())
     }
-    return WeightUpdate.build(version, "default", deltas)
+    return WeightUpdate.build(version, "default", deltas, base)
 
 
 def _merged(base: dict[str, torch.Tensor], update: WeightUpdate) -> dict[str, torch.Tensor]:
@@ -136,9 +146,15 @@ def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(before[k], v) for k, v in _local_state(model).items())
 
 
-def _bad_updates(good: WeightUpdate, rank: int) -> dict[str, WeightUpdate]:
-    """Updates a sync must refuse, on every rank."""
+def _bad_updates(good: WeightUpdate, rank: int, corrupt: str) -> dict[str, WeightUpdate]:
+    """Updates a sync must refuse, on every rank; ``corrupt`` names the module whose delta
+    gets two rows swapped in transit (its sum, and the slice each rank checks through the
+    factors it received, unchanged: only the row prints see it)."""
     names = sorted(good.deltas)
+    hit = good.deltas[corrupt]
+    swapped_rows = hit.b.clone()
+    swapped_rows[[0, 1]] = swapped_rows[[1, 0]]
+    half = {n: LoraDelta(d.a.bfloat16(), d.b.bfloat16(), d.scale) for n, d in good.deltas.items()}
     first = good.deltas[names[0]]
     missing = {n: d for n, d in good.deltas.items() if n != names[-1]}
     wide = LoraDelta(a=torch.cat([first.a, first.a], dim=1), b=first.b, scale=first.scale)
@@ -151,20 +167,25 @@ def _bad_updates(good: WeightUpdate, rank: int) -> dict[str, WeightUpdate]:
         tall=WeightUpdate.build(good.version + 1, "default", {**good.deltas, names[0]: tall}),
         one_rank=WeightUpdate.build(good.version + 1, "default", one_rank),
         # the actor's checksum disagrees with what the ranks hold together
-        checksum=WeightUpdate(
-            good.version + 1,
-            "default",
-            good.deltas,
-            {**good.checksums, names[0]: good.checksums[names[0]] + 1.0},
+        checksum=dataclasses.replace(
+            good,
+            version=good.version + 1,
+            checksums={**good.checksums, names[0]: good.checksums[names[0]] + 1.0},
         ),
+        row=dataclasses.replace(
+            good,
+            version=good.version + 1,
+            deltas={**good.deltas, corrupt: LoraDelta(hit.a, swapped_rows, hit.scale)},
+        ),
+        # exported in fp32, arrived in bf16
+        downcast=dataclasses.replace(good, version=good.version + 1, deltas=half),
     )
 
 
-def _refusals(target, model: nn.Module, good: WeightUpdate, rank: int) -> dict:
+def _refusals(target, model: nn.Module, good: WeightUpdate, rank: int, corrupt: str) -> dict:
     before = _local_state(model)
-    errors = {
-        k: _error_of(lambda u=u: target.apply(u)) for k, u in _bad_updates(good, rank).items()
-    }
+    bad = _bad_updates(good, rank, corrupt)
+    errors = {k: _error_of(lambda u=u: target.apply(u)) for k, u in bad.items()}
     return dict(errors=errors, unchanged=_unchanged(model, before))
 
 
@@ -179,6 +200,8 @@ def _assert_refused(r: dict) -> None:
     else:
         assert "each must land exactly once" in e["one_rank"] or "do not fit" in e["one_rank"]
     assert "the actor sent" in e["checksum"]
+    assert "converted in transit" in e["downcast"]
+    assert r["corrupt"] in e["row"] and "row print of trained row" in e["row"], e["row"]
     assert r["refused"]["unchanged"]  # nothing was committed on any rank
 
 
@@ -237,16 +260,19 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
             return m(x, txt, pooled, t, return_dict=False)[0]
 
     y_base = fwd(ref)
+    prints = BasePrints.of_model(dit, names)  # the actor's view: whole weights, before the plan
     tp.apply_plan(dit, mesh, sd3.TP_PLAN)
     t0 = time.perf_counter()
-    target = ShardedLoraTarget(dit, mesh, names)
+    target = ShardedLoraTarget(dit, mesh, names, base_prints=prints)
     t_build = time.perf_counter() - t0
+    # a row-sharded (Shard(1)) target: each rank holds a part of every row
+    corrupt = next(n for n in names if dit.get_submodule(n).weight.placements[0].dim == 1)
 
     result: dict = dict(rank=rank, n_targets=len(names))
     result["placements"] = sorted({str(dit.get_submodule(n).weight.placements) for n in names})
     assert all(isinstance(dit.get_submodule(n).weight, DTensor) for n in names)
     for version, seed in ((1, 11), (2, 12)):
-        up = _update(version, shapes, seed)
+        up = _update(version, shapes, seed, prints)
         t0 = time.perf_counter()
         report = target.apply(up)
         sync_s = time.perf_counter() - t0
@@ -270,9 +296,11 @@ def _sd3_rank(rank: int, port: int, out: Path) -> None:
     # v2 replaced v1: the shards are base + delta2, not base + delta1 + delta2
     both = {n: w + _update(1, shapes, 11).deltas[n].delta() for n, w in _merged(base, up).items()}
     result["v2_vs_accumulated"] = _shard_diff(dit, both, rank)
-    result["refused"] = _refusals(target, dit, up, rank)
+    result["corrupt"] = corrupt
+    result["refused"] = _refusals(target, dit, up, rank, corrupt)
     result["build_s"] = t_build
-    result["held_twice"] = _held_twice(dit, mesh, names, up)
+    # without base prints, so that only the sums across ranks can see it
+    result["held_twice"] = _held_twice(dit, mesh, names, dataclasses.replace(up, base=None))
     finish_rank(out, rank, result)
 
 
@@ -341,6 +369,7 @@ def _fused_rank(rank: int, port: int, out: Path) -> None:
     shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in names}
     x = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(1))  # (B, S, dim)
 
+    prints = BasePrints.of_model(model, names)  # the actor's view, before the serving layout
     slot_map = layouts.fuse_qkv(model, ["attn"], native=True)  # q, k, v -> rows of attn.to_qkv
     ref = copy.deepcopy(model)  # fused, unsharded
     base = {
@@ -353,10 +382,21 @@ def _fused_rank(rank: int, port: int, out: Path) -> None:
     result: dict = dict(
         rank=rank, twice=_error_of(lambda: ShardedLoraTarget(model, mesh, names, twice))
     )
-    target = ShardedLoraTarget(model, mesh, names, slot_map)
+    # K's rows sent where Q's are and back: every shape fits, only the base prints see it
+    swapped = SlotMap(
+        {
+            **slot_map.slots,
+            "attn.to_q": [Slot("attn.to_qkv", dst_rows=slice(16, 32))],
+            "attn.to_k": [Slot("attn.to_qkv", dst_rows=slice(0, 16))],
+        }
+    )
+    result["swapped"] = _error_of(
+        lambda: ShardedLoraTarget(model, mesh, names, swapped, base_prints=prints)
+    )
+    target = ShardedLoraTarget(model, mesh, names, slot_map, base_prints=prints)
 
     for version, seed in ((1, 21), (2, 22)):
-        up = _update(version, shapes, seed)
+        up = _update(version, shapes, seed, prints)
         report = target.apply(up)
         qkv = torch.cat([up.deltas[n].delta() for n in names[:3]])  # (3 inner, dim), Q first
         want = {
@@ -376,7 +416,8 @@ def _fused_rank(rank: int, port: int, out: Path) -> None:
             local_qkv=list(model.attn.to_qkv.weight.to_local().shape),
             global_err=report.max_global_checksum_err,
         )
-    result["refused"] = _refusals(target, model, up, rank)
+    result["corrupt"] = "attn.to_out"  # row-sharded: each rank holds half of every row
+    result["refused"] = _refusals(target, model, up, rank, "attn.to_out")
     finish_rank(out, rank, result)
 
 
@@ -392,4 +433,5 @@ def test_fused_qkv_strided_shards_get_their_slice_of_each_of_q_k_v(tmp_path):
             assert s["local_qkv"] == [24, 12]  # 8 rows of each of q, k, v per rank
         _assert_refused(r)
         assert "are mapped twice" in r["twice"]  # to_k sent onto to_q's rows
+        assert "base of attn.to_k -> attn.to_qkv" in r["swapped"], r["swapped"]
     assert time.monotonic() - t0 < DEADLINE_S
