@@ -331,7 +331,6 @@ class MergedLoraTarget:
         )
         self.base = {k: _copy(w, base_device) for k, w in self.weights.items()}
         self.verified: BasePrints | None = None  # the last base prints the slots matched
-        self._warned = False
         if base_prints is not None:
             self.check_base(base_prints, "the rollout's own base before its serving layout")
 
@@ -376,12 +375,12 @@ class MergedLoraTarget:
         if update.base is not None:
             if not update.base.same_as(self.verified):
                 self.check_base(update.base, f"the actor's base (update v{update.version})")
-        elif self.verified is None and not self._warned:
-            self._warned = True
-            log.warning(
-                "weight sync: no base row prints (none at construction, none in update v%d): "
-                "the slot map's row order is unchecked",
-                update.version,
+        elif self.verified is None:  # contract 2 is exact or fails: an unchecked order fails
+            raise SyncError(
+                f"weight update v{update.version}: no base row prints, none given at "
+                "construction and none in the update, so the slot map's row order cannot be "
+                "checked; pass base_prints=BasePrints.of_model(<the model before its serving "
+                "layout>, names), or build the update with the actor's base prints"
             )
 
     @torch.no_grad()

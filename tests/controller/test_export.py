@@ -13,7 +13,7 @@ from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.models.registry import ModelConfig, load_model
-from diffrl.sync.weights import LoraDelta, MergedLoraTarget, WeightUpdate
+from diffrl.sync.weights import BasePrints, LoraDelta, MergedLoraTarget, WeightUpdate
 
 pytest.importorskip("diffusers")
 
@@ -71,7 +71,9 @@ def test_export_loads_into_diffusers_and_matches(tmp_path):
     deltas = {n: LoraDelta(f["A"], f["B"], 8 / 4) for n, f in factors.items()}
     assert any(d.b.abs().sum() > 0 for d in deltas.values())  # trained, not the zero init
     merged = load_model(ModelConfig(family="sd3", path=str(pipe)))
-    MergedLoraTarget(merged, sorted(deltas)).apply(WeightUpdate.build(1, "default", deltas))
+    prints = BasePrints.of_model(merged, sorted(deltas))  # the base before anything is merged
+    target = MergedLoraTarget(merged, sorted(deltas), base_prints=prints)
+    target.apply(WeightUpdate.build(1, "default", deltas))
 
     # diffusers' side: the same directory, the exported file through load_lora_adapter
     reference = load_model(ModelConfig(family="sd3", path=str(pipe)))

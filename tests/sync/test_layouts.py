@@ -17,6 +17,7 @@ from diffrl.models.families._diffusers import init_weights  # noqa: E402
 from diffrl.models.registry import ModelConfig  # noqa: E402
 from diffrl.sync import layouts  # noqa: E402
 from diffrl.sync.weights import (  # noqa: E402
+    BasePrints,
     LoraDelta,
     MergedLoraTarget,
     Slot,
@@ -56,7 +57,8 @@ def export(layers, version: int = 1) -> WeightUpdate:
         )
         for name, layer in layers.items()
     }
-    return WeightUpdate.build(version, "default", deltas)
+    prints = BasePrints.of({n: layer.get_base_layer().weight for n, layer in layers.items()})
+    return WeightUpdate.build(version, "default", deltas, prints)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,7 @@ def test_wrong_shape_delta_raises(base):
     d = update.deltas[q]
     deltas = {**update.deltas, q: LoraDelta(d.a, torch.cat([d.b, d.b]), d.scale)}
     with pytest.raises(SyncError, match="do not fit"):
-        target.apply(WeightUpdate.build(2, "default", deltas))
+        target.apply(WeightUpdate.build(2, "default", deltas, update.base))
     # nothing was written: a failed update leaves the base weights in place
     x, s, ids = inputs(base)
     with torch.no_grad():

@@ -13,6 +13,7 @@ from diffrl.build import expanded_targets
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.sync.weights import (
+    BasePrints,
     LoraDelta,
     MergedLoraTarget,
     Slot,
@@ -192,6 +193,11 @@ def _delta(seed: int, out: int = 3 * D) -> LoraDelta:
     )
 
 
+def fused_prints(fused: nn.Module) -> BasePrints:
+    """The trained (fused) module's base prints, as the actor would send them."""
+    return BasePrints.of({"qkv": fused.qkv.weight})
+
+
 def test_slot_map_splits_fused_qkv_rows() -> None:
     torch.manual_seed(0)
     fused = Fused()
@@ -206,7 +212,7 @@ def test_slot_map_splits_fused_qkv_rows() -> None:
             ]
         }
     )
-    target = MergedLoraTarget(split, ["qkv"], slot_map)
+    target = MergedLoraTarget(split, ["qkv"], slot_map, base_prints=fused_prints(fused))
     d = _delta(1)
     report = target.apply(WeightUpdate.build(1, "default", {"qkv": d}))
     assert report.applied == 1 and report.max_checksum_err < 1e-4
@@ -233,7 +239,8 @@ def test_slot_map_fuses_split_deltas_with_dst_rows() -> None:
     slot_map = SlotMap(
         {n: [Slot("qkv", dst_rows=slice(i * D, (i + 1) * D))] for i, n in enumerate("qkv")}
     )
-    target = MergedLoraTarget(fused, ["q", "k", "v"], slot_map)
+    rows = {n: fused.qkv.weight[i * D : (i + 1) * D] for i, n in enumerate("qkv")}
+    target = MergedLoraTarget(fused, ["q", "k", "v"], slot_map, base_prints=BasePrints.of(rows))
     deltas = {n: _delta(10 + i, out=D) for i, n in enumerate("qkv")}
     target.apply(WeightUpdate.build(1, "default", deltas))
     expected = base + torch.cat([deltas[n].scale * deltas[n].b @ deltas[n].a for n in "qkv"])
@@ -241,7 +248,8 @@ def test_slot_map_fuses_split_deltas_with_dst_rows() -> None:
 
 
 def test_slot_rows_that_do_not_fit_raise_and_leave_weights() -> None:
-    split = Split(Fused())
+    fused = Fused()
+    split = Split(fused)
     before = {k: v.clone() for k, v in split.state_dict().items()}
     slot_map = SlotMap(
         {
@@ -252,7 +260,6 @@ def test_slot_rows_that_do_not_fit_raise_and_leave_weights() -> None:
             ]
         }
     )  # one row short
-    target = MergedLoraTarget(split, ["qkv"], slot_map)
-    with pytest.raises(SyncError, match="do not fit"):
-        target.apply(WeightUpdate.build(1, "default", {"qkv": _delta(3)}))
+    with pytest.raises(SyncError, match="do not fit|cover"):
+        MergedLoraTarget(split, ["qkv"], slot_map, base_prints=fused_prints(fused))
     assert_state_equal({k: v.clone() for k, v in split.state_dict().items()}, before)

@@ -19,7 +19,7 @@ from peft.tuners.lora import LoraLayer
 from diffrl.models.families._diffusers import save_pipeline_dir
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.sync.layouts import check_targets
-from diffrl.sync.weights import LoraDelta, MergedLoraTarget, SyncReport, WeightUpdate
+from diffrl.sync.weights import BasePrints, LoraDelta, MergedLoraTarget, SyncReport, WeightUpdate
 
 PEFT_PREFIX = "base_model.model."
 
@@ -53,7 +53,8 @@ def export(actor, version: int = 1, adapter: str = "default") -> WeightUpdate:
         )
         for name, layer in layers.items()
     }
-    return WeightUpdate.build(version, adapter, deltas)
+    prints = BasePrints.of({n: layer.get_base_layer().weight for n, layer in layers.items()})
+    return WeightUpdate.build(version, adapter, deltas, prints)  # as the actor sends it
 
 
 def synced_pair(base, targets, rank: int = 4, seed: int = 0, scale: float = 1.0):

@@ -16,7 +16,7 @@ from peft.tuners.lora import LoraLayer  # noqa: E402
 from diffrl.models.families import flux, sd3  # noqa: E402
 from diffrl.models.families._diffusers import init_weights, save_pipeline_dir  # noqa: E402
 from diffrl.sync import layouts  # noqa: E402
-from diffrl.sync.weights import LoraDelta, MergedLoraTarget, WeightUpdate  # noqa: E402
+from diffrl.sync.weights import BasePrints, LoraDelta, MergedLoraTarget, WeightUpdate  # noqa: E402
 
 BF16_REL_TOL = 2e-2  # bf16 rounds the merged W + delta; LoRA's separate x @ A @ B does not
 
@@ -80,8 +80,9 @@ def sync_errors(base, seed: int = 0) -> tuple[float, float, float]:
     rollout = copy.deepcopy(base)
     slot_map = base.family.serving_layout(rollout)
     layouts.check_targets(rollout, slot_map, layers)
+    prints = BasePrints.of({n: layer.get_base_layer().weight for n, layer in layers.items()})
     MergedLoraTarget(rollout, list(layers), slot_map).apply(
-        WeightUpdate.build(1, "default", deltas)
+        WeightUpdate.build(1, "default", deltas, prints)  # as the actor sends it
     )
     x, sigma, ids = sample_inputs(base)
     with torch.no_grad():
