@@ -158,19 +158,14 @@ class FamilySpec:
     parallel plans map module-path patterns to styles (``parallel/tp.py``), applied outside
     the model; ``geometry`` is what ``diffrl plan`` counts activations with."""
 
-    name: str
-    native_convention: str  # a key of diffrl.models.convention.CONVENTIONS
-    lora_targets: tuple[str, ...]  # Linear-module name suffixes; explicit, never "all-linear"
     load: Callable[..., FamilyModel]  # (cfg: ModelConfig, device) -> FamilyModel
-    family_class: type  # the ModelFamily ``load`` puts on the model
+    # the ModelFamily ``load`` puts on the model; the record reads its name, convention, LoRA
+    # targets, serving layout and FLOP count off it (declared once, on the class)
+    family_class: type
     # model.preset name -> what it builds (the family's own size spec: widths, layers, ...)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # "builtin:<name>" -> a shipped file (model.checkpoint for the tiny DiT, else model.weights)
     builtins: Mapping[str, Builtin] = field(default_factory=dict)
-    # the rollout copy's layout (contract 2): (family, model) -> SlotMap
-    serving_layout: Callable[..., Any] | None = None
-    # analytic FLOPs of one forward: (family, batch) -> float
-    flops: Callable[..., float] | None = None
     # tensor parallelism: the DiT's plan (module pattern -> style), None = no TP plan
     tp_plan: Mapping[str, Any] | None = None
     # ETP: the text encoders' plans, by the encoder's config.model_type
@@ -180,6 +175,26 @@ class FamilySpec:
     sp_plan: str = ""
     # memory geometry for ``diffrl plan``: (model, widths, conditioned) -> models.memory.Geometry
     geometry: Callable[..., Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.family_class.name
+
+    @property
+    def native_convention(self) -> str:  # a key of diffrl.models.convention.CONVENTIONS
+        return self.family_class.native_convention
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:  # Linear-module suffixes, never "all-linear"
+        return tuple(self.family_class.lora_targets)
+
+    @property
+    def serving_layout(self) -> Callable[..., Any]:  # (family, model) -> SlotMap (contract 2)
+        return self.family_class.serving_layout
+
+    @property
+    def flops(self) -> Callable[..., float]:  # (family, batch) -> FLOPs of one forward
+        return self.family_class.flops
 
 
 class Shared:

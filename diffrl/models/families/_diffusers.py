@@ -224,12 +224,17 @@ def components_on_meta(host: set[int]) -> Iterator[None]:
         _ON_META.reset(token)
 
 
+def _construct(cls, config) -> nn.Module:
+    """``cls`` at ``config``'s size: a diffusers model through ``from_config``, a transformers
+    model through its ``config_class`` (``config`` a dict, or already that config object)."""
+    if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
+        return cls(config if not isinstance(config, dict) else cls.config_class(**config))
+    return cls.from_config(config)
+
+
 def _meta_component(cls, config, dtype: torch.dtype) -> nn.Module:
     with torch.device("meta"):
-        if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
-            model = cls(config if not isinstance(config, dict) else cls.config_class(**config))
-        else:
-            model = cls.from_config(config)
+        model = _construct(cls, config)
     return model.to(dtype=dtype).eval()
 
 
@@ -246,10 +251,7 @@ def random_component(cls, config: dict, dtype: torch.dtype, device: torch.device
             host.add(id(model))
         return model
     with _params_on_meta():
-        if hasattr(cls, "config_class") and not cls.__module__.startswith("diffusers"):
-            model = cls(cls.config_class(**config))
-        else:
-            model = cls.from_config(config)
+        model = _construct(cls, config)
     buffers = dict(model.named_buffers())
     if any(p.dtype != dtype for p in model.parameters()):
         model = model.to(dtype=dtype)  # free on meta

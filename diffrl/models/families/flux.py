@@ -341,14 +341,9 @@ def save(parts: dict, path) -> None:
 
 
 FAMILY = FamilySpec(
-    name="flux",
-    native_convention=FluxFamily.native_convention,
-    lora_targets=LORA_TARGETS,
     load=load,
     family_class=FluxFamily,
     presets=PRESETS,
-    serving_layout=FluxFamily.serving_layout,
-    flops=FluxFamily.flops,
     etp_plans={"t5": T5_ENCODER_PLAN},
     sp_plan="diffusers",
 )

@@ -605,13 +605,8 @@ def load(cfg, device: torch.device) -> FamilyModel:
 
 
 FAMILY = FamilySpec(
-    name="ltx2",
-    native_convention=LTX2Family.native_convention,
-    lora_targets=LORA_TARGETS,
     load=load,
     family_class=LTX2Family,
     presets=PRESETS,
-    serving_layout=LTX2Family.serving_layout,
-    flops=LTX2Family.flops,
     sp_plan="diffusers",
 )

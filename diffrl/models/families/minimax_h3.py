@@ -915,9 +915,6 @@ def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
 
 
 FAMILY = FamilySpec(
-    name="minimax_h3",
-    native_convention=MiniMaxH3Family.native_convention,
-    lora_targets=LORA_TARGETS,
     load=load,
     family_class=MiniMaxH3Family,
     presets=PRESETS,
@@ -926,8 +923,6 @@ FAMILY = FamilySpec(
             "avbench_h3.safetensors", "diffrl pretrain task=avbench", preset="h3-avbench"
         ),
     },
-    serving_layout=MiniMaxH3Family.serving_layout,
-    flops=MiniMaxH3Family.flops,
     tp_plan=TP_PLAN,
     etp_plans={"qwen3_vl": QWEN3_VL_ENCODER_PLAN},
     sp_plan="diffusers",

@@ -457,13 +457,8 @@ def load(cfg, device: torch.device) -> FamilyModel:
 
 
 FAMILY = FamilySpec(
-    name="qwen_image",
-    native_convention=QwenImageFamily.native_convention,
-    lora_targets=LORA_TARGETS,
     load=load,
     family_class=QwenImageFamily,
     presets=PRESETS,
-    serving_layout=QwenImageFamily.serving_layout,
-    flops=QwenImageFamily.flops,
     sp_plan="diffusers",
 )

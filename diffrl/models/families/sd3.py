@@ -475,9 +475,6 @@ def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
 
 
 FAMILY = FamilySpec(
-    name="sd3",
-    native_convention=SD3Family.native_convention,
-    lora_targets=LORA_TARGETS,
     load=load,
     family_class=SD3Family,
     presets=PRESETS,
@@ -486,8 +483,6 @@ FAMILY = FamilySpec(
             "shapes_sd3.safetensors", "diffrl pretrain preset=sd3-shapes", preset="sd3-shapes"
         ),
     },
-    serving_layout=SD3Family.serving_layout,
-    flops=SD3Family.flops,
     tp_plan=TP_PLAN,
     etp_plans={"t5": T5_ENCODER_PLAN},
     sp_plan="",  # SD3Transformer2DModel declares no _cp_plan

@@ -123,12 +123,7 @@ def save_model(model: FamilyModel, path: Path, extra: dict[str, str] | None = No
 
 
 FAMILY = FamilySpec(
-    name="tiny_dit",
-    native_convention=TinyDiTFamily.native_convention,
-    lora_targets=LORA_TARGETS,
     load=load,
     family_class=TinyDiTFamily,
     builtins=BUILTIN,  # model.checkpoint, not model.weights: the file records the architecture
-    serving_layout=TinyDiTFamily.serving_layout,
-    flops=TinyDiTFamily.flops,
 )

@@ -379,14 +379,9 @@ TP_PLAN: Plan = {
 
 
 FAMILY = FamilySpec(
-    name="wan",
-    native_convention=WanFamily.native_convention,
-    lora_targets=LORA_TARGETS,
     load=load,
     family_class=WanFamily,
     presets=PRESETS,
-    serving_layout=WanFamily.serving_layout,
-    flops=WanFamily.flops,
     tp_plan=TP_PLAN,
     etp_plans={"umt5": T5_ENCODER_PLAN},
     sp_plan="diffusers",
