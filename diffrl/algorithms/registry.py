@@ -19,6 +19,7 @@ and what it needs of the rest of the run, as data (``needs_logprobs``, the confi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -266,9 +267,10 @@ def register_algorithm(algo: Algorithm[C]) -> Algorithm[C]:
     return algo
 
 
+@functools.cache
 def _load_builtins() -> None:
-    """Import every module of this package: each algorithm's registers itself, so adding one
-    touches no other file."""
+    """Import every module of this package, once: each algorithm's registers itself, so adding
+    one touches no other file."""
     package = __name__.rsplit(".", 1)[0]
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         importlib.import_module(f"{package}.{info.name}")
