@@ -30,7 +30,7 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     preset, res, dtype = ("sd35-tiny", 64, "float32") if args.smoke else ("sd35-medium", 512,
                                                                           "bfloat16")  # fmt: skip
-    model = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res, probe=False), dev)
+    model = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res), dev)
     model.requires_grad_(False)
     fam = model.family
     ids = fam.tokenize(["a red bicycle leaning against a brick wall"] * args.rows).input_ids

@@ -70,7 +70,7 @@ def load_engine(target: str, device: torch.device) -> tuple[RolloutEngine, objec
         parts, _ = load_run(target, overrides)
         parts.evaluator.load_weights(parts.actor.export_weights(parts.actor.eval_adapter))
         return parts.evaluator, parts.evaluator.model
-    model = load_model(ModelConfig(checkpoint=target, probe=False), device)
+    model = load_model(ModelConfig(checkpoint=target), device)
     return RolloutEngine(model, RolloutConfig(), [], device), model
 
 

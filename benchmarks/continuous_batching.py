@@ -153,7 +153,7 @@ def main() -> None:
         args.requests, args.resolutions, args.steps, args.budget = 6, [32, 64], 2, 256
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.manual_seed(0)
-    base = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res, probe=False), DEV)
+    base = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res), DEV)
     fam = base.family
     engine = RolloutEngine(
         base,

@@ -47,7 +47,7 @@ def run_one(preset: str, args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     res, frames = SHAPE.get(preset, (512, 0))
     t = time.perf_counter()
-    mcfg = ModelConfig(preset=preset, dtype="bfloat16", resolution=res, frames=frames, probe=False)
+    mcfg = ModelConfig(preset=preset, dtype="bfloat16", resolution=res, frames=frames)
     torch.manual_seed(0)
     base = load_model(mcfg, dev)
     torch.cuda.synchronize()

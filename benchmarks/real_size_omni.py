@@ -75,7 +75,7 @@ def run_one(preset: str, args) -> dict:
     reset_peak()
     res, frames = {**SHAPE, **SMOKE}[preset]
     t = time.perf_counter()
-    mcfg = ModelConfig(preset=preset, dtype="bfloat16", resolution=res, frames=frames, probe=False)
+    mcfg = ModelConfig(preset=preset, dtype="bfloat16", resolution=res, frames=frames)
     torch.manual_seed(0)
     base = load_model(mcfg, dev)
     build_s = sync() - t

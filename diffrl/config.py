@@ -22,6 +22,7 @@ from diffrl.algorithms.registry import (
     registered_algorithms,
 )
 from diffrl.errors import ConfigError, FieldError, check, check_choice
+from diffrl.models.probe import ProbeConfig
 from diffrl.models.registry import ModelConfig
 from diffrl.parallel.launch import ParallelConfig
 from diffrl.placement import RayConfig
@@ -125,6 +126,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)  # run.backend=ray only
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun (launch.py)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)  # contract 1 at start-up
     # the registered algorithm's own frozen config (a subclass; ``algorithm.name`` picks it)
     algorithm: AlgorithmConfig = field(default_factory=default_config)
 

@@ -60,7 +60,6 @@ class ModelConfig:
     preset: str = ""  # random weights: real size (sd35-medium, ...) or tiny (sd35-tiny, ...)
     convention: str = ""  # "" = the family's native one; else one of CONVENTIONS
     dtype: str = "float32"  # float32 | bfloat16
-    probe: bool = True  # check the time convention on task data at start-up
     resolution: int = 0  # image side in pixels; 0 = the family's (or preset's) default
     frames: int = 0  # video families: frames per clip; 0 = the family's default
     max_text_len: int = 0  # text tokens per tokenizer; 0 = the family's default

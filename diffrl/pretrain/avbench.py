@@ -54,7 +54,7 @@ def clip_bank(model: FamilyModel, per_prompt: int, seed: int, device) -> tuple:
 def pretrain_avbench(cfg: PretrainConfig) -> Path:
     rng, device = start_process(cfg)
     preset = cfg.preset or DEFAULT_PRESET
-    mcfg = ModelConfig(family="minimax_h3", preset=preset, weights=cfg.init, probe=False)
+    mcfg = ModelConfig(family="minimax_h3", preset=preset, weights=cfg.init)
     model = load_model(mcfg, device)
     train = PromptSet([Prompt(p.text) for p in split_prompts("train")], model.family.tokenize)
     bank, keys = clip_bank(model, cfg.bank_per_prompt, cfg.seed, device)

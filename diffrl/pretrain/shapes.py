@@ -49,9 +49,9 @@ def pretrain_shapes(cfg: PretrainConfig) -> Path:
         max_text_len=tok.max_len,
     )
     if cfg.preset:  # seeded random init; the frozen text encoders are saved with the weights
-        model = load_model(ModelConfig(preset=cfg.preset, weights=cfg.init, probe=False), device)
+        model = load_model(ModelConfig(preset=cfg.preset, weights=cfg.init), device)
     elif cfg.init:
-        model = load_model(ModelConfig(checkpoint=cfg.init, probe=False), device)
+        model = load_model(ModelConfig(checkpoint=cfg.init), device)
     else:
         model = build(arch).to(device)
         if cfg.text_embed_std:

@@ -48,6 +48,7 @@ from diffrl.models.family import (
     hash_rows,
 )
 from diffrl.models.memory import BlockCost, Geometry, Widths, merge_blocks
+from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalHeads, PerHeadNorm, Plan, optional
 from diffrl.sync import layouts
 from diffrl.sync.weights import SlotMap
@@ -186,7 +187,7 @@ class SD3Net(DiffusersNet):
         )[0]
 
 
-class SD3Family(ResolutionFree):
+class SD3Family(ResolutionFree, HasReferencePipeline):
     name = "sd3"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -254,6 +255,30 @@ class SD3Family(ResolutionFree):
         c = self.vae.config
         mean = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mean
         return (mean - (c.shift_factor or 0.0)) * c.scaling_factor
+
+    def reference(self, model: FamilyModel, shift: float) -> Reference:
+        """``StableDiffusion3Pipeline`` over this model's own components, no CFG."""
+        from diffusers import StableDiffusion3Pipeline
+
+        f = model.net.frozen
+        tok = self.tokenizers
+        pipe = StableDiffusion3Pipeline(
+            transformer=model.net.transformer, scheduler=flow_scheduler(shift), vae=self.vae,
+            text_encoder=f.clip_l, tokenizer=tok[0], text_encoder_2=f.clip_g, tokenizer_2=tok[1],
+            text_encoder_3=f.t5, tokenizer_3=tok[2],
+        )  # fmt: skip
+        pipe.set_progress_bar_config(disable=True)
+        _, h, w = self._latent
+        scale = pipe.vae_scale_factor if self.vae is not None else 1
+
+        def call(prompt: str, noise: Tensor, grid) -> None:
+            pipe(
+                prompt=prompt, latents=noise.to(model.net.transformer.dtype), sigmas=list(grid),
+                num_inference_steps=len(grid), guidance_scale=1.0, height=h * scale,
+                width=w * scale, max_sequence_length=self.lens[2], output_type="latent",
+            )  # fmt: skip
+
+        return Reference(model.net.transformer, call)
 
     def serving_layout(self, model: nn.Module) -> SlotMap:
         """Q/K/V and the context's added Q/K/V fused per attention (``to_qkv``,

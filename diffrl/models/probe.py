@@ -1,0 +1,279 @@
+"""Contract 1 at start-up, without ground truth: pipeline parity.
+
+The family's own diffusers pipeline is the reference for what its transformer must receive. The
+probe runs that pipeline for the first ``calls`` denoising steps from a fixed noise and prompt,
+with a forward pre-hook on the transformer that records every input (latents, timestep, guidance,
+encoder states, ids, masks), then runs diffrl's rollout path for the same steps (the family's
+tokenization, ``FamilyModel``'s convention, the rollout's sigma schedule and Euler step) over the
+same transformer, and requires the same inputs call by call. It needs no trained weights: a
+timestep off by 1000, a shift applied twice, reversed time or a dropped guidance input changes
+what the transformer receives whatever its weights are. The second call also checks the
+velocity's sign: its latents are the first call's output stepped by each side's update rule.
+
+The pipeline runs with diffrl's sigma grid handed in unshifted (``sigmas=``) and a
+``FlowMatchEulerDiscreteScheduler`` that applies the rollout's ``shift`` once and no dynamic
+shifting, so the two sides agree exactly when diffrl applies the shift once too.
+
+A family opts in by subclassing ``HasReferencePipeline``: ``reference(model, shift)`` builds
+its pipeline over the model's own components (the same transformer instance) and returns how
+to call it. Everything here draws from its own generator; torch's global RNG is untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from diffrl.errors import ContractError, check, check_choice
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """The start-up probes of contract 1. ``mode=off`` is the only way to skip them, and a skip
+    is logged in ``metrics.jsonl`` (``probe/skipped``)."""
+
+    mode: str = "on"  # on | off
+    parity_calls: int = 2  # transformer calls compared (>= 2 also checks the velocity's sign)
+    prompt: str = "a red circle above a blue square"  # the parity probe's prompt
+
+    def __post_init__(self) -> None:
+        # YAML reads a bare on/off as a boolean (``probe.mode=off`` arrives as False)
+        spelled = {"False": "off", "false": "off", "True": "on", "true": "on"}
+        object.__setattr__(self, "mode", spelled.get(str(self.mode), str(self.mode)))
+
+    def validate(self) -> None:
+        check_choice("mode", self.mode, ("on", "off"))
+        check(self.parity_calls >= 1, "parity_calls", self.parity_calls, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A family's diffusers pipeline, ready to run: ``call(prompt, noise, grid)`` runs it from
+    ``noise`` (1, *latent_shape), diffrl's layout, converted by the family to the pipeline's)
+    over the unshifted sigma ``grid`` (T values from 1 down); the probe stops it after the
+    calls it compares. ``transformer`` is the module both sides call."""
+
+    transformer: nn.Module
+    call: Callable[[str, Tensor, Sequence[float]], Any]
+    # inputs the pipeline passes that diffrl legitimately leaves to the transformer's default
+    # (each with the reason), e.g. an attention-kwargs dict of None
+    optional: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class HasReferencePipeline(Protocol):
+    """A family whose own diffusers pipeline is the reference for the parity probe."""
+
+    def reference(self, model: nn.Module, shift: float) -> Reference: ...
+
+
+def flow_scheduler(shift: float):
+    """The reference pipelines' scheduler: the rollout's shift applied once to the sigmas
+    handed in, no resolution-dependent (dynamic) shift."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False
+    )
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    calls: int  # transformer calls compared
+    inputs: tuple[str, ...]  # the inputs compared at each call
+    worst: float  # worst difference as a fraction of its tolerance (< 1 passes)
+    seconds: float  # wall time of both runs
+
+
+class _Enough(Exception):
+    """Raised from the hook to stop a pipeline once its first calls are recorded."""
+
+
+@contextmanager
+def recording(module: nn.Module, calls: int) -> Iterator[list[dict[str, Any]]]:
+    """Records the bound inputs of ``module``'s next ``calls`` forwards (detached copies), then
+    raises ``_Enough`` from the next one."""
+    signature = inspect.signature(module.forward)
+    seen: list[dict[str, Any]] = []
+
+    def hook(_mod, args, kwargs):
+        if len(seen) >= calls:
+            raise _Enough
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        seen.append({k: _snapshot(v) for k, v in bound.items()})
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, list | tuple):
+        return type(value)(_snapshot(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, dict | list | tuple) and len(value) == 0)
+
+
+# per-dtype tolerance on a tensor input, relative to its largest entry: float32 leaves room for
+# the encoders' different reduction orders, bfloat16 for one rounding of each side's latents
+_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _compare(name: str, ref: Any, ours: Any, rtol: float) -> tuple[float, str]:
+    """(difference as a fraction of its tolerance, what differs) for one input."""
+    if isinstance(ref, Tensor) or isinstance(ours, Tensor):
+        if not (isinstance(ref, Tensor) and isinstance(ours, Tensor)):
+            return math.inf, f"{name}: pipeline passes {_kind(ref)}, diffrl passes {_kind(ours)}"
+        if ref.is_floating_point() != ours.is_floating_point() and ref.numel() and ours.numel():
+            return math.inf, f"{name}: pipeline passes {ref.dtype}, diffrl passes {ours.dtype}"
+        a, b = ref.double(), ours.double()
+        if a.shape != b.shape:
+            if a.numel() == b.numel() == 1 or (a.numel() == 1 or b.numel() == 1):
+                a, b = a.reshape(-1), b.reshape(-1)  # a scalar timestep vs a (1,) one
+                a, b = torch.broadcast_tensors(a, b)
+            else:
+                return math.inf, f"{name}: pipeline shape {tuple(a.shape)}, diffrl {tuple(b.shape)}"
+        if not ref.is_floating_point():
+            bad = int((a != b).sum())
+            return (math.inf, f"{name}: {bad} of {a.numel()} entries differ") if bad else (0.0, "")
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        tol = rtol * scale + 1e-6
+        err = float((a - b).abs().max()) if a.numel() else 0.0
+        where = ""
+        if a.numel() <= 4:
+            where = f" (pipeline {a.flatten().tolist()}, diffrl {b.flatten().tolist()})"
+        return err / tol, f"{name}: max |difference| {err:.4g} against tolerance {tol:.3g}{where}"
+    if isinstance(ref, list | tuple) and isinstance(ours, list | tuple):
+        if len(ref) != len(ours):
+            return math.inf, f"{name}: pipeline passes {len(ref)} items, diffrl {len(ours)}"
+        parts = [_compare(f"{name}[{i}]", r, o, rtol) for i, (r, o) in enumerate(zip(ref, ours, strict=True))]
+        return max(parts, default=(0.0, ""), key=lambda p: p[0])
+    if isinstance(ref, dict) and isinstance(ours, dict):
+        keys = sorted(set(ref) | set(ours))
+        parts = [_compare(f"{name}.{k}", ref.get(k), ours.get(k), rtol) for k in keys]
+        return max(parts, default=(0.0, ""), key=lambda p: p[0])
+    if isinstance(ref, float) or isinstance(ours, float):
+        try:
+            a, b = float(ref), float(ours)
+        except (TypeError, ValueError):
+            return math.inf, f"{name}: pipeline passes {ref!r}, diffrl passes {ours!r}"
+        tol = rtol * abs(a) + 1e-6
+        return abs(a - b) / tol, f"{name}: pipeline {a!r}, diffrl {b!r}"
+    if ref != ours:
+        return math.inf, f"{name}: pipeline passes {ref!r}, diffrl passes {ours!r}"
+    return 0.0, ""
+
+
+_TIME = re.compile("timestep|sigma|guidance")
+
+
+def _kind(v: Any) -> str:
+    return f"a tensor {tuple(v.shape)}" if isinstance(v, Tensor) else repr(v)
+
+
+def compare_calls(
+    ref: list[dict[str, Any]],
+    ours: list[dict[str, Any]],
+    rtol: float,
+    family: str,
+    optional: dict[str, str] | None = None,
+) -> tuple[float, tuple[str, ...]]:
+    """Raise ``ContractError`` naming the first input that differs; else (worst fraction of
+    tolerance, the inputs compared)."""
+    optional = optional or {}
+    if len(ours) < len(ref):
+        raise ContractError(
+            f"pipeline parity ({family}): the pipeline called its transformer {len(ref)} times "
+            f"in the probed steps, diffrl {len(ours)} times"
+        )
+    worst, names = 0.0, set()
+    for k, (r, o) in enumerate(zip(ref, ours[: len(ref)], strict=True)):
+        # the time inputs first: their error names the cause most plainly
+        for key in sorted(set(r) | set(o), key=lambda n: (not _TIME.search(n), n)):
+            if key == "return_dict":
+                continue
+            rv, ov = r.get(key), o.get(key)
+            if _empty(rv) and _empty(ov):
+                continue
+            if _empty(ov) and key in optional:
+                continue
+            if _empty(ov):
+                raise ContractError(
+                    f"pipeline parity ({family}), transformer call {k}: the pipeline passes "
+                    f"{key!r} ({_kind(rv)}) and diffrl's rollout does not (a dropped input)"
+                )
+            if _empty(rv):
+                raise ContractError(
+                    f"pipeline parity ({family}), transformer call {k}: diffrl's rollout passes "
+                    f"{key!r} ({_kind(ov)}) and the pipeline does not"
+                )
+            frac, what = _compare(key, rv, ov, rtol)
+            names.add(key)
+            if not frac < 1.0:
+                raise ContractError(
+                    f"pipeline parity ({family}), transformer call {k}: the rollout's input "
+                    f"differs from the family's diffusers pipeline, {what}. A time input off in "
+                    "scale (sigma vs 1000 sigma), a shift applied twice, reversed time, a "
+                    "flipped velocity (call 1's latents) or another text encoding does this"
+                )
+            worst = max(worst, frac)
+    return worst, tuple(sorted(names))
+
+
+@torch.no_grad()
+def pipeline_parity(
+    model,
+    schedule: Callable[[int, float], Tensor],
+    step: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    num_steps: int,
+    shift: float,
+    prompt: str,
+    calls: int = 2,
+    seed: int = 0,
+) -> ParityReport:
+    """Run the family's pipeline and diffrl's rollout path (``schedule(num_steps, shift)`` the
+    sigmas, ``step(x, v, sigma, sigma_next)`` the ODE update) for ``calls`` transformer calls
+    from the same noise and prompt; raise ``ContractError`` on the first input that differs."""
+    fam = model.family
+    if not isinstance(fam, HasReferencePipeline):
+        raise ContractError(f"family {fam.name!r} has no reference pipeline")
+    start = time.perf_counter()
+    calls = min(calls, num_steps)
+    param = next(model.net.parameters())
+    ref = fam.reference(model, shift)
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn((1, *fam.latent_shape()), generator=g).to(param.device)
+    grid = torch.linspace(1.0, 0.0, num_steps + 1)[:-1].tolist()
+    with recording(ref.transformer, calls) as want:
+        with suppress(_Enough):
+            ref.call(prompt, noise.clone(), grid)
+    sigmas = schedule(num_steps, shift).to(param.device)
+    ids = fam.tokenize([prompt]).input_ids.to(model.ids_device(param.device))
+    with recording(ref.transformer, calls) as got:
+        x = noise.clone()
+        with suppress(_Enough):
+            for k in range(calls):
+                v = model(x, sigmas[k : k + 1], ids)
+                x = step(x, v, sigmas[k], sigmas[k + 1])
+    worst, names = compare_calls(
+        want, got, _RTOL.get(param.dtype, 1e-4), fam.name, dict(ref.optional)
+    )
+    return ParityReport(len(want), names, worst, time.perf_counter() - start)

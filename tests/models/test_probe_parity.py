@@ -1,0 +1,82 @@
+"""Contract 1's pipeline-parity probe on every tiny preset of every family with a reference
+pipeline: the rollout's transformer inputs equal the family's own diffusers pipeline's, and a
+wrong convention, a double shift, reversed time and a flipped velocity each raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffrl.errors import ContractError
+from diffrl.models.convention import CONVENTIONS
+from diffrl.models.probe import HasReferencePipeline, pipeline_parity
+from diffrl.models.registry import FAMILIES, ModelConfig, load_model
+from diffrl.rollout.samplers import euler_step, sigma_schedule
+
+TINY = sorted(
+    p
+    for f in FAMILIES.values()
+    if issubclass(f.family_class, HasReferencePipeline)
+    for p in f.presets
+    if "tiny" in p
+)
+SHIFT = 3.0
+
+
+def test_every_diffusers_family_has_a_reference():
+    lacking = [n for n, f in FAMILIES.items() if f.presets and n not in _with_reference()]
+    assert lacking == [], f"families without a reference pipeline: {lacking}"
+
+
+def _with_reference() -> set[str]:
+    return {n for n, f in FAMILIES.items() if issubclass(f.family_class, HasReferencePipeline)}
+
+
+@pytest.fixture(scope="module", params=TINY)
+def tiny(request):
+    torch.manual_seed(0)
+    return load_model(ModelConfig(preset=request.param), "cpu")
+
+
+def _parity(model, schedule=sigma_schedule, step=euler_step):
+    return pipeline_parity(model, schedule, step, 6, SHIFT, "a red circle")
+
+
+def test_rollout_matches_pipeline(tiny):
+    report = _parity(tiny)
+    assert report.calls == 2 and report.worst < 1.0
+    assert "hidden_states" in report.inputs and any("timestep" in n for n in report.inputs)
+
+
+def _double_shift(n, shift):
+    s = sigma_schedule(n, shift)
+    return shift * s / (1 + (shift - 1) * s)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["double_shift", "reversed_time", "flipped_velocity"],
+)
+def test_injected_fault_raises(tiny, fault):
+    schedule, step = sigma_schedule, euler_step
+    if fault == "double_shift":
+        schedule = _double_shift
+    elif fault == "reversed_time":
+        schedule = lambda n, s: sigma_schedule(n, s).flip(0)  # noqa: E731
+    else:
+        step = lambda x, v, a, b: euler_step(x, -v, a, b)  # noqa: E731
+    with pytest.raises(ContractError, match="pipeline parity"):
+        _parity(tiny, schedule, step)
+
+
+def test_wrong_convention_raises(tiny):
+    declared = tiny.convention
+    try:
+        for name, conv in CONVENTIONS.items():
+            if name == declared.name:
+                continue
+            tiny.convention = conv
+            with pytest.raises(ContractError, match="pipeline parity"):
+                _parity(tiny)
+    finally:
+        tiny.convention = declared
