@@ -164,7 +164,10 @@ def _compare(name: str, ref: Any, ours: Any, rtol: float) -> tuple[float, str]:
     if isinstance(ref, list | tuple) and isinstance(ours, list | tuple):
         if len(ref) != len(ours):
             return math.inf, f"{name}: pipeline passes {len(ref)} items, diffrl {len(ours)}"
-        parts = [_compare(f"{name}[{i}]", r, o, rtol) for i, (r, o) in enumerate(zip(ref, ours, strict=True))]
+        parts = [
+            _compare(f"{name}[{i}]", r, o, rtol)
+            for i, (r, o) in enumerate(zip(ref, ours, strict=True))
+        ]
         return max(parts, default=(0.0, ""), key=lambda p: p[0])
     if isinstance(ref, dict) and isinstance(ours, dict):
         keys = sorted(set(ref) | set(ours))
@@ -262,9 +265,8 @@ def pipeline_parity(
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((1, *fam.latent_shape()), generator=g).to(param.device)
     grid = torch.linspace(1.0, 0.0, num_steps + 1)[:-1].tolist()
-    with recording(ref.transformer, calls) as want:
-        with suppress(_Enough):
-            ref.call(prompt, noise.clone(), grid)
+    with recording(ref.transformer, calls) as want, suppress(_Enough):
+        ref.call(prompt, noise.clone(), grid)
     sigmas = schedule(num_steps, shift).to(param.device)
     ids = fam.tokenize([prompt]).input_ids.to(model.ids_device(param.device))
     with recording(ref.transformer, calls) as got:
