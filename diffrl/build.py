@@ -20,9 +20,10 @@ from diffrl.actor.engine import ActorConfig, ActorEngine
 from diffrl.algorithms.registry import Algorithm, get_algorithm
 from diffrl.config import Config
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
-from diffrl.errors import ConfigError
+from diffrl.errors import CONTRACTS_LOG, ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
-from diffrl.models.family import EncodesClips, FamilyModel, TakesConditions
+from diffrl.models.family import EncodesClips, FamilyModel, HasMediaGeometry, TakesConditions
+from diffrl.models.probe import HasReferencePipeline, ProbeResult, pipeline_parity
 from diffrl.models.registry import load_model, lora_targets
 from diffrl.parallel.fsdp import shard_frozen_base
 from diffrl.parallel.launch import SOLO, Ranks, local_device
@@ -30,10 +31,12 @@ from diffrl.parallel.launch import start as start_ranks
 from diffrl.parallel.launch import stop as stop_ranks
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
+from diffrl.rollout.samplers import euler_step, sigma_schedule
 from diffrl.tasks import PromptSet, PromptSource, Task, build_task, prompt_source
-from diffrl.tasks.base import ConditionedTask
+from diffrl.tasks.base import ConditionedTask, ProbeData
 
 log = logging.getLogger(__name__)
+contracts = logging.getLogger(CONTRACTS_LOG)
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Engines:
     rewards: RewardEngineProtocol
     actor: ActorEngineProtocol
     algorithm: Algorithm
-    probe: ProbeReport | None
+    probe: ProbeResult
     # releases what the engines hold (scorer clients, remote actors); awaited once at the end
     close: Callable[[], Awaitable[None]] | None = None
     # the other processes of a torchrun launch (parallel/launch.py): who writes the run
@@ -74,48 +77,101 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
-    """Contract 1 at start-up: the declared time convention against the task's ground truth.
-    Raises on a wrong declaration; says why when it cannot decide."""
-    data = task.probe_data()
-    if data is None:
-        log.warning("time-convention probe skipped: task %r has no ground-truth samples", task.name)
-        return None
-    param, fam = next(model.parameters()), model.family
-    ids = fam.tokenize(data.texts).input_ids.to(param.device)
-    if data.video is not None:  # clips: the joint video+audio latent space
-        if not isinstance(fam, EncodesClips):
-            log.warning(
-                "time-convention probe skipped: task %r's ground truth is video+audio clips and "
-                "family %r encodes no clips", task.name, fam.name,
+def run_probe(cfg: Config, task: Task, model: FamilyModel) -> ProbeResult:
+    """Contract 1 at start-up, on every family and recipe: pipeline parity against the family's
+    own diffusers pipeline (any weights), then reconstruction of known x0 (the task's ground
+    truth, else a synthetic image through the family's encoder), which decides only on trained
+    weights. Raises on a wrong convention. ``probe.mode=off`` is the one way to skip, and the
+    skip is logged. Runs under a forked RNG: the run's own random draws are untouched."""
+    if cfg.probe.mode == "off":
+        contracts.warning("time-convention probes skipped: probe.mode=off (see probe/skipped)")
+        return ProbeResult(skipped=True)
+    param = next(model.parameters())
+    devices = [param.device] if param.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        parity, note = None, ""
+        if isinstance(model.family, HasReferencePipeline):
+            parity = pipeline_parity(
+                model, sigma_schedule, euler_step, cfg.rollout.num_steps, cfg.rollout.shift,
+                cfg.probe.prompt, cfg.probe.parity_calls,
             )  # fmt: skip
-            return None
+            contracts.info(
+                "pipeline parity (%s): %d transformer calls equal the diffusers pipeline's "
+                "(%s; worst %.2f of tolerance) in %.2f s", model.family.name, parity.calls,
+                ", ".join(parity.inputs), parity.worst, parity.seconds,
+            )  # fmt: skip
+        else:
+            note = f"family {model.family.name!r} has no diffusers pipeline"
+            contracts.info("pipeline parity: not applicable (%s); reconstruction checks it", note)
+        recon = reconstruction_probe(task, model)
+    return ProbeResult(parity=parity, reconstruction=recon, parity_note=note)
+
+
+def reconstruction_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
+    """The declared convention against known x0: the task's ground truth when it has some,
+    else synthetic images through the family's encoder. Decides only where the weights
+    predict the flow-matching velocity (trained ones); says so when they do not."""
+    data, fam = task.probe_data(), model.family
+    param = next(model.parameters())
+    x0 = None
+    if data is not None and data.video is not None and isinstance(fam, EncodesClips):
         x0 = fam.encode_clip(data.video.to(param.device), data.audio.to(param.device))
-        x0 = x0.to(param.dtype)
-    else:
-        x0 = image_latents(task, fam, data.pixels.to(param.device, param.dtype))
-        if x0 is None:
-            return None
-    report = probe_convention(model, x0, ids)
+    elif data is not None and data.pixels is not None:
+        x0 = image_latents(task.name, fam, data.pixels.to(param.device, param.dtype))
+    if x0 is None:  # no usable ground truth: make it
+        data = synthetic_probe_data(fam)
+        x0 = image_latents("synthetic", fam, data.pixels.to(param.device, param.dtype))
+    if x0 is None:
+        return None
+    ids = fam.tokenize(data.texts).input_ids.to(model.ids_device(param.device))
+    report = probe_convention(model, x0.to(param.dtype), ids)
     if not report.conclusive:
-        log.warning("time-convention probe inconclusive: %s", report.reason)
+        contracts.info("reconstruction probe undecided (pipeline parity stands): %s", report.reason)
     return report
 
 
-def image_latents(task: Task, fam, pixels):
-    """The probe's images encoded at the model's size; None (with a warning) when they do not
-    fit its latent."""
+def synthetic_probe_data(fam, n: int = 4) -> ProbeData:
+    """``n`` fixed synthetic images (a two-colour gradient and a disc; no random draw) at the
+    family's pixel size, with a caption each."""
+    side = int(fam.media_geometry()["size"]) if isinstance(fam, HasMediaGeometry) else 0
+    side = side or 8 * int(fam.latent_shape()[-1])
+    return ProbeData(synthetic_images(n, side), [SYNTHETIC_CAPTION] * n)
+
+
+SYNTHETIC_CAPTION = "a bright disc on a smooth colour gradient"
+
+
+def synthetic_images(n: int, side: int) -> torch.Tensor:
+    """(n, 3, side, side) in [-1, 1]: image i is a diagonal gradient between two colours with
+    a disc of a third colour, placed and coloured by i."""
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, side), torch.linspace(0, 1, side), indexing="ij")
+    out = torch.empty(n, 3, side, side)
+    for i in range(n):
+        a = torch.tensor([(i * 0.37) % 1, 0.2, 0.8]).view(3, 1, 1)
+        b = torch.tensor([0.9, (i * 0.61) % 1, 0.1]).view(3, 1, 1)
+        ramp = ((xx + yy) / 2)[None]
+        img = a * (1 - ramp) + b * ramp
+        cx, cy = 0.3 + 0.4 * ((i * 0.53) % 1), 0.3 + 0.4 * ((i * 0.29) % 1)
+        disc = ((xx - cx) ** 2 + (yy - cy) ** 2) < 0.04
+        img = torch.where(disc[None], torch.tensor([1.0, 1.0, (i % 2) * 1.0]).view(3, 1, 1), img)
+        out[i] = img * 2 - 1
+    return out
+
+
+def image_latents(source: str, fam, pixels):
+    """``pixels`` encoded at the model's latent size (resized once when they do not fit); None
+    (with a warning) when they still do not."""
     x0 = fam.encode_pixels(pixels)
     want = tuple(fam.latent_shape())
-    if tuple(x0.shape[1:]) != want and x0.shape[-1] != want[-1]:  # resize to the model's size
+    if len(want) > 1 and tuple(x0.shape[1:]) != want and x0.shape[-1] != want[-1]:
         pixels = torch.nn.functional.interpolate(
             pixels, scale_factor=want[-1] / x0.shape[-1], mode="bilinear", antialias=True
         )
         x0 = fam.encode_pixels(pixels)
     if tuple(x0.shape[1:]) != want:
         log.warning(
-            "time-convention probe skipped: task %r's samples encode to %s, the model samples %s",
-            task.name, tuple(x0.shape[1:]), want,
+            "reconstruction probe: the %s images encode to %s, the model samples %s",
+            source, tuple(x0.shape[1:]), want,
         )  # fmt: skip
         return None
     return x0
@@ -145,7 +201,7 @@ class RolloutSide:
     base: FamilyModel
     train: PromptSet
     eval_set: PromptSet
-    probe: ProbeReport | None
+    probe: ProbeResult
     rollout: RolloutEngine
     evaluator: RolloutEngine
 
@@ -168,7 +224,7 @@ def rollout_side(cfg: Config, device: torch.device) -> RolloutSide:
     if cfg.data.eval_prompts:
         test_prompts = test_prompts[: cfg.data.eval_prompts]
     eval_set = prompt_set(task, base, test_prompts)
-    probe = run_probe(task, base) if cfg.model.probe else None
+    probe = run_probe(cfg, task, base)
     rollout_targets = expanded_targets(base, actor_targets(cfg))
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from diffrl.errors import DiffrlError
+from diffrl.errors import CONTRACTS_LOG, DiffrlError
 
 
 def _recipe_config(argv: list[str]):
@@ -174,6 +174,8 @@ def _split(items: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # what the start-up contract checks found is shown, not only their failures
+    logging.getLogger(CONTRACTS_LOG).setLevel(logging.INFO)
     parser = argparse.ArgumentParser(prog="diffrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="RL post-training from a recipe (default: shapes_nft)")

@@ -40,3 +40,8 @@ def check(ok: bool, field: str, value: Any, allowed: str) -> None:
 def check_choice(field: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     check(value in choices, field, value, f"must be one of {list(choices)}")
+
+
+# the logger the start-up contract checks report through (probes, bound modules); the CLI shows
+# its INFO lines
+CONTRACTS_LOG = "diffrl.contracts"

@@ -14,7 +14,7 @@ def tiny_run(checkpoint: Path, out_dir: Path, steps: int, *extra: str) -> list[s
         "rollout.group_size=4",
         "rollout.eval_num_steps=2",
         "data.eval_samples_per_prompt=1",
-        "model.probe=false",
+        "probe.mode=off",
         f"run.out_dir={out_dir}",
         "run.tensorboard=false",
         # eager: compiling costs seconds per test (the compiled paths have their own tests,

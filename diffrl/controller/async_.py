@@ -209,8 +209,7 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
     try:
         if start == 0:  # the rollout of iteration 0 runs meanwhile
             eval_m = await run_eval(parts, run, 0)
-            probe = parts.probe.cosine if parts.probe else float("nan")
-            run.log(0, {**eval_m, "probe/cosine": probe})
+            run.log(0, {**eval_m, **parts.probe.metrics()})
         steps = range(start, cfg.run.steps)
         bar = tqdm(steps, initial=start, total=cfg.run.steps, desc="diffrl train (async)")
         t_rate = time.time()

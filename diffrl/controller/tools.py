@@ -47,7 +47,7 @@ def load_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[E
     the actor holding its newest checkpoint's adapters and state; returns (parts, checkpoint)."""
     from diffrl.backends import build_engines
 
-    cfg, ckpt = open_run(run_dir, [*(overrides or []), "model.probe=false"])
+    cfg, ckpt = open_run(run_dir, [*(overrides or []), "probe.mode=off"])
     parts = build_engines(cfg)
     parts.actor.load_state(ckpt.adapters, ckpt.actor_state)
     return parts, ckpt

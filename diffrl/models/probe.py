@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from diffrl.errors import ContractError, check, check_choice
+from diffrl.models.convention import ProbeReport
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,26 @@ class ParityReport:
     inputs: tuple[str, ...]  # the inputs compared at each call
     worst: float  # worst difference as a fraction of its tolerance (< 1 passes)
     seconds: float  # wall time of both runs
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the start-up probes found (``build.run_probe``), logged at step 0."""
+
+    skipped: bool = False  # probe.mode=off
+    parity: ParityReport | None = None
+    reconstruction: ProbeReport | None = None
+    parity_note: str = ""  # why parity did not run (a family with no diffusers pipeline)
+
+    def metrics(self) -> dict[str, float]:
+        nan = float("nan")
+        p, r = self.parity, self.reconstruction
+        return {
+            "probe/skipped": float(self.skipped),
+            "probe/cosine": r.cosine if r is not None else nan,
+            "probe/parity_worst": p.worst if p is not None else nan,
+            "probe/parity_s": p.seconds if p is not None else nan,
+        }
 
 
 class _Enough(Exception):

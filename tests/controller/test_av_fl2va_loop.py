@@ -72,7 +72,7 @@ def test_two_steps_of_the_fl2va_recipe(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory: pytest.TempPathFactory) -> Engines:
     out = tmp_path_factory.mktemp("fl2va")
-    return build(load_config(RECIPE, [*TINY, f"run.out_dir={out}", "model.probe=false"]))
+    return build(load_config(RECIPE, [*TINY, f"run.out_dir={out}", "probe.mode=off"]))
 
 
 def test_conditions_ride_frozen_from_prompts_to_the_update(parts: Engines) -> None:

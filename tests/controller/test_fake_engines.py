@@ -21,6 +21,7 @@ from diffrl.config import load_config
 from diffrl.controller.run_dir import read_metrics
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
 from diffrl.models.family import TokenBatch, hash_rows
+from diffrl.models.probe import ProbeResult
 from diffrl.sync.weights import LoraDelta, SyncError, SyncReport, WeightUpdate
 from diffrl.tasks import EvalResult, Prompt, PromptSet, PromptSource
 from diffrl.types import (
@@ -234,7 +235,7 @@ def run_loop(monkeypatch, tmp_path, recipe: str, steps: int, *overrides: str):
         rewards=FakeRewards(),
         actor=FakeActor(prompts, steps),
         algorithm=get_algorithm(cfg.algorithm.name),
-        probe=None,
+        probe=ProbeResult(skipped=True),
     )
     assert isinstance(parts.rollout, RolloutEngineProtocol)
     assert isinstance(parts.evaluator, RolloutEngineProtocol)

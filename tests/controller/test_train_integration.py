@@ -29,7 +29,7 @@ def overrides(checkpoint: Path, out_dir: Path, steps: int) -> list[str]:
         "rollout.eval_num_steps=2",
         "run.eval_every=2",
         "run.save_every=1",
-        "model.probe=false",
+        "probe.mode=off",
         f"run.out_dir={out_dir}",
         "run.tensorboard=true",
         # partial credit: a random model rarely meets every constraint, and with the default

@@ -213,6 +213,13 @@ class SD3Family(ResolutionFree, HasReferencePipeline):
                 )
             side = resolution // down
             self._latent = (vae.config.latent_channels, side, side)
+        if not self.accepts_shape(self._latent):
+            most = (cfg.pos_embed_max_size or cfg.sample_size) * cfg.patch_size
+            px = most * (resolution // self._latent[-1])
+            raise ConfigError(
+                f"sd3: model.resolution {resolution} needs a {self._latent[-1]}-wide latent; "
+                f"this transformer's position table covers {most} (model.resolution <= {px})"
+            )
 
     def tokenize(self, texts: Sequence[str]) -> TokenBatch:
         parts = [
