@@ -296,7 +296,6 @@ def pipeline_parity(
             for k in range(calls):
                 v = model(x, sigmas[k : k + 1], ids)
                 x = step(x, v, sigmas[k], sigmas[k + 1])
-    worst, names = compare_calls(
-        want, got, _RTOL.get(param.dtype, 1e-4), fam.name, dict(ref.optional)
-    )
+    label = f"{fam.name}, declared convention {model.convention.name!r}"
+    worst, names = compare_calls(want, got, _RTOL.get(param.dtype, 1e-4), label, dict(ref.optional))
     return ParityReport(len(want), names, worst, time.perf_counter() - start)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffrl.build import build, run_probe
+from diffrl.build import build, reconstruction_probe
 from diffrl.config import load_config
 from diffrl.errors import ContractError
 from diffrl.models.family import FamilyModel
@@ -51,22 +51,24 @@ def test_data_progress_adapter_wraps_a_real_family(trained_sd3):
 
 def test_probe_is_conclusive_on_a_trained_family_and_catches_wrong_declarations(trained_sd3):
     task = build_task(TaskConfig(task="shapes"))
-    report = run_probe(task, trained_sd3)
+    report = reconstruction_probe(task, trained_sd3)
     assert report.conclusive and report.cosine > 0.5 and not report.flipped_time_better
     net, fam = trained_sd3.net, trained_sd3.family
     # the adapter declared right passes; the same network declared natively fails loudly
-    assert run_probe(task, FamilyModel(DataProgressNet(net), fam, "data_progress")).conclusive
+    assert reconstruction_probe(
+        task, FamilyModel(DataProgressNet(net), fam, "data_progress")
+    ).conclusive
     with pytest.raises(ContractError, match="data_progress|sigma_x1000"):
-        run_probe(task, FamilyModel(DataProgressNet(net), fam, "sigma_x1000"))
+        reconstruction_probe(task, FamilyModel(DataProgressNet(net), fam, "sigma_x1000"))
     with pytest.raises(ContractError, match="wrong way|1 - sigma"):
-        run_probe(task, FamilyModel(net, fam, "data_progress"))
+        reconstruction_probe(task, FamilyModel(net, fam, "data_progress"))
 
 
 @pytest.mark.parametrize("preset", ["sd35-tiny", "flux1-tiny", "qwen-image-tiny", "wan-tiny"])
 def test_probe_on_random_weights_says_why_it_is_inconclusive(preset):
     torch.manual_seed(0)
     model = load_model(ModelConfig(preset=preset))
-    report = run_probe(build_task(TaskConfig(task="shapes")), model)
+    report = reconstruction_probe(build_task(TaskConfig(task="shapes")), model)
     assert not report.conclusive and "random or untrained" in report.reason
 
 

@@ -11,7 +11,7 @@ import torch
 from diffrl.errors import ConfigError, ContractError
 
 pytest.importorskip("diffusers")
-from diffrl.build import run_probe  # noqa: E402
+from diffrl.build import reconstruction_probe  # noqa: E402
 from diffrl.models.families._h3_codecs import DCTAudio, dct_basis  # noqa: E402
 from diffrl.models.registry import ModelConfig, load_model  # noqa: E402
 from diffrl.tasks import TaskConfig, build_task  # noqa: E402
@@ -60,11 +60,11 @@ def test_clips_round_trip_through_the_latent(model) -> None:
 
 def test_the_probe_confirms_data_progress_and_refuses_a_wrong_declaration(model) -> None:
     task = build_task(TaskConfig(task="avbench"))
-    report = run_probe(task, model)  # AVBench's clips, encoded into the joint latent
+    report = reconstruction_probe(task, model)  # AVBench's clips, encoded into the joint latent
     assert report is not None and report.conclusive and report.cosine > 0.9
     for wrong in ("sigma", "sigma_x1000"):
         with pytest.raises(ContractError, match="data_progress"):
-            run_probe(task, base(wrong))
+            reconstruction_probe(task, base(wrong))
 
 
 def test_fl2va_conditions_are_encoded_once_per_prompt(model) -> None:
