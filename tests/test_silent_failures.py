@@ -1,0 +1,145 @@
+"""The seed's three silent failures, each injected on purpose into a real run on every tiny
+family preset, must stop the run before or at its first step with an error that names the
+cause (issue 37's "done when"). Start-up faults are caught while the engines are built; the
+others within the first step."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffrl.build import build
+from diffrl.config import load_config
+from diffrl.controller.loop import train
+from diffrl.errors import ContractError, SyncError
+from diffrl.models.registry import FAMILIES
+from diffrl.sync.weights import Slot, SlotMap
+from tests.tiny_runs import tiny_run
+
+pytest.importorskip("diffusers")
+
+# preset -> the overrides that shrink it to a CPU test ("" = the tiny DiT, default recipe)
+PRESETS: dict[str, list[str]] = {
+    "tiny_dit": [],
+    "sd35-tiny": [],
+    "flux1-tiny": [],
+    "qwen-image-tiny": ["model.resolution=32"],
+    "wan-tiny": ["model.resolution=32", "model.frames=9"],
+    "ltx2-tiny": ["model.resolution=32", "model.frames=9", "model.max_text_len=16"],
+    "h3-tiny": [],
+}
+SHAPES_DIT = Path(__file__).resolve().parents[1] / "diffrl" / "assets" / "shapes_dit.safetensors"
+
+
+def test_every_family_has_a_tiny_preset_here() -> None:
+    covered = {"tiny_dit"} | {FAMILIES_OF[p] for p in PRESETS if p != "tiny_dit"}
+    assert covered == set(FAMILIES)
+
+
+FAMILIES_OF = {p: f.name for f in FAMILIES.values() for p in f.presets}
+
+
+def config(preset: str, out: Path, *extra: str):
+    if preset == "tiny_dit":
+        return load_config(None, [*tiny_run(SHAPES_DIT, out, 1), "probe.mode=on", *extra])
+    return load_config(
+        None,
+        [
+            f"model.preset={preset}",
+            *PRESETS[preset],
+            "data.task=prompts",
+            "data.prompts_per_step=1",
+            "data.eval_prompts=1",
+            "data.eval_samples_per_prompt=1",
+            "rollout.group_size=2",
+            "rollout.num_steps=2",
+            "rollout.eval_num_steps=2",
+            "reward.scorers=[{name: jpeg_incompressibility}]",
+            "run.steps=1",
+            "run.eval_every=0",
+            "run.save_every=0",
+            "run.tensorboard=false",
+            f"run.out_dir={out}",
+            "run.name=run",
+            *extra,
+        ],
+    )
+
+
+def wrong_convention(preset: str) -> str:
+    native = FAMILIES[FAMILIES_OF.get(preset, "tiny_dit")].native_convention
+    return "data_progress" if native != "data_progress" else "sigma"
+
+
+# --- start-up faults: caught while the engines are built -------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_wrong_convention_stops_at_start_up(preset, tmp_path):
+    cfg = config(preset, tmp_path, f"model.convention={wrong_convention(preset)}")
+    with pytest.raises(ContractError, match="convention"):
+        build(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def _swapped_layouts(model, slot_map: SlotMap) -> dict[str, SlotMap]:
+    """The family's own serving layout with Q and K exchanged in the first fused weight, and
+    the first split module's two shards exchanged. A family whose rollout keeps its trained
+    layout (the tiny DiT's one fused qkv) gets the same faults written as a re-layout of that
+    weight's rows: Q's rows written where K's belong, and the MLP's two halves swapped."""
+    faults: dict[str, SlotMap] = {}
+    by_module: dict[str, list[str]] = {}
+    for name, slots in slot_map.slots.items():
+        if len(slots) == 1:
+            by_module.setdefault(slots[0].module, []).append(name)
+    fused = next((names for names in by_module.values() if len(names) >= 2), None)
+    if fused:
+        a, b = fused[:2]
+        faults["swapped_qk"] = SlotMap({**slot_map.slots, a: slot_map.slots[b], b: slot_map.slots[a]})
+    split = next((n for n, s in slot_map.slots.items() if len(s) == 2), None)
+    if split:
+        s0, s1 = slot_map.slots[split]
+        swapped = [dataclasses.replace(s0, rows=s1.rows), dataclasses.replace(s1, rows=s0.rows)]
+        faults["swapped_shards"] = SlotMap({**slot_map.slots, split: swapped})
+    if not slot_map.slots:  # the layout is the identity: write the faults as row moves
+        names = dict(model.named_modules())
+        qkv = next(n for n in names if n.endswith("attn.qkv"))
+        d = names[qkv].weight.shape[0] // 3
+        faults["swapped_qk"] = SlotMap(
+            {qkv: [Slot(qkv, slice(0, d), slice(d, 2 * d)), Slot(qkv, slice(d, 2 * d), slice(0, d)),
+                   Slot(qkv, slice(2 * d, 3 * d), slice(2 * d, 3 * d))]}
+        )  # fmt: skip
+        up = next(n for n in names if n.endswith("mlp.0") or n.endswith("mlp.fc1"))
+        h = names[up].weight.shape[0] // 2
+        faults["swapped_shards"] = SlotMap(
+            {up: [Slot(up, slice(0, h), slice(h, 2 * h)), Slot(up, slice(h, 2 * h), slice(0, h))]}
+        )
+    return faults
+
+
+@pytest.mark.parametrize("fault", ["swapped_qk", "swapped_shards"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_swapped_serving_layout_stops_at_start_up(preset, fault, tmp_path, monkeypatch):
+    cfg = config(preset, tmp_path, "probe.mode=off")
+    cls = FAMILIES[FAMILIES_OF.get(preset, "tiny_dit")].family_class
+    own = cls.serving_layout
+
+    def broken(self, model):
+        return _swapped_layouts(model, own(self, model))[fault]
+
+    monkeypatch.setattr(cls, "serving_layout", broken)
+    with pytest.raises(SyncError, match="wrong place"):
+        build(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_unbroken_runs_make_their_first_step(tmp_path):
+    """The control: the same tiny configs, probes on, train their first step."""
+    for preset in sorted(PRESETS):
+        torch.manual_seed(0)
+        root = asyncio.run(train(config(preset, tmp_path / preset)))
+        assert (root / "metrics.jsonl").is_file()
