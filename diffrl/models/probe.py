@@ -121,16 +121,19 @@ class _Enough(Exception):
 
 @contextmanager
 def recording(module: nn.Module, calls: int) -> Iterator[list[dict[str, Any]]]:
-    """Records the bound inputs of ``module``'s next ``calls`` forwards (detached copies), then
-    raises ``_Enough`` from the next one."""
+    """Records the bound inputs of ``module``'s next ``calls`` forwards (detached copies, the
+    defaults of those left out filled in), then raises ``_Enough`` from the next one."""
     signature = inspect.signature(module.forward)
     seen: list[dict[str, Any]] = []
 
     def hook(_mod, args, kwargs):
         if len(seen) >= calls:
             raise _Enough
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        seen.append({k: _snapshot(v) for k, v in bound.items()})
+        bound = signature.bind_partial(*args, **kwargs)
+        # an argument passed at forward's default is the same call as one left out: compare
+        # what forward sees, so a pipeline's explicit ``flag=False`` is not a "dropped input"
+        bound.apply_defaults()
+        seen.append({k: _snapshot(v) for k, v in bound.arguments.items()})
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:

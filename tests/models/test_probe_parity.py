@@ -80,3 +80,29 @@ def test_wrong_convention_raises(tiny):
                 _parity(tiny)
     finally:
         tiny.convention = declared
+
+
+class _Flagged(torch.nn.Module):
+    def forward(self, x, flag: bool = False, scale: float = 1.0):
+        return x * scale
+
+
+def _recorded(**kwargs):
+    from diffrl.models.probe import recording
+
+    net = _Flagged()
+    with recording(net, 1) as seen:
+        net(torch.ones(2), **kwargs)
+    return seen
+
+
+def test_an_input_at_its_default_equals_one_left_out():
+    """A pipeline passing ``flag=False`` (forward's default) and diffrl leaving it out make the
+    same call; a non-default value left out on one side is still a difference."""
+    from diffrl.models.probe import compare_calls
+
+    compare_calls(_recorded(flag=False, scale=1.0), _recorded(), 1e-4, "toy")
+    with pytest.raises(ContractError, match="flag: pipeline passes True, diffrl passes False"):
+        compare_calls(_recorded(flag=True), _recorded(), 1e-4, "toy")
+    with pytest.raises(ContractError, match="scale: pipeline 2.0, diffrl 1.0"):
+        compare_calls(_recorded(scale=2.0), _recorded(), 1e-4, "toy")

@@ -35,11 +35,18 @@ What the family owns, and where diffusers' ``LTX2Pipeline`` says it:
   q, k and v read the same input, so a fused QKV is sound) held as one ``to_qkv`` weight; the
   cross-attentions (text, a2v, v2a) read another input for k/v and stay unfused. Both FFN
   up-projections are held as two row shards in swapped order.
+- **Pipeline parity** (contract 1, ``reference``). ``LTX2Pipeline`` over the model's own
+  components with every guidance off, from diffrl's noise split into packed video latents and
+  audio latents (denormalised: the pipeline normalises the audio it is handed). The probe
+  compares every transformer input at its first calls: both streams' latents, ``timestep`` and
+  ``sigma``, both text states and their mask, frame counts, sizes, fps and the RoPE
+  coordinates, which the net passes as the pipeline does (the transformer's own default).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
@@ -60,6 +67,7 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
 )
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 
@@ -285,7 +293,8 @@ class LTX2Net(DiffusersNet):
         video, audio = g.unflatten(x)
         _, f, h, w = g.video
         _, frames_a, mels_a = g.audio
-        out_v, out_a = self.transformer(
+        b, tf = x.shape[0], self.transformer
+        out_v, out_a = tf(
             hidden_states=pipe._pack_latents(video, cfg.patch_size, cfg.patch_size_t),
             audio_hidden_states=pipe._pack_audio_latents(audio),  # (B, L_a, C_a * M_a)
             encoder_hidden_states=video_txt,
@@ -299,6 +308,10 @@ class LTX2Net(DiffusersNet):
             width=w,
             fps=g.fps,
             audio_num_frames=frames_a,
+            # the RoPE coordinates, built as the pipeline builds them (the transformer's own
+            # default when left out), so the parity probe sees them
+            video_coords=tf.rope.prepare_video_coords(b, f, h, w, x.device, fps=g.fps),
+            audio_coords=tf.audio_rope.prepare_audio_coords(b, frames_a, x.device),
             use_cross_timestep=True,  # the pipeline's default (equal sigmas: same either way)
             return_dict=False,
         )
@@ -308,7 +321,7 @@ class LTX2Net(DiffusersNet):
         return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
 
 
-class LTX2Family:
+class LTX2Family(HasReferencePipeline):
     name = "ltx2"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -424,6 +437,52 @@ class LTX2Family:
         mean, std, scale = self._video_stats(z)
         video = ((z - mean) * scale / std).flatten(1)
         return torch.cat([video, video.new_zeros(video.shape[0], self.geometry.split[1])], dim=1)
+
+    # --- contract 1: the reference pipeline ------------------------------------------------
+    def reference(self, model: FamilyModel, shift: float) -> Reference:
+        """``LTX2Pipeline`` over this model's own components, every guidance off (CFG, STG and
+        modality guidance at their neutral scales, no rescale), no prompt enhancement. Its
+        audio runs on a copy of the video's scheduler with the same sigmas, as diffrl's one
+        sigma per sample does, so both sides take the same Euler step on both modalities."""
+        f = model.net.frozen
+        pipe = _pipeline()(
+            scheduler=flow_scheduler(shift), vae=f.vae, audio_vae=f.audio_vae,
+            text_encoder=f.text_encoder, tokenizer=self.tokenizer, connectors=f.connectors,
+            transformer=model.net.transformer, vocoder=f.vocoder,
+        )  # fmt: skip
+        pipe.set_progress_bar_config(disable=True)
+        g, cfg = self.geometry, model.net.transformer.config
+        size = g.video[2] * pipe.vae_spatial_compression_ratio
+        # the pipeline warns that packed latents' dims cannot be inferred: it is given them
+        log = logging.getLogger(type(pipe).__module__)
+
+        def call(prompt: str, noise: Tensor, grid) -> None:
+            video, audio = g.unflatten(noise)
+            # video goes in packed, which the pipeline takes as it is (a 5-D one it would
+            # normalise); audio it normalises whatever its layout, so it is handed diffrl's
+            # (normalised) audio latent denormalised, in the packed layout it normalises in
+            audio = pipe._denormalize_audio_latents(
+                pipe._pack_audio_latents(audio), f.audio_vae.latents_mean, f.audio_vae.latents_std
+            )
+            kwargs = dict(
+                prompt=prompt, height=size, width=size, num_frames=self.frames,
+                frame_rate=g.fps, num_inference_steps=len(grid), sigmas=list(grid),
+                guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0,
+                audio_guidance_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0,
+                audio_guidance_rescale=0.0, max_sequence_length=self.max_text_len,
+                latents=pipe._pack_latents(video, cfg.patch_size, cfg.patch_size_t),
+                audio_latents=audio, output_type="latent",
+                # noise_scale 0 still draws its (0 *) noise: from a generator of its own
+                noise_scale=0.0, generator=torch.Generator(noise.device).manual_seed(0),
+            )  # fmt: skip
+            level = log.level
+            log.setLevel(logging.ERROR)
+            try:
+                pipe(**kwargs)
+            finally:
+                log.setLevel(level)
+
+        return Reference(model.net.transformer, call)
 
     # --- contract 2 and cost ------------------------------------------------------------
     def serving_layout(self, model: nn.Module) -> SlotMap:

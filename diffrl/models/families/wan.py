@@ -17,6 +17,10 @@ What the family owns, and where diffusers' ``WanPipeline`` says it:
 - **Serving layout** (contract 2). Self-attention's q/k/v fused into ``attn1.to_qkv`` (the
   processor computes with it: ``fused_projections``), and the FFN's up-projection held as two
   row shards in swapped order, as a tensor-parallel server might.
+- **Pipeline parity** (contract 1, ``reference``). ``WanPipeline`` over the model's own
+  components, no CFG, its Euler scheduler handed diffrl's sigma grid (the pipeline takes no
+  ``sigmas=``; its ``set_timesteps`` gets them): the probe compares the transformer's latents,
+  ``timestep`` (1000 sigma) and UMT5 text states at its first calls.
 
 Wan 2.2 A14B's two experts (``transformer_2`` with a ``boundary_ratio``) are one model per
 noise range; this family trains one transformer, and refuses a directory with two.
@@ -24,6 +28,7 @@ noise range; this family trains one transformer, and refuses a directory with tw
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 
@@ -45,6 +50,7 @@ from diffrl.models.families._diffusers import (
 )
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalHeads, Plan, ShardedRMSNorm
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
@@ -177,7 +183,7 @@ class WanNet(DiffusersNet):
         )[0]
 
 
-class WanFamily:
+class WanFamily(HasReferencePipeline):
     name = "wan"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -240,6 +246,35 @@ class WanFamily:
         z = vae.encode(pixels.to(next(vae.parameters()))).latent_dist.mode()
         mean, std = self._stats(z)
         return (z - mean) / std
+
+    # --- contract 1: the reference pipeline ------------------------------------------------
+    def reference(self, model: FamilyModel, shift: float) -> Reference:
+        """``WanPipeline`` over this model's own components, no CFG (guidance_scale 1)."""
+        from diffusers import WanPipeline
+
+        f = model.net.frozen
+        scheduler = flow_scheduler(shift)
+        pipe = WanPipeline(
+            tokenizer=self.tokenizer, text_encoder=f.text_encoder, vae=f.vae,
+            scheduler=scheduler, transformer=model.net.transformer,
+        )  # fmt: skip
+        pipe.set_progress_bar_config(disable=True)
+        _, _, h, _ = self.latent_shape()
+        set_timesteps = scheduler.set_timesteps
+
+        def call(prompt: str, noise: Tensor, grid) -> None:
+            # WanPipeline takes no ``sigmas=`` and calls ``set_timesteps(steps, device=...)``:
+            # its scheduler is handed the grid there, as ``retrieve_timesteps`` hands it in the
+            # pipelines that take one (without it the scheduler spaces its own grid between its
+            # already shifted training sigmas and shifts that again)
+            scheduler.set_timesteps = functools.partial(set_timesteps, sigmas=list(grid))
+            pipe(
+                prompt=prompt, latents=noise, num_inference_steps=len(grid), guidance_scale=1.0,
+                height=h * self.scale_s, width=h * self.scale_s, num_frames=self.frames,
+                max_sequence_length=self.max_text_len, output_type="latent",
+            )  # fmt: skip
+
+        return Reference(model.net.transformer, call)
 
     # --- contract 2 and cost ------------------------------------------------------------
     def serving_layout(self, model: nn.Module) -> SlotMap:

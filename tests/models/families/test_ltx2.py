@@ -235,3 +235,30 @@ def test_flops_and_real_size_preset(model) -> None:
     with torch.device("meta"):
         t = LTX2VideoTransformer3DModel.from_config(ltx2.PRESETS["ltx2"]["transformer"])
     assert sum(p.numel() for p in t.parameters()) == pytest.approx(18.88e9, rel=0.01)
+
+
+def test_parity_probe_sees_the_audio_normalisation(monkeypatch) -> None:
+    """The pipeline normalises the audio latents it is handed (the video ones it takes packed, as
+    they are): with the VAEs' latent statistics away from 0 and 1, the reference still feeds the
+    transformer diffrl's own latents, and handing it the audio undenormalised is caught."""
+    from diffusers import LTX2Pipeline
+
+    from diffrl.errors import ContractError
+    from diffrl.models.probe import pipeline_parity
+    from diffrl.rollout.samplers import euler_step, sigma_schedule
+
+    model = load_model(ModelConfig(preset="ltx2-tiny"))
+    g = torch.Generator().manual_seed(3)
+    for vae in (model.net.frozen.vae, model.net.frozen.audio_vae):
+        n = vae.latents_mean.numel()
+        vae.latents_mean.copy_(torch.randn(n, generator=g))
+        vae.latents_std.copy_(0.5 + torch.rand(n, generator=g))
+
+    def parity():
+        return pipeline_parity(model, sigma_schedule, euler_step, 4, 3.0, "a red circle")
+
+    assert parity().worst < 1.0
+    undone = staticmethod(lambda x, mean, std: x)
+    monkeypatch.setattr(LTX2Pipeline, "_denormalize_audio_latents", undone)
+    with pytest.raises(ContractError, match="call 0: .*audio_hidden_states"):
+        parity()
