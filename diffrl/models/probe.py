@@ -8,7 +8,9 @@ tokenization, ``FamilyModel``'s convention, the rollout's sigma schedule and Eul
 same transformer, and requires the same inputs call by call. It needs no trained weights: a
 timestep off by 1000, a shift applied twice, reversed time or a dropped guidance input changes
 what the transformer receives whatever its weights are. The second call also checks the
-velocity's sign: its latents are the first call's output stepped by each side's update rule.
+velocity's sign: its latents are the first call's output stepped by each side's update rule,
+and the two steps must point the same way (in bfloat16 a step can be smaller than the tolerance
+on the latents' values, so their direction is checked on its own).
 
 The pipeline runs with diffrl's sigma grid handed in unshifted (``sigmas=``) and a
 ``FlowMatchEulerDiscreteScheduler`` that applies the rollout's ``shift`` once and no dynamic
@@ -210,6 +212,7 @@ def _compare(name: str, ref: Any, ours: Any, rtol: float) -> tuple[float, str]:
 
 
 _TIME = re.compile("timestep|sigma|guidance")
+LATENTS = "hidden_states"  # diffusers transformers' name for the latents they denoise
 
 
 def _kind(v: Any) -> str:
@@ -262,7 +265,30 @@ def compare_calls(
                     "flipped velocity (call 1's latents) or another text encoding does this"
                 )
             worst = max(worst, frac)
+        if k:
+            _check_direction(family, k, ref[k - 1 : k + 1], ours[k - 1 : k + 1])
     return worst, tuple(sorted(names))
+
+
+def _check_direction(family: str, k: int, ref: list[dict], ours: list[dict]) -> None:
+    """The latents' step into call ``k`` must go the pipeline's way. In bfloat16 a step is
+    about one rounding of the latents, under the tolerance on their values, so a flipped
+    velocity can pass the comparison above; the steps' inner product still sees it (positive
+    when they agree, whatever their rounding; negative when one side moved backwards)."""
+    (r0, r1), (o0, o1) = ((c[0].get(LATENTS), c[1].get(LATENTS)) for c in (ref, ours))
+    if not all(isinstance(t, Tensor) for t in (r0, r1, o0, o1)):
+        return
+    if not r0.shape == r1.shape == o0.shape == o1.shape:
+        return  # the comparison above names a shape change
+    d_ref, d_ours = (r1.double() - r0.double()).flatten(), (o1.double() - o0.double()).flatten()
+    dot = float(d_ref @ d_ours)
+    if dot < 0:
+        cos = dot / float(d_ref.norm() * d_ours.norm())
+        raise ContractError(
+            f"pipeline parity ({family}), transformer call {k}: diffrl's rollout stepped the "
+            f"latents against the pipeline's step (cosine {cos:.3f} between the two steps): a "
+            "flipped velocity or a reversed update rule"
+        )
 
 
 @torch.no_grad()

@@ -69,6 +69,20 @@ def test_injected_fault_raises(tiny, fault):
         _parity(tiny, schedule, step)
 
 
+@pytest.mark.parametrize("preset", TINY)
+def test_bf16_step_direction(preset):
+    """In bfloat16 over a 10-step grid a step is about one rounding of the latents, below the
+    tolerance on their values: the steps' direction check still sees a flipped velocity, and
+    passes the right one."""
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset=preset, dtype="bfloat16"), "cpu")
+    report = pipeline_parity(model, sigma_schedule, euler_step, 10, SHIFT, "a red circle")
+    assert report.worst < 1.0
+    flipped = lambda x, v, a, b: euler_step(x, -v, a, b)  # noqa: E731
+    with pytest.raises(ContractError, match="against the pipeline's step"):
+        pipeline_parity(model, sigma_schedule, flipped, 10, SHIFT, "a red circle")
+
+
 def test_wrong_convention_raises(tiny):
     declared = tiny.convention
     try:

@@ -11,6 +11,11 @@ The engines see latents as (B, 16, H/8, W/8). ``FluxNet.forward`` packs them int
 as the pipeline does), runs the transformer and unpacks. FLUX.1-dev is guidance-distilled: its
 transformer takes the guidance scale as an input (``guidance``, default 3.5), and the engines'
 CFG is normally off for it.
+
+Pipeline parity (contract 1): ``FluxFamily.reference`` runs ``FluxPipeline`` over the same
+transformer and encoders, true CFG off and ``guidance_scale`` the family's guidance, from diffrl's
+noise packed in 2x2 patches; the probe compares the packed latents, ``timestep`` (sigma),
+``guidance``, the T5 states, CLIP's pooled output, ``txt_ids`` and ``img_ids``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from diffrl.models.families._diffusers import (
 )
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.sync import layouts
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -169,7 +175,7 @@ class FluxNet(DiffusersNet):
         return unpack(out, h, w)
 
 
-class FluxFamily:
+class FluxFamily(HasReferencePipeline):
     name = "flux"
     native_convention = "sigma"  # timestep = sigma (the transformer scales by 1000 inside)
     lora_targets = LORA_TARGETS
@@ -216,6 +222,32 @@ class FluxFamily:
         c = self.vae.config
         mean = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mean
         return (mean - c.shift_factor) * c.scaling_factor
+
+    def reference(self, model: FamilyModel, shift: float) -> Reference:
+        """``FluxPipeline`` over this model's own components: no true CFG, the guidance
+        embedding at the family's scale (what ``FluxNet`` feeds), diffrl's noise packed into the
+        pipeline's 2x2 patches."""
+        from diffusers import FluxPipeline
+
+        f = model.net.frozen
+        pipe = FluxPipeline(
+            transformer=model.net.transformer, scheduler=flow_scheduler(shift), vae=self.vae,
+            text_encoder=f.clip, tokenizer=self.tokenizers[0], text_encoder_2=f.t5,
+            tokenizer_2=self.tokenizers[1],
+        )  # fmt: skip
+        pipe.set_progress_bar_config(disable=True)
+        _, h, w = self._latent
+        scale = pipe.vae_scale_factor
+
+        def call(prompt: str, noise: Tensor, grid) -> None:
+            pipe(
+                prompt=prompt, latents=pack(noise).to(model.net.transformer.dtype),
+                sigmas=list(grid), num_inference_steps=len(grid), guidance_scale=self.guidance,
+                true_cfg_scale=1.0, height=h * scale, width=w * scale,
+                max_sequence_length=self.lens[1], output_type="latent",
+            )  # fmt: skip
+
+        return Reference(model.net.transformer, call)
 
     def serving_layout(self, model: nn.Module) -> SlotMap:
         """diffusers' own fused path (``FluxAttention.fused_projections``: the processor

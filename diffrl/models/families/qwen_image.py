@@ -17,6 +17,11 @@ What the family owns, and where diffusers' ``QwenImagePipeline`` says it:
 - **Serving layout** (contract 2). The rollout copy fuses each block's image-stream q/k/v into
   ``attn.to_qkv`` and text-stream add_q/k/v into ``attn.to_added_qkv`` (one GEMM each instead of
   three); ``FusedQKVProcessor`` feeds diffusers' own processor from the fused projections.
+- **Pipeline parity** (contract 1). ``QwenImageFamily.reference`` runs ``QwenImagePipeline``
+  (its own template, true CFG off) over the same transformer and encoder from diffrl's noise
+  packed in 2x2 patches; the probe compares the packed latents, ``timestep`` (sigma), the text
+  states after the template prefix, ``encoder_hidden_states_mask`` (None on both sides when no
+  row is padded) and ``img_shapes``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.sync.layouts import fuse_qkv, merge
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -294,7 +300,7 @@ def fuse_attention(model: nn.Module) -> SlotMap:
     return merge(image, text)
 
 
-class QwenImageFamily:
+class QwenImageFamily(HasReferencePipeline):
     name = "qwen_image"
     native_convention = "sigma"
     lora_targets = LORA_TARGETS
@@ -349,6 +355,38 @@ class QwenImageFamily:
         z = vae.encode(x).latent_dist.mode()
         mean, std = self._stats(z)
         return ((z - mean) / std)[:, :, 0]
+
+    # --- contract 1: the reference pipeline ------------------------------------------------
+    def reference(self, model: FamilyModel, shift: float) -> Reference:
+        """``QwenImagePipeline`` over this model's own components, true CFG off, its own prompt
+        template. Its template prefix is a constant for Qwen2's tokenizer (34), which stands for
+        that tokenizer (so the probe checks diffrl's measured prefix against it); for another
+        (the tiny presets' word tokenizer) it is counted on the pipeline's own template."""
+        from diffusers import QwenImagePipeline
+
+        net = model.net
+        pipe = QwenImagePipeline(
+            scheduler=flow_scheduler(shift), vae=net.frozen.vae,
+            text_encoder=net.frozen.text_encoder, tokenizer=self.tokenizer,
+            transformer=net.transformer,
+        )  # fmt: skip
+        if not type(self.tokenizer).__name__.startswith("Qwen2"):
+            prefix = pipe.prompt_template_encode.split("{}")[0]
+            ids = self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+            pipe.prompt_template_encode_start_idx = len(ids)
+        pipe.set_progress_bar_config(disable=True)
+        _, h, w = self.latent_shape()
+        scale = pipe.vae_scale_factor
+
+        def call(prompt: str, noise: Tensor, grid) -> None:
+            pipe(
+                prompt=prompt, latents=pack(noise).to(net.transformer.dtype), sigmas=list(grid),
+                num_inference_steps=len(grid), true_cfg_scale=1.0, guidance_scale=None,
+                height=h * scale, width=w * scale, max_sequence_length=self.max_text_len,
+                output_type="latent",
+            )  # fmt: skip
+
+        return Reference(net.transformer, call)
 
     # --- contract 2 and cost ------------------------------------------------------------
     def serving_layout(self, model: nn.Module) -> SlotMap:
