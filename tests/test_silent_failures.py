@@ -15,9 +15,9 @@ import torch
 from diffrl.build import build
 from diffrl.config import load_config
 from diffrl.controller.loop import train
-from diffrl.errors import ContractError, SyncError
+from diffrl.errors import ContractError
 from diffrl.models.registry import FAMILIES
-from diffrl.sync.weights import Slot, SlotMap
+from diffrl.sync.weights import Slot, SlotMap, SyncError
 from tests.tiny_runs import tiny_run
 
 pytest.importorskip("diffusers")
@@ -60,8 +60,7 @@ def config(preset: str, out: Path, *extra: str):
             "rollout.eval_num_steps=2",
             "reward.scorers=[{name: jpeg_incompressibility}]",
             "run.steps=1",
-            "run.eval_every=0",
-            "run.save_every=0",
+            "run.eval_every=1",
             "run.tensorboard=false",
             f"run.out_dir={out}",
             "run.name=run",
@@ -99,25 +98,28 @@ def _swapped_layouts(model, slot_map: SlotMap) -> dict[str, SlotMap]:
     fused = next((names for names in by_module.values() if len(names) >= 2), None)
     if fused:
         a, b = fused[:2]
-        faults["swapped_qk"] = SlotMap({**slot_map.slots, a: slot_map.slots[b], b: slot_map.slots[a]})
+        faults["swapped_qk"] = SlotMap(
+            {**slot_map.slots, a: slot_map.slots[b], b: slot_map.slots[a]}
+        )
     split = next((n for n, s in slot_map.slots.items() if len(s) == 2), None)
     if split:
         s0, s1 = slot_map.slots[split]
         swapped = [dataclasses.replace(s0, rows=s1.rows), dataclasses.replace(s1, rows=s0.rows)]
         faults["swapped_shards"] = SlotMap({**slot_map.slots, split: swapped})
-    if not slot_map.slots:  # the layout is the identity: write the faults as row moves
-        names = dict(model.named_modules())
-        qkv = next(n for n in names if n.endswith("attn.qkv"))
+    names = dict(model.named_modules())
+    trained = [n for n in names if n.endswith(tuple(model.family.lora_targets))]
+    if "swapped_qk" not in faults:  # the layout keeps the fused qkv as trained (tiny DiT)
+        qkv = next(n for n in trained if n.endswith("attn.qkv"))
         d = names[qkv].weight.shape[0] // 3
         faults["swapped_qk"] = SlotMap(
             {qkv: [Slot(qkv, slice(0, d), slice(d, 2 * d)), Slot(qkv, slice(d, 2 * d), slice(0, d)),
                    Slot(qkv, slice(2 * d, 3 * d), slice(2 * d, 3 * d))]}
         )  # fmt: skip
-        up = next(n for n in names if n.endswith("mlp.0") or n.endswith("mlp.fc1"))
+    if "swapped_shards" not in faults:  # no split module: split an MLP weight's rows in two
+        up = next(n for n in trained if n not in slot_map.slots and ("mlp" in n or ".ff" in n))
         h = names[up].weight.shape[0] // 2
-        faults["swapped_shards"] = SlotMap(
-            {up: [Slot(up, slice(0, h), slice(h, 2 * h)), Slot(up, slice(h, 2 * h), slice(0, h))]}
-        )
+        halves = [Slot(up, slice(0, h), slice(h, 2 * h)), Slot(up, slice(h, 2 * h), slice(0, h))]
+        faults["swapped_shards"] = SlotMap({**slot_map.slots, up: halves})
     return faults
 
 
