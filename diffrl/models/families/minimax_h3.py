@@ -689,26 +689,23 @@ def _pipeline_classes() -> tuple[type, type, type]:
     """(pipeline, layout step, processor) classes over diffusers' H3 modular pipeline, built on
     first use so that importing the family does not import the modular pipelines."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
-        MINIMAX_H3_AUDIO_CHANNELS,
-        MiniMaxH3ModularPipeline,
-    )
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
     from transformers import Qwen3VLProcessor
 
     class FamilyPipeline(MiniMaxH3ModularPipeline):
         """The release's pipeline with the two facts it fixes as properties and a preset may
         set: the conditioning layer (50 for the release) and the audio channels (stereo)."""
 
-        text_layer = MiniMaxH3ModularPipeline.text_encoder_layer.fget(None)  # the release's
-        channels = MINIMAX_H3_AUDIO_CHANNELS
+        text_layer: int | None = None  # None: the release's
+        channels: int | None = None
 
         @property
         def text_encoder_layer(self) -> int:
-            return self.text_layer
+            return super().text_encoder_layer if self.text_layer is None else self.text_layer
 
         @property
         def audio_channels(self) -> int:
-            return self.channels
+            return super().audio_channels if self.channels is None else self.channels
 
     class FamilyGeometryLayout(MiniMaxH3PrepareLayoutStep):
         """The pipeline's layout step for a preset off the release's geometry (not 24 fps, 5 to
@@ -791,7 +788,8 @@ def reference_pipeline(model: FamilyModel, shift: float) -> Reference:
     pipe = pipeline_cls(blocks=blocks)
     # the release's layer 50 where the encoder has it (an independent check of diffrl's), else
     # the preset's (h3-tiny: 1 of 2)
-    pipe.text_layer = pipe.text_layer if n_layers > pipe.text_layer else net.text_layer
+    if n_layers <= pipe.text_encoder_layer:
+        pipe.text_layer = net.text_layer
     pipe.channels = net.audio_shape[0]
     pipe.update_components(
         transformer=net.transformer, text_encoder=f.text_encoder, tokenizer=fam.tokenizer,
