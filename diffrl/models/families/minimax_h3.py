@@ -29,8 +29,10 @@ What the family owns, and where diffusers says it:
   no presentation contains) so a row's real length is ``ids != pad``. The checkpoint is
   guidance-distilled: no negative prompt (``null_ids`` is the empty prompt, one pad row).
 - **Text encoder.** Qwen3-VL's ``hidden_states[50]`` (of 64 layers) off ``text_encoder.model``
-  (the LM head never runs); the tiny preset reads the last of its 2 layers. Run once per
-  prompt (``EncodeCache``); ``offload_text_encoder`` keeps it on the CPU between uses.
+  (the LM head never runs); h3-tiny reads layer 1 of its 2, a raw decoder output as in the
+  release (the pipeline refuses the last entry, which comes after the final norm; h3-avbench,
+  trained by diffrl, reads it). Run once per prompt (``EncodeCache``);
+  ``offload_text_encoder`` keeps it on the CPU between uses.
 - **Conditioning rows** (FL2VA). ``family.conditioned(model, keyframes)`` packs first/last
   keyframe latents (``encode_keyframes``) as conditioning rows, held at t = max(t, 0.999)
   (the pipeline's ``keyframe_noise_aug``), detached, and cut from the output: no gradient, no
@@ -38,6 +40,18 @@ What the family owns, and where diffusers says it:
 - **Serving layout** (contract 2). ``MiniMaxH3Attention``'s processor computes with ``to_qkv``
   once ``fused_projections`` is set, so the rollout fuses q/k/v natively (blocks and token
   refiner) and holds the SwiGLU up-projection ``ff.net.0.proj`` as two swapped row shards.
+- **Parity probe** (contract 1, ``reference_pipeline``). diffusers ships H3 as a modular
+  pipeline only; the reference runs its ``MiniMaxH3Blocks`` t2va branch (text encoder step,
+  layout, noise packing, both schedules' row timesteps, denoising loop) over this model's own
+  transformer, Qwen3-VL, tokenizer and VAEs, from diffrl's noise (the video part as
+  ``latents``, H3's audio state g * x_b as ``audio_latents``), its video scheduler at the
+  rollout's shift and its audio scheduler at shift * k. The probe compares, for 2 transformer
+  calls: the video and audio rows, the text states, the distinct timesteps and each row's index
+  into them (video and audio rows each at their own t), the modality tags, the rotary position
+  ids and the three row-index tensors; call 1 also checks each side's step (flipped velocity,
+  the audio map). Presets off the release's geometry (h3-tiny: 16 fps mono) run the pipeline's
+  packed sequence at the family's latent sizes instead of its 24 fps layout step; h3-avbench
+  (no autoencoders, the post-norm text layer) has no pipeline to compare with.
 - **Batching.** The transformer's batch axis replicates ONE layout and ONE timestep table, so
   the net groups samples by (text length, sigma, keyframes or not): a rollout step is one call
   per prompt length, training (a sigma per sample) one call per sample.
@@ -46,6 +60,8 @@ What the family owns, and where diffusers says it:
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
 from collections.abc import Iterator, Sequence
 
@@ -79,6 +95,7 @@ from diffrl.models.family import (
     hash_rows,
 )
 from diffrl.models.memory import BlockCost, Geometry, Widths
+from diffrl.models.probe import HasReferencePipeline, Reference
 from diffrl.models.words import read_words
 from diffrl.parallel.tp import FusedColwiseParallel, LocalHeads, PerHeadNorm, Plan
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
@@ -234,7 +251,7 @@ PRESETS: dict[str, dict] = {
             latents_std=[1.0] * 4,
         ),
         text_encoder=tiny_qwen3_vl(32, 8, [1, 1, 2]),
-        text_layer=2,
+        text_layer=1,  # a raw layer output, as the release's 50 of 64 (the last one is post-norm)
         video_shift=12.0,
         audio_shift=3.0,
         audio_channels=1,
@@ -475,7 +492,7 @@ class MiniMaxH3Net(DiffusersNet):
         return out
 
 
-class MiniMaxH3Family(TakesConditions, EncodesClips):
+class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
     name = "minimax_h3"
     native_convention = "data_progress"
     lora_targets = LORA_TARGETS
@@ -621,6 +638,12 @@ class MiniMaxH3Family(TakesConditions, EncodesClips):
         finally:
             model.net.keyframes = None
 
+    # --- contract 1: the reference pipeline ----------------------------------------------
+    def reference(self, model: FamilyModel, shift: float) -> Reference:
+        """H3's modular t2va pipeline (``MiniMaxH3Blocks``) over this model's own components:
+        see ``reference_pipeline``."""
+        return reference_pipeline(model, shift)
+
     # --- contract 2 and cost ------------------------------------------------------------
     def serving_layout(self, model: nn.Module) -> SlotMap:
         tr = model.net.transformer
@@ -656,6 +679,155 @@ class MiniMaxH3Family(TakesConditions, EncodesClips):
         refiner = cfg.num_refiner_layers * (n_txt * block_rows + 4 * n_txt * n_txt * inner)
         io = 2 * rows_v * hid * c * pt * ph * pw * 2 + 2 * n_txt * cfg.text_dim * hid
         return float(batch * (blocks + refiner + io))
+
+
+# --- the reference pipeline (contract 1's parity probe) ---------------------------------------
+
+
+@functools.cache
+def _pipeline_classes() -> tuple[type, type, type]:
+    """(pipeline, layout step, processor) classes over diffusers' H3 modular pipeline, built on
+    first use so that importing the family does not import the modular pipelines."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+    from transformers import Qwen3VLProcessor
+
+    class FamilyPipeline(MiniMaxH3ModularPipeline):
+        """The release's pipeline with the two facts it fixes as properties and a preset may
+        set: the conditioning layer (50 for the release) and the audio channels (stereo)."""
+
+        text_layer: int | None = None  # None: the release's
+        channels: int | None = None
+
+        @property
+        def text_encoder_layer(self) -> int:
+            return super().text_encoder_layer if self.text_layer is None else self.text_layer
+
+        @property
+        def audio_channels(self) -> int:
+            return super().audio_channels if self.channels is None else self.channels
+
+    class FamilyGeometryLayout(MiniMaxH3PrepareLayoutStep):
+        """The pipeline's layout step for a preset off the release's geometry (not 24 fps, 5 to
+        15 s of stereo in 17 n + 5 frames, which the step hard-codes): the same packed sequence
+        (its ``build_packed_sequence``) at the family's latent sizes."""
+
+        video_shape: tuple[int, ...] = ()
+        audio_shape: tuple[int, ...] = ()
+
+        def __call__(self, components, state):
+            bs = self.get_block_state(state)
+            _, f, h, w = self.video_shape
+            ch, n_audio, _ = self.audio_shape
+            bs.num_latent_frames, bs.latent_height, bs.latent_width = f, h, w
+            bs.num_audio_latents = n_audio
+            *rows, bs.num_condition_video_rows, bs.num_condition_audio_rows = (
+                self.build_packed_sequence(
+                    bs.text_token_tags, f, h, w, n_audio, components.patch_size, ch,
+                    components.audio_tag, components.video_tag, bs.keyframe_anchors,
+                )
+            )  # fmt: skip
+            names = ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices")
+            for name, value in zip(names, rows, strict=True):
+                setattr(bs, name, value.to(components._execution_device))
+            self.set_block_state(state, bs)
+            return components, state
+
+    class TextOnlyProcessor(Qwen3VLProcessor):
+        """Qwen3-VL's processor for a text-only presentation: t2va calls only its
+        ``create_mm_token_type_ids``, which needs the tokenizer's vision-token ids and not the
+        image/video processors (those need torchvision). A tokenizer without vision tokens
+        (the tiny word vocabularies) has none, so no prompt word is typed as an image."""
+
+        def __init__(self, tokenizer) -> None:  # no super(): it demands the image processors
+            vocab = tokenizer.get_vocab()
+            self.tokenizer = tokenizer
+            self.image_token_id = vocab.get("<|image_pad|>")
+            self.video_token_id = vocab.get("<|video_pad|>")
+
+    return FamilyPipeline, FamilyGeometryLayout, TextOnlyProcessor
+
+
+def reference_pipeline(model: FamilyModel, shift: float) -> Reference:
+    """Contract 1's reference: diffusers' ``MiniMaxH3Blocks`` (the t2va branch: the text encoder
+    step, the layout, the noise packing, both schedules' row timesteps, the denoising loop) over
+    this model's transformer, Qwen3-VL, tokenizer and VAEs.
+
+    The pipeline's video scheduler applies the rollout's ``shift``, its audio scheduler
+    ``shift * k`` (diffrl's audio sigma is f_k of the canonical one and f_k(f_s) = f_ks), both
+    over the H3 grid ``linspace(1, 0, T + 1)``, which is the probe's grid with its terminal 0.
+    diffrl's noise enters as the pipeline's ``latents`` (the video part) and ``audio_latents``
+    (H3's audio state g * x_b at the first sigma, (channels, C_a, N)). A preset on the release's
+    geometry (24 fps stereo) runs the pipeline's own layout step; a smaller one its packed
+    sequence at the family's latent sizes (``FamilyGeometryLayout``)."""
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as h3
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
+
+    net, fam = model.net, model.family
+    f = net.frozen
+    n_layers = f.text_encoder.config.text_config.num_hidden_layers
+    if f.vae is None or f.audio_vae is None or n_layers <= net.text_layer:
+        # h3-avbench: pixel video and DCT audio (no autoencoders), and the encoder's last,
+        # post-norm state, which diffrl trained it on and the pipeline's text step refuses
+        raise ContractError(
+            "minimax_h3 reference: diffusers' H3 pipeline needs both autoencoders and a text "
+            f"layer below the encoder's last ({n_layers}); this model has video VAE "
+            f"{f.vae is not None}, audio VAE {f.audio_vae is not None}, text layer "
+            f"{net.text_layer}: it has no diffusers pipeline to compare with"
+        )
+    pipeline_cls, layout_cls, processor_cls = _pipeline_classes()
+    release = fam.fps == h3.MINIMAX_H3_FPS and net.audio_shape[0] == h3.MINIMAX_H3_AUDIO_CHANNELS
+    blocks = MiniMaxH3Blocks()
+    core = blocks.sub_blocks["denoise"].sub_blocks["t2va"]
+    core.sub_blocks["denoise"].set_progress_bar_config(disable=True)  # the pipe's does not reach
+    if not release:
+        layout = layout_cls()
+        layout.video_shape, layout.audio_shape = net.video_shape, net.audio_shape
+        core.sub_blocks["prepare_layout"] = layout
+    pipe = pipeline_cls(blocks=blocks)
+    # the release's layer 50 where the encoder has it (an independent check of diffrl's), else
+    # the preset's (h3-tiny: 1 of 2)
+    if n_layers <= pipe.text_encoder_layer:
+        pipe.text_layer = net.text_layer
+    pipe.channels = net.audio_shape[0]
+    pipe.update_components(
+        transformer=net.transformer, text_encoder=f.text_encoder, tokenizer=fam.tokenizer,
+        processor=processor_cls(fam.tokenizer), vae=f.vae, audio_vae=f.audio_vae,
+        scheduler=MiniMaxH3Scheduler(shift=shift),
+        audio_scheduler=MiniMaxH3Scheduler(shift=shift * net.k),
+    )  # fmt: skip
+    dv, _ = net.dims
+    device = next(net.transformer.parameters()).device
+
+    def call(prompt: str, noise: Tensor, grid: Sequence[float]) -> None:
+        steps = len(grid)
+        if not torch.allclose(torch.tensor(list(grid)), torch.linspace(1.0, 0.0, steps + 1)[:-1]):
+            raise ContractError(
+                "minimax_h3 reference: MiniMaxH3Scheduler builds its own grid, linspace(1, 0, "
+                f"T + 1) (its set-timesteps step takes no sigmas), and {list(grid)} is not one"
+            )
+        sigma = shift * grid[0] / (1 + (shift - 1) * grid[0])  # the first canonical sigma
+        g = net.k / (1 + (net.k - 1) * sigma)  # H3's audio state = g * the canonical audio
+        video = noise[:, :dv].reshape(1, *net.video_shape).float()
+        audio = (g * noise[0, dv:].float()).reshape(net.audio_shape).transpose(1, 2)
+        quiet = logging.getLogger("diffusers.modular_pipelines.modular_pipeline")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # the probe's stop is not a pipeline error to log
+        if net.offload:
+            f.text_encoder.to(device)  # as encode_uncached: on the device while it encodes
+        try:
+            pipe(
+                prompt=prompt, latents=video, audio_latents=audio, num_inference_steps=steps + 1,
+                height=fam.resolution, width=fam.resolution, num_frames=fam.frames,
+                output_type="pt",
+            )  # fmt: skip
+        finally:
+            quiet.setLevel(level)
+            if net.offload:
+                f.text_encoder.to("cpu")
+
+    return Reference(net.transformer, call)
 
 
 # --- building ---------------------------------------------------------------------------------
@@ -839,7 +1011,8 @@ def load(cfg, device: torch.device) -> FamilyModel:
             for s in ("scheduler", "audio_scheduler")
         ]
         n_layers = parts["text_encoder"].config.text_config.num_hidden_layers
-        text_layer = TEXT_LAYER if n_layers > TEXT_LAYER else n_layers
+        # the release's layer 50, or a small encoder's last pre-norm output (layer n - 1)
+        text_layer = TEXT_LAYER if n_layers > TEXT_LAYER else n_layers - 1
         return with_codecs(parts, spec), settings(spec, shifts, text_layer, offload)
 
     def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:

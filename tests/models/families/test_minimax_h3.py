@@ -54,6 +54,8 @@ def test_loads_from_dir(model, pipe_dir) -> None:
     assert fam.flops(2) == 2 * fam.flops(1) > 0
     preset = load_model(ModelConfig(preset="h3-tiny"))
     assert preset.family.latent_shape() == fam.latent_shape()
+    # a raw decoder output, not the last (post-norm) entry: layer 1 of the tiny encoder's 2
+    assert net.text_layer == preset.net.text_layer == 1
 
 
 def test_missing_or_malformed_dir(pipe_dir, tmp_path) -> None:
@@ -269,3 +271,55 @@ def test_text_encoder_trim_keeps_the_conditioning_layer() -> None:
     assert len(trimmed.model.language_model.layers) == 3
     assert trimmed.config.text_config.num_hidden_layers == 3
     torch.testing.assert_close(hidden(trimmed, 2), want, rtol=0, atol=0)
+
+
+def _release_geometry_model():
+    """h3-tiny's modules at the release's geometry: 24 fps stereo, 123 frames (5.1 s, the
+    pipeline's 5 to 15 s in its VAE's 5 n + 3 frames) -> 205 audio latents per channel."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        parts = minimax_h3._random("h3-tiny", torch.float32, torch.device("cpu"))
+    video, audio = minimax_h3.codecs(
+        parts.pop("vae"), parts.pop("audio_vae"), minimax_h3.PRESETS["h3-tiny"]
+    )
+    return minimax_h3.build(
+        **parts, video_codec=video, audio_codec=audio, resolution=32, frames=123,
+        max_text_len=16, fps=24.0, audio_shift_ratio=0.25, audio_channels=2, text_layer=1,
+    )  # fmt: skip
+
+
+def test_reference_on_the_release_geometry_runs_the_pipelines_layout(monkeypatch) -> None:
+    """On the release's geometry the parity reference runs diffusers' own layout step (its
+    canvas, 17 n + 5 frame and 40-per-second audio-latent arithmetic, not diffrl's), and the
+    rollout's transformer inputs equal the pipeline's at the release's video shift."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    from diffrl.models.probe import pipeline_parity
+    from diffrl.rollout.samplers import euler_step, sigma_schedule
+
+    ran = []
+    step = MiniMaxH3PrepareLayoutStep.__call__
+
+    def spy(self, components, state):
+        ran.append(type(self))
+        return step(self, components, state)
+
+    monkeypatch.setattr(MiniMaxH3PrepareLayoutStep, "__call__", spy)
+    model = _release_geometry_model()
+    assert model.net.audio_shape == (2, 205, 4)
+    report = pipeline_parity(model, sigma_schedule, euler_step, 6, 12.0, "a red circle")
+    assert ran == [MiniMaxH3PrepareLayoutStep]
+    assert report.calls == 2 and report.worst < 1.0
+    assert {"audio_hidden_states", "position_ids", "timestep_indices"} <= set(report.inputs)
+
+
+def test_reference_refuses_what_the_pipeline_cannot_run(model) -> None:
+    """H3's scheduler builds its own uniform grid, so another grid is refused rather than
+    silently replaced; a model without autoencoders (h3-avbench) has no pipeline to run."""
+    ref = model.family.reference(model, 3.0)
+    noise = torch.zeros(1, *model.family.latent_shape())
+    with pytest.raises(ContractError, match="builds its own grid"):
+        ref.call("a red circle", noise, [1.0, 0.9, 0.2])
+    avbench = load_model(ModelConfig(preset="h3-avbench"))
+    with pytest.raises(ContractError, match="no diffusers pipeline to compare with"):
+        avbench.family.reference(avbench, 1.0)
