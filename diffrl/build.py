@@ -23,7 +23,7 @@ from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEng
 from diffrl.errors import CONTRACTS_LOG, ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
 from diffrl.models.family import EncodesClips, FamilyModel, HasMediaGeometry, TakesConditions
-from diffrl.models.probe import HasReferencePipeline, ProbeResult, pipeline_parity
+from diffrl.models.probe import NoReference, ProbeResult, pipeline_parity
 from diffrl.models.registry import load_model, lora_targets
 from diffrl.parallel.fsdp import shard_frozen_base
 from diffrl.parallel.launch import SOLO, Ranks, local_device
@@ -90,7 +90,7 @@ def run_probe(cfg: Config, task: Task, model: FamilyModel) -> ProbeResult:
     devices = [param.device] if param.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         parity, note = None, ""
-        if isinstance(model.family, HasReferencePipeline):
+        try:
             parity = pipeline_parity(
                 model, sigma_schedule, euler_step, cfg.rollout.num_steps, cfg.rollout.shift,
                 cfg.probe.prompt, cfg.probe.parity_calls,
@@ -100,10 +100,14 @@ def run_probe(cfg: Config, task: Task, model: FamilyModel) -> ProbeResult:
                 "(%s; worst %.2f of tolerance) in %.2f s", model.family.name, parity.calls,
                 ", ".join(parity.inputs), parity.worst, parity.seconds,
             )  # fmt: skip
-        else:
-            note = f"family {model.family.name!r} has no diffusers pipeline"
-            contracts.info("pipeline parity: not applicable (%s); reconstruction checks it", note)
+        except NoReference as e:
+            note = str(e)
+            contracts.info("pipeline parity: not applicable (%s); reconstruction decides", note)
         recon = reconstruction_probe(task, model)
+    if parity is None and not (recon is not None and recon.conclusive):
+        contracts.warning(
+            "time convention unchecked: %s, and the reconstruction probe could not decide", note
+        )
     return ProbeResult(parity=parity, reconstruction=recon, parity_note=note)
 
 
@@ -133,8 +137,15 @@ def reconstruction_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
 def synthetic_probe_data(fam, n: int = 4) -> ProbeData:
     """``n`` fixed synthetic images (a two-colour gradient and a disc; no random draw) at the
     family's pixel size, with a caption each."""
-    side = int(fam.media_geometry()["size"]) if isinstance(fam, HasMediaGeometry) else 0
-    side = side or 8 * int(fam.latent_shape()[-1])
+    if isinstance(fam, HasMediaGeometry):
+        side = int(fam.media_geometry()["size"])
+    elif len(fam.latent_shape()) >= 3:  # (C, [F,] h, w): an 8x autoencoder's pixels, refit once
+        side = 8 * int(fam.latent_shape()[-1])
+    else:
+        raise ConfigError(
+            f"family {fam.name!r} samples flat latents and says no media geometry: the "
+            "start-up probe cannot size its synthetic images (declare HasMediaGeometry)"
+        )
     return ProbeData(synthetic_images(n, side), [SYNTHETIC_CAPTION] * n)
 
 

@@ -15,6 +15,7 @@ import torch
 from diffrl.build import build
 from diffrl.config import load_config
 from diffrl.controller.loop import train
+from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ContractError
 from diffrl.models.registry import FAMILIES
 from diffrl.sync.weights import Slot, SlotMap, SyncError
@@ -144,4 +145,9 @@ def test_the_unbroken_runs_make_their_first_step(tmp_path):
     for preset in sorted(PRESETS):
         torch.manual_seed(0)
         root = asyncio.run(train(config(preset, tmp_path / preset)))
-        assert (root / "metrics.jsonl").is_file()
+        first = read_metrics(root)[0]
+        assert first["probe/skipped"] == 0.0
+        if preset == "tiny_dit":  # no pipeline: its trained weights decide on the task's data
+            assert first["probe/cosine"] > 0.2 and first["probe/parity_worst"] is None
+        else:  # parity ran (NaN is written as null)
+            assert 0.0 <= first["probe/parity_worst"] < 1.0

@@ -72,6 +72,11 @@ class Reference:
     optional: dict[str, str] = field(default_factory=dict)
 
 
+class NoReference(Exception):
+    """A family with a reference pipeline, for a model that pipeline cannot run (e.g. a preset
+    on its own codecs): parity does not apply, and the reconstruction probe must decide."""
+
+
 @runtime_checkable
 class HasReferencePipeline(Protocol):
     """A family whose own diffusers pipeline is the reference for the parity probe."""
@@ -307,7 +312,7 @@ def pipeline_parity(
     from the same noise and prompt; raise ``ContractError`` on the first input that differs."""
     fam = model.family
     if not isinstance(fam, HasReferencePipeline):
-        raise ContractError(f"family {fam.name!r} has no reference pipeline")
+        raise NoReference(f"family {fam.name!r} has no diffusers pipeline")
     start = time.perf_counter()
     calls = min(calls, num_steps)
     param = next(model.net.parameters())

@@ -79,7 +79,8 @@ def test_bf16_step_direction(preset):
     report = pipeline_parity(model, sigma_schedule, euler_step, 10, SHIFT, "a red circle")
     assert report.worst < 1.0
     flipped = lambda x, v, a, b: euler_step(x, -v, a, b)  # noqa: E731
-    with pytest.raises(ContractError, match="against the pipeline's step"):
+    # caught by the direction check, or on the values where a step is larger (H3's audio rows)
+    with pytest.raises(ContractError, match="against the pipeline's step|differs"):
         pipeline_parity(model, sigma_schedule, flipped, 10, SHIFT, "a red circle")
 
 

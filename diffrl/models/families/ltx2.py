@@ -66,7 +66,7 @@ from diffrl.models.families._diffusers import (
     save_pipeline_dir,
     tokenize_padded,
 )
-from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.family import FamilyModel, FamilySpec, HasMediaGeometry, TokenBatch, hash_rows
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
@@ -321,7 +321,7 @@ class LTX2Net(DiffusersNet):
         return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
 
 
-class LTX2Family(HasReferencePipeline):
+class LTX2Family(HasReferencePipeline, HasMediaGeometry):
     name = "ltx2"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -381,6 +381,12 @@ class LTX2Family(HasReferencePipeline):
     @property
     def geometry(self) -> Geometry:
         return self.net.geometry
+
+    def media_geometry(self) -> dict[str, float]:
+        """What a task renders media at (and the start-up probe its synthetic frames)."""
+        return dict(
+            frames=self.frames, size=self.resolution, fps=self.fps, sample_rate=self.sample_rate
+        )
 
     def latent_shape(self) -> tuple[int, ...]:
         return (sum(self.geometry.split),)

@@ -95,7 +95,7 @@ from diffrl.models.family import (
     hash_rows,
 )
 from diffrl.models.memory import BlockCost, Geometry, Widths
-from diffrl.models.probe import HasReferencePipeline, Reference
+from diffrl.models.probe import HasReferencePipeline, NoReference, Reference
 from diffrl.models.words import read_words
 from diffrl.parallel.tp import FusedColwiseParallel, LocalHeads, PerHeadNorm, Plan
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
@@ -770,7 +770,7 @@ def reference_pipeline(model: FamilyModel, shift: float) -> Reference:
     if f.vae is None or f.audio_vae is None or n_layers <= net.text_layer:
         # h3-avbench: pixel video and DCT audio (no autoencoders), and the encoder's last,
         # post-norm state, which diffrl trained it on and the pipeline's text step refuses
-        raise ContractError(
+        raise NoReference(
             "minimax_h3 reference: diffusers' H3 pipeline needs both autoencoders and a text "
             f"layer below the encoder's last ({n_layers}); this model has video VAE "
             f"{f.vae is not None}, audio VAE {f.audio_vae is not None}, text layer "

@@ -49,7 +49,7 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
-from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.family import FamilyModel, FamilySpec, HasMediaGeometry, TokenBatch, hash_rows
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalHeads, Plan, ShardedRMSNorm
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
@@ -183,7 +183,7 @@ class WanNet(DiffusersNet):
         )[0]
 
 
-class WanFamily(HasReferencePipeline):
+class WanFamily(HasReferencePipeline, HasMediaGeometry):
     name = "wan"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -214,6 +214,10 @@ class WanFamily(HasReferencePipeline):
         return self.tokenize([""]).input_ids[0]  # the pipeline's default negative prompt
 
     # --- shapes and media ---------------------------------------------------------------
+    def media_geometry(self) -> dict[str, float]:
+        """What a task renders media at (and the start-up probe its synthetic frames)."""
+        return dict(frames=self.frames, size=self.resolution, fps=self.fps)
+
     def latent_shape(self) -> tuple[int, ...]:
         s = self.resolution // self.scale_s
         return (self.net.frozen.vae.config.z_dim, (self.frames - 1) // self.scale_t + 1, s, s)

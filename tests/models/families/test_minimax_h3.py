@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from diffrl.errors import ConfigError, ContractError
 from diffrl.models.convention import noised, probe_convention
 from diffrl.models.family import FamilyModel
+from diffrl.models.probe import NoReference
 from diffrl.models.registry import ModelConfig, family, load_model
 
 pytest.importorskip("diffusers")
@@ -321,5 +322,5 @@ def test_reference_refuses_what_the_pipeline_cannot_run(model) -> None:
     with pytest.raises(ContractError, match="builds its own grid"):
         ref.call("a red circle", noise, [1.0, 0.9, 0.2])
     avbench = load_model(ModelConfig(preset="h3-avbench"))
-    with pytest.raises(ContractError, match="no diffusers pipeline to compare with"):
+    with pytest.raises(NoReference, match="no diffusers pipeline to compare with"):
         avbench.family.reference(avbench, 1.0)
