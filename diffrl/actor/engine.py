@@ -27,6 +27,7 @@ from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, hash_rows
 from diffrl.parallel.launch import all_reduced
+from diffrl.sync.bound import bound_of
 from diffrl.sync.weights import BasePrints, LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
 
@@ -351,9 +352,11 @@ class ActorEngine:
             self.blend(name, decay=0.0)
         # the frozen base's row prints, sent with every update so the rollout can check where
         # its serving layout put each trained row (taken before any sharding: whole weights)
-        self.base_prints = BasePrints.of(
-            {name: _weight(layer.get_base_layer()) for name, layer in self.layers.items()}
-        )
+        base_weights = {n: _weight(layer.get_base_layer()) for n, layer in self.layers.items()}
+        self.base_prints = BasePrints.of(base_weights)
+        # the modules the adapter is on, whole (before sharding): the actor's half of the
+        # bound-module gate (diffrl/sync/bound.py)
+        self.bound = bound_of(base_weights)
         self.compiled = compile_blocks(model, "actor.compile") if cfg.compile else 0
         if shard is not None:
             shard(self.model)

@@ -38,13 +38,21 @@ from typing import Any
 
 import torch
 
-from diffrl.build import Engines, actor_side, check_config, rollout_side, setup_process
+from diffrl.build import (
+    Engines,
+    actor_side,
+    actor_targets,
+    check_config,
+    rollout_side,
+    setup_process,
+)
 from diffrl.channel import Channel
 from diffrl.config import Config
 from diffrl.errors import ConfigError, DiffrlError
 from diffrl.models.registry import load_model
 from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
+from diffrl.sync.bound import check_bound
 from diffrl.sync.weights import SyncReport, WeightUpdate
 from diffrl.tasks import build_task, prompt_source
 from diffrl.types import PromptBatch, ScoredBatch, TrainBatch, Trajectory, to_device
@@ -119,6 +127,8 @@ class RolloutHost(Host):
             "eval_set": s.eval_set,
             "probe": s.probe,
             "produces": frozenset(s.rollout.produces),
+            "family": s.base.family.name,
+            "bound": s.rollout.bound,
         }
 
     async def stream(self, which: str, prompts: PromptBatch, seed: int, kw: dict):
@@ -171,7 +181,11 @@ class ActorHost(Host):
         self.actor = actor_side(cfg, load_model(cfg.model, device), device)
 
     def describe(self) -> dict:
-        return {"version": self.actor.version, "eval_adapter": self.actor.eval_adapter}
+        return {
+            "version": self.actor.version,
+            "eval_adapter": self.actor.eval_adapter,
+            "bound": self.actor.bound,
+        }
 
     def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], int]:
         return self.actor.train_step(batch), self.actor.version
@@ -312,6 +326,7 @@ class RemoteActor:
         self.host = host
         info = _get(host.info.remote())
         self.version, self._eval_adapter = info["version"], info["eval_adapter"]
+        self.bound = info["bound"]  # the modules its adapter is on (the bound-module gate)
 
     @property
     def eval_adapter(self) -> str:
@@ -478,6 +493,8 @@ def build_ray(cfg: Config) -> Engines:
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
         actor = RemoteActor(actor_host)
+        # the bound-module gate across hosts: the actor's adapter and the rollout's copy
+        bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:
         shutdown()
         raise
@@ -494,4 +511,5 @@ def build_ray(cfg: Config) -> Engines:
         algorithm,
         info["probe"],
         close=close,
+        bound=bound,
     )

@@ -210,7 +210,8 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
         if start == 0:  # the rollout of iteration 0 runs meanwhile
             eval_m = await run_eval(parts, run, 0)
             probe = parts.probe.cosine if parts.probe else float("nan")
-            run.log(0, {**eval_m, "probe/cosine": probe})
+            bound = parts.bound.as_metrics() if parts.bound else {}  # what the adapter is on
+            run.log(0, {**eval_m, "probe/cosine": probe, **bound})
         steps = range(start, cfg.run.steps)
         bar = tqdm(steps, initial=start, total=cfg.run.steps, desc="diffrl train (async)")
         t_rate = time.time()

@@ -120,7 +120,9 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
     t0, samples, eval_m = time.time() - wall0, 0, {}
     if start == 0:
         eval_m = await run_eval(parts, run, 0)
-        run.log(0, {**eval_m, "probe/cosine": parts.probe.cosine if parts.probe else float("nan")})
+        probe = parts.probe.cosine if parts.probe else float("nan")
+        bound = parts.bound.as_metrics() if parts.bound else {}  # what the adapter is on
+        run.log(0, {**eval_m, "probe/cosine": probe, **bound})
     bar = tqdm(
         range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train",
         disable=not parts.ranks.primary,
