@@ -53,6 +53,7 @@ from diffrl.models.registry import load_model
 from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.bound import check_bound
+from diffrl.sync.receipt import SyncReceipt, expected_of
 from diffrl.sync.weights import SyncReport, WeightUpdate
 from diffrl.tasks import build_task, prompt_source
 from diffrl.types import PromptBatch, ScoredBatch, TrainBatch, Trajectory, to_device
@@ -155,6 +156,9 @@ class RolloutHost(Host):
         # runs on the host's event loop between batches: the controller never syncs mid-batch
         return self.engines[which].load_weights(update)
 
+    async def receipt(self, which: str) -> SyncReceipt:
+        return self.engines[which].receipt()
+
 
 class RewardHost(Host):
     def build(self, cfg: Config, threads: int) -> None:
@@ -203,7 +207,14 @@ class ActorHost(Host):
         self.actor.update_old(decay)
 
     def export_weights(self, adapter: str) -> WeightUpdate:
-        return self.actor.export_weights(adapter)
+        update = self.actor.export_weights(adapter)
+        self.last_sent = (update.version, expected_of(update))  # what its receipt must show
+        return update
+
+    def sent(self) -> tuple[int, dict]:
+        """The last exported update's version and expected receipt (small: the controller
+        checks the rollout's receipt against it without fetching the update)."""
+        return self.last_sent
 
     def adapter_tensors(self) -> dict:
         return self.actor.adapter_tensors()
@@ -248,6 +259,10 @@ class RemoteWeights:
     ``export_weights`` returns); the rollout host fetches it itself."""
 
     ref: Any
+    sent_ref: Any = None  # (version, expected receipt), computed by the actor host
+
+    def sent(self) -> tuple[int, dict]:
+        return _get(self.sent_ref)
 
 
 class RemoteRollout:
@@ -301,6 +316,9 @@ class RemoteRollout:
         self.version = report.version
         return report
 
+    def receipt(self) -> SyncReceipt:
+        return _get(self.host.receipt.remote(self.which))
+
 
 class RemoteRewards:
     """The scorer pool on a ``RewardHost``, as ``RewardEngineProtocol``."""
@@ -350,7 +368,9 @@ class RemoteActor:
         _get(self.host.update_old.remote(decay))
 
     def export_weights(self, adapter: str = "default") -> RemoteWeights:
-        return RemoteWeights(self.host.export_weights.remote(adapter))
+        # the host runs one call at a time, in order: sent() describes this export
+        ref = self.host.export_weights.remote(adapter)
+        return RemoteWeights(ref, self.host.sent.remote())
 
     def adapter_tensors(self) -> dict:
         return _get(self.host.adapter_tensors.remote())

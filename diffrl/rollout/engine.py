@@ -33,6 +33,7 @@ from diffrl.rollout.samplers import (
 )
 from diffrl.rollout.scheduler import ContinuousBatcher
 from diffrl.sync.bound import bound_of, linear_weights
+from diffrl.sync.receipt import SyncReceipt, receipt_of
 from diffrl.sync.weights import (
     BasePrints,
     MergedLoraTarget,
@@ -259,6 +260,13 @@ class RolloutEngine:
         report = self.target.apply(update)
         self.version = update.version
         return report
+
+    def receipt(self) -> SyncReceipt:
+        """What this rollout holds now, for the sender to check a sync by
+        (``diffrl/sync/receipt.py``)."""
+        if self.shared:
+            raise SyncError("this rollout engine shares the actor's model: it has no copy to sync")
+        return receipt_of(self.target, self.version)
 
     async def stream(
         self,
