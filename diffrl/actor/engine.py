@@ -352,7 +352,7 @@ class ActorEngine:
         self.masters: dict[Tensor, Tensor] = {}  # LoRA factor -> its fp32 master (bf16 compute)
         # the precision the policy's forward computes in (the first-step gate's default
         # threshold depends on it), and whether that gate has run in this process
-        base_dtype = next(p.dtype for p in model.parameters())
+        base_dtype = next(p.dtype for n, p in self.model.named_parameters() if "lora_" not in n)
         self.compute_dtype = torch.bfloat16 if cfg.autocast == "bfloat16" else base_dtype
         self.gated = False
         self._init_precision(model)
