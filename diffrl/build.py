@@ -32,6 +32,7 @@ from diffrl.parallel.launch import stop as stop_ranks
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.rollout.samplers import euler_step, sigma_schedule
+from diffrl.sync.bound import BoundReport, check_bound, match_targets
 from diffrl.tasks import PromptSet, PromptSource, Task, build_task, prompt_source
 from diffrl.tasks.base import ConditionedTask, ProbeData
 
@@ -57,6 +58,8 @@ class Engines:
     # the other processes of a torchrun launch (parallel/launch.py): who writes the run
     # directory, metrics averaged over ranks, a stop any rank saw. One process: SOLO
     ranks: Ranks = SOLO
+    # the bound-module gate's counts (diffrl/sync/bound.py): what the adapter is on
+    bound: BoundReport | None = None
 
     async def aclose(self) -> None:
         if self.close is not None:
@@ -289,6 +292,7 @@ def build(cfg: Config) -> Engines:
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced=set(side.rollout.produces))
     actor = actor_side(cfg, side.base, device, ranks)
+    bound = check_bound(actor_targets(cfg), side.base.family.name, actor.bound, side.rollout.bound)
 
     async def close() -> None:
         try:
@@ -310,6 +314,7 @@ def build(cfg: Config) -> Engines:
         side.probe,
         close=close,
         ranks=ranks,
+        bound=bound,
     )
 
 
@@ -329,12 +334,9 @@ def actor_with_horizon(cfg: Config) -> ActorConfig:
 
 
 def expanded_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
-    """Suffix targets ("attn.to_q") -> the full module names the rollout must receive."""
-    names = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in targets)
-    ]
-    if not names:
-        raise ConfigError(f"LoRA targets {targets} match no Linear module of the model")
-    return names
+    """Suffix targets ("attn.to_q") -> the full module names the rollout must receive; every
+    suffix must match a Linear (``BoundModuleError`` names the family and the suffix)."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    family = getattr(getattr(model, "family", None), "name", type(model).__name__)
+    chosen = set().union(*match_targets(linears, targets, family, "rollout copy").values())
+    return [n for n in linears if n in chosen]  # in the model's module order

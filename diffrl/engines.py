@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from diffrl.channel import Channel
+from diffrl.sync.receipt import SyncReceipt
 from diffrl.sync.weights import SyncReport, WeightUpdate
 from diffrl.types import PromptBatch, ScoredBatch, TrainBatch, Trajectory
 
@@ -36,6 +37,8 @@ class RolloutEngineProtocol(Protocol):
     async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory: ...
 
     def load_weights(self, update: WeightUpdate) -> SyncReport: ...  # verifies or raises
+
+    def receipt(self) -> SyncReceipt: ...  # what it holds now (the sender checks each sync)
 
 
 @runtime_checkable

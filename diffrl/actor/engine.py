@@ -27,6 +27,7 @@ from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, hash_rows
 from diffrl.parallel.launch import all_reduced
+from diffrl.sync.bound import bound_of
 from diffrl.sync.weights import BasePrints, LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
 
@@ -206,6 +207,9 @@ class PendingStep:
     diagnostics: dict[str, float] = field(default_factory=dict)
     rows: int = 0  # rows this process trained
     passes: int = 0  # micro-batch passes made (a lockstep rank's spare passes included)
+    # loss metrics named "*_max": the largest over the step's micro-batches, not a weighted
+    # mean (e.g. FlowGRPO's check/logp_gap_max)
+    maxima: dict = field(default_factory=dict)
 
 
 # One pass: (rows to take ``index`` from, index, weight of its loss in the step)
@@ -346,14 +350,21 @@ class ActorEngine:
         if missing or not self.layers:
             raise DiffrlError(f"LoRA targets {missing or targets} matched no module of the model")
         self.masters: dict[Tensor, Tensor] = {}  # LoRA factor -> its fp32 master (bf16 compute)
+        # the precision the policy's forward computes in (the first-step gate's default
+        # threshold depends on it), and whether that gate has run in this process
+        base_dtype = next(p.dtype for n, p in self.model.named_parameters() if "lora_" not in n)
+        self.compute_dtype = torch.bfloat16 if cfg.autocast == "bfloat16" else base_dtype
+        self.gated = False
         self._init_precision(model)
         for name in self.frozen:  # == default at start (peft inits A randomly per adapter)
             self.blend(name, decay=0.0)
         # the frozen base's row prints, sent with every update so the rollout can check where
         # its serving layout put each trained row (taken before any sharding: whole weights)
-        self.base_prints = BasePrints.of(
-            {name: _weight(layer.get_base_layer()) for name, layer in self.layers.items()}
-        )
+        base_weights = {n: _weight(layer.get_base_layer()) for n, layer in self.layers.items()}
+        self.base_prints = BasePrints.of(base_weights)
+        # the modules the adapter is on, whole (before sharding): the actor's half of the
+        # bound-module gate (diffrl/sync/bound.py)
+        self.bound = bound_of(base_weights)
         self.compiled = compile_blocks(model, "actor.compile") if cfg.compile else 0
         if shard is not None:
             shard(self.model)
@@ -503,7 +514,8 @@ class ActorEngine:
             st.diagnostics = self._diagnostics(part)
         passes = self.reduction.passes(part, self.cfg.micro_batch, st.expected)
         for rows, index, w in passes or ():
-            st.total = self._backward(self._on_device(rows, index), w, st.total, st.metrics)
+            mb = self._on_device(rows, index)
+            st.total = self._backward(mb, w, st.total, st.metrics, st.maxima)
             st.passes += 1
         st.rows += len(part)
 
@@ -514,7 +526,7 @@ class ActorEngine:
         if st.passes == 0:
             return {"actor/skipped_empty": 1.0}
         total, metrics = self.reduction.combine(self.params, st)
-        out = {**st.diagnostics, **self._update(total, metrics)}
+        out = {**st.diagnostics, **self._update(total, {**metrics, **st.maxima})}
         if self.device.type == "cpu":  # the step's activations were host memory
             release_host_memory()
         return out
@@ -533,11 +545,19 @@ class ActorEngine:
             return {}
         mb = self._on_device(batch, torch.arange(min(len(batch), self.cfg.micro_batch)))
         with torch.no_grad():
-            return host_floats(self.algorithm.diagnostics(self, mb, self.algo_cfg))
+            out = host_floats(self.algorithm.diagnostics(self, mb, self.algo_cfg))
+        gate = self.algorithm.first_step_gate
+        if not self.gated and gate is not None:  # this process's first step, before any update
+            self.gated = True
+            gate(out, self.algo_cfg, self.compute_dtype)
+        return out
 
-    def _backward(self, mb: TrainBatch, w: float, total: Tensor, metrics: dict) -> Tensor:
+    def _backward(
+        self, mb: TrainBatch, w: float, total: Tensor, metrics: dict, maxima: dict | None = None
+    ) -> Tensor:
         """One micro-batch's loss, back-propagated with weight ``w`` (its share of the
-        optimizer step's rows); adds its weighted loss and metrics to the step's sums."""
+        optimizer step's rows); adds its weighted loss and metrics to the step's sums, and
+        keeps the largest of its "*_max" metrics in ``maxima``."""
         if self.algorithm.partial_backward:  # one timestep's graph at a time
 
             def part_backward(part: Tensor, w: float = w) -> None:
@@ -551,6 +571,10 @@ class ActorEngine:
             (loss * w).backward()
             self._fold_grads()
         for k, v in m.items():
+            if k.endswith("_max") and maxima is not None:
+                if w > 0:  # a lockstep rank's spare pass (weight 0) is not one of its rows
+                    maxima[k] = v if k not in maxima else _larger(maxima[k], v)
+                continue
             metrics[k] = metrics.get(k, 0.0) + v * w
         return total + loss.detach().float() * w
 
@@ -673,3 +697,10 @@ def _weight(module: torch.nn.Module) -> Tensor:
     if not isinstance(weight, Tensor):
         raise DiffrlError(f"LoRA wraps {type(module).__name__}, which has no weight tensor")
     return weight
+
+
+def _larger(a: Tensor | float, b: Tensor | float) -> Tensor | float:
+    """max(a, b) without a host sync when both are device tensors."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return torch.maximum(a, b.to(a.device))
+    return max(float(a), float(b))

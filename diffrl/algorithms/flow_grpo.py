@@ -26,6 +26,7 @@ forward per group and spreads it over the members: the same loss and gradient, f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ from diffrl.algorithms.registry import (
     per_forward,
     register_algorithm,
 )
-from diffrl.errors import check, check_choice
+from diffrl.errors import ContractError, check, check_choice
 from diffrl.models.family import broadcast
 from diffrl.rollout.samplers import STOCHASTIC_STEPS, guided_velocity
 from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
@@ -72,6 +73,12 @@ class GRPOConfig(AlgorithmConfig):
     # reference does not change within an update). 0 = one reference forward per step beside
     # the policy's, as a diffusers training script does (the bench baseline)
     ref_rows: int = 32
+    # the first-step gate: on this process's first update, before it changes any weight, the
+    # rollout's and the policy's log-probs of the first trained step (the first micro-batch)
+    # may differ by at most this much (log-probs are means over the latent's dimensions), and
+    # the importance ratio by at most expm1 of it. 0 = the default for the policy's compute
+    # dtype (FIRST_STEP_MAX_GAP); < 0 = off
+    first_step_max_gap: float = 0.0
 
     def validate(self) -> None:
         check(self.clip_range > 0, "clip_range", self.clip_range, "must be > 0")
@@ -205,13 +212,20 @@ def loss(
     steps = host_to_device(train_steps(sde_steps, n, cfg, gen), batch.x0.device)  # (n, k)
     total = batch.x0.new_zeros(())
     m: Metrics = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
+    # |log ratio| per trained (sample, step): the rollout-vs-train gap before the step's
+    # optimizer step (actor.minibatches = 1), logged, never used in the loss
+    m["check/logp_gap_mean"], gap_max = 0.0, rollout_logp.new_zeros((), device=batch.x0.device)
     refs = None
     if cfg.kl_coef > 0 and cfg.ref_rows > 0:
         refs = reference_means(policy, batch, steps, cfg.ref_rows)
     for c in range(steps.shape[1]):
         j = steps[:, c]
         logp, mean, std = step_logprob(policy, batch, j)
-        ratio = torch.exp(logp - rollout_logp[torch.arange(n, device=j.device), j])
+        log_ratio = logp - rollout_logp[torch.arange(n, device=j.device), j]
+        ratio = torch.exp(log_ratio)
+        gap = log_ratio.detach().abs()
+        m["check/logp_gap_mean"] += gap.mean() / steps.shape[1]
+        gap_max = torch.maximum(gap_max, gap.max().to(gap_max))
         step_loss = clipped_objective(ratio, adv, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
             if refs is not None:
@@ -227,6 +241,7 @@ def loss(
         r = ratio.detach()
         m["grpo/clip_frac"] += ((r - 1).abs() > cfg.clip_range).float().mean() / steps.shape[1]
         m["grpo/ratio_dev"] += (r - 1).abs().mean() / steps.shape[1]
+    m["check/logp_gap_max"] = gap_max  # the actor keeps the largest over the step
     return total, m
 
 
@@ -258,8 +273,49 @@ def consistency(policy: Policy, batch: TrainBatch, cfg: GRPOConfig) -> dict[str,
     assert mask is not None and rollout_logp is not None, NO_PATH
     j0 = int(mask.nonzero()[0])
     logp, _, _ = step_logprob(policy, batch, torch.full((len(batch),), j0, device=batch.x0.device))
-    diff = (logp - rollout_logp[:, j0].to(logp)).abs()
-    return {"grpo/logp_diff_max": float(diff.max()), "grpo/logp_diff_mean": float(diff.mean())}
+    log_ratio = logp - rollout_logp[:, j0].to(logp)
+    diff = log_ratio.abs()
+    return {
+        "grpo/logp_diff_max": float(diff.max()),
+        "grpo/logp_diff_mean": float(diff.mean()),
+        "grpo/ratio_dev_first": float(torch.expm1(log_ratio).abs().max()),
+    }
+
+
+class FirstStepGap(ContractError):
+    """On the first step, before any update, training does not reproduce the rollout's
+    log-probs: the importance ratio is not 1."""
+
+
+# The first-step gate's default threshold per compute dtype. Measured on the CPU, first SDE
+# steps of every tiny preset and of sd3-shapes (docs/contracts.md): fp32 reproduces the
+# rollout's log-probs to 0, or to 6e-8 when rollout and training batch differently; bf16 to at
+# most 6e-3. The defaults leave ~1000x and ~8x of room; real-size models on a GPU were not
+# measured (algorithm.first_step_max_gap sets the threshold)
+FIRST_STEP_MAX_GAP = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def first_step_gate(diag: dict[str, float], cfg: GRPOConfig, dtype: torch.dtype) -> None:
+    """Raise FirstStepGap unless the first step's rollout-vs-train log-prob gap is under the
+    threshold and the ratio is 1 within expm1 of it (a NaN fails)."""
+    limit = cfg.first_step_max_gap or FIRST_STEP_MAX_GAP.get(
+        dtype, FIRST_STEP_MAX_GAP[torch.float32]
+    )
+    if limit < 0:
+        return
+    gap, ratio_dev = diag["grpo/logp_diff_max"], diag["grpo/ratio_dev_first"]
+    ratio_tol = math.expm1(limit)
+    if not (gap <= limit and ratio_dev <= ratio_tol):
+        raise FirstStepGap(
+            f"first FlowGRPO step, before any update: the policy's log-prob of the rollout's "
+            f"first SDE step differs from the rollout's by {gap:.3g} (max over the first "
+            f"micro-batch; mean {diag['grpo/logp_diff_mean']:.3g}), threshold {limit:.3g} "
+            f"for {str(dtype).removeprefix('torch.')}; importance ratio off 1 by "
+            f"{ratio_dev:.3g} (tolerance {ratio_tol:.3g}). Rollout and training disagree: "
+            "the rollout samples with other weights (a sync not applied), other sampler "
+            "settings, or non-deterministic kernels. algorithm.first_step_max_gap sets the "
+            "threshold (< 0: off)"
+        )
 
 
 def train_cost(cfg: GRPOConfig, batch: TrainBatch) -> TrainCost:
@@ -288,6 +344,7 @@ ALGORITHM = register_algorithm(
         train_cost=train_cost,
         needs_logprobs=True,
         diagnostics=consistency,
+        first_step_gate=first_step_gate,
         partial_backward=True,
     )
 )

@@ -13,6 +13,8 @@ plus pure functions of it:
   train_cost(cfg, batch) -> TrainCost              forwards and backwards per trained sample
                                                    (``diffrl bench``'s FLOP model)
   diagnostics(policy, batch, cfg) -> metrics       optional, before the update (no grad)
+  first_step_gate(diagnostics, cfg, dtype)         optional, on the first step's diagnostics:
+                                                   raises when rollout and training disagree
 and what it needs of the rest of the run, as data (``needs_logprobs``, the config's
 ``whole_batch_keys``), which ``Algorithm.validate`` checks against the run's config.
 """
@@ -209,6 +211,9 @@ class Algorithm(Generic[C]):
     # diagnostics(policy, batch, cfg) -> metrics, run by the actor (no grad) before the
     # update, with the weights the rollout used (e.g. FlowGRPO's log-prob consistency)
     diagnostics: Callable[[Policy, TrainBatch, C], dict[str, float]] | None = None
+    # first_step_gate(diagnostics, cfg, compute dtype), run by the actor on the diagnostics of
+    # its first step (before any update): raises when rollout and training disagree
+    first_step_gate: Callable[[dict[str, float], C, torch.dtype], None] | None = None
 
     def validate(self, cfg: Setup) -> None:
         """What this algorithm needs of the rest of the run, checked before any work: the

@@ -38,13 +38,22 @@ from typing import Any
 
 import torch
 
-from diffrl.build import Engines, actor_side, check_config, rollout_side, setup_process
+from diffrl.build import (
+    Engines,
+    actor_side,
+    actor_targets,
+    check_config,
+    rollout_side,
+    setup_process,
+)
 from diffrl.channel import Channel
 from diffrl.config import Config
 from diffrl.errors import ConfigError, DiffrlError
 from diffrl.models.registry import load_model
 from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
+from diffrl.sync.bound import check_bound
+from diffrl.sync.receipt import SyncReceipt, expected_of
 from diffrl.sync.weights import SyncReport, WeightUpdate
 from diffrl.tasks import build_task, prompt_source
 from diffrl.types import PromptBatch, ScoredBatch, TrainBatch, Trajectory, to_device
@@ -119,6 +128,8 @@ class RolloutHost(Host):
             "eval_set": s.eval_set,
             "probe": s.probe,
             "produces": frozenset(s.rollout.produces),
+            "family": s.base.family.name,
+            "bound": s.rollout.bound,
         }
 
     async def stream(self, which: str, prompts: PromptBatch, seed: int, kw: dict):
@@ -144,6 +155,9 @@ class RolloutHost(Host):
     async def load_weights(self, which: str, update: WeightUpdate) -> SyncReport:
         # runs on the host's event loop between batches: the controller never syncs mid-batch
         return self.engines[which].load_weights(update)
+
+    async def receipt(self, which: str) -> SyncReceipt:
+        return self.engines[which].receipt()
 
 
 class RewardHost(Host):
@@ -171,7 +185,11 @@ class ActorHost(Host):
         self.actor = actor_side(cfg, load_model(cfg.model, device), device)
 
     def describe(self) -> dict:
-        return {"version": self.actor.version, "eval_adapter": self.actor.eval_adapter}
+        return {
+            "version": self.actor.version,
+            "eval_adapter": self.actor.eval_adapter,
+            "bound": self.actor.bound,
+        }
 
     def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], int]:
         return self.actor.train_step(batch), self.actor.version
@@ -189,7 +207,14 @@ class ActorHost(Host):
         self.actor.update_old(decay)
 
     def export_weights(self, adapter: str) -> WeightUpdate:
-        return self.actor.export_weights(adapter)
+        update = self.actor.export_weights(adapter)
+        self.last_sent = (update.version, expected_of(update))  # what its receipt must show
+        return update
+
+    def sent(self) -> tuple[int, dict]:
+        """The last exported update's version and expected receipt (small: the controller
+        checks the rollout's receipt against it without fetching the update)."""
+        return self.last_sent
 
     def adapter_tensors(self) -> dict:
         return self.actor.adapter_tensors()
@@ -234,6 +259,10 @@ class RemoteWeights:
     ``export_weights`` returns); the rollout host fetches it itself."""
 
     ref: Any
+    sent_ref: Any = None  # (version, expected receipt), computed by the actor host
+
+    def sent(self) -> tuple[int, dict]:
+        return _get(self.sent_ref)
 
 
 class RemoteRollout:
@@ -287,6 +316,9 @@ class RemoteRollout:
         self.version = report.version
         return report
 
+    def receipt(self) -> SyncReceipt:
+        return _get(self.host.receipt.remote(self.which))
+
 
 class RemoteRewards:
     """The scorer pool on a ``RewardHost``, as ``RewardEngineProtocol``."""
@@ -312,6 +344,7 @@ class RemoteActor:
         self.host = host
         info = _get(host.info.remote())
         self.version, self._eval_adapter = info["version"], info["eval_adapter"]
+        self.bound = info["bound"]  # the modules its adapter is on (the bound-module gate)
 
     @property
     def eval_adapter(self) -> str:
@@ -335,7 +368,9 @@ class RemoteActor:
         _get(self.host.update_old.remote(decay))
 
     def export_weights(self, adapter: str = "default") -> RemoteWeights:
-        return RemoteWeights(self.host.export_weights.remote(adapter))
+        # the host runs one call at a time, in order: sent() describes this export
+        ref = self.host.export_weights.remote(adapter)
+        return RemoteWeights(ref, self.host.sent.remote())
 
     def adapter_tensors(self) -> dict:
         return _get(self.host.adapter_tensors.remote())
@@ -478,6 +513,8 @@ def build_ray(cfg: Config) -> Engines:
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
         actor = RemoteActor(actor_host)
+        # the bound-module gate across hosts: the actor's adapter and the rollout's copy
+        bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:
         shutdown()
         raise
@@ -494,4 +531,5 @@ def build_ray(cfg: Config) -> Engines:
         algorithm,
         info["probe"],
         close=close,
+        bound=bound,
     )

@@ -58,6 +58,7 @@ from diffrl.controller.step import (
     rollout_and_score,
     run_eval,
 )
+from diffrl.sync.receipt import load_verified
 from diffrl.sync.weights import WeightUpdate
 from diffrl.types import ScoredBatch
 
@@ -98,7 +99,7 @@ class Clock:
         if self.pending is None:
             return {}
         update, self.pending = self.pending, None
-        return parts.rollout.load_weights(update).as_metrics()
+        return load_verified(parts.rollout, update)
 
     async def notify(self) -> None:
         async with self.changed:
@@ -200,7 +201,7 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)  # in-flight rollouts are not saved: they are redone
     first_plan = parts.algorithm.weight_plan(start + 1, cfg.algorithm)
-    parts.rollout.load_weights(parts.actor.export_weights(first_plan.rollout_adapter))
+    load_verified(parts.rollout, parts.actor.export_weights(first_plan.rollout_adapter))
     clock = Clock(start, parts.actor.version, cfg.run.max_staleness, cfg.run.steps)
     bound = Staleness(cfg.run.max_staleness, keep=cfg.run.stale in ("keep", "correct"))
     channel = Channel()  # unbounded: the gate bounds how far the rollout runs ahead
@@ -209,7 +210,8 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
     try:
         if start == 0:  # the rollout of iteration 0 runs meanwhile
             eval_m = await run_eval(parts, run, 0)
-            run.log(0, {**eval_m, **parts.probe.metrics()})
+            lora = parts.bound.as_metrics() if parts.bound else {}  # what the adapter is on
+            run.log(0, {**eval_m, **parts.probe.metrics(), **lora})
         steps = range(start, cfg.run.steps)
         bar = tqdm(steps, initial=start, total=cfg.run.steps, desc="diffrl train (async)")
         t_rate = time.time()

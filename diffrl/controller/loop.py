@@ -6,6 +6,7 @@ the other.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from diffrl.backends import build_engines
@@ -18,6 +19,8 @@ MODES = {"sync": train_sync, "async": train_async}  # run.mode -> its loop
 
 async def train(cfg: Config) -> Path:
     parts = build_engines(cfg)
+    if parts.bound is not None and parts.ranks.primary:  # once per run, before any work
+        print(f"diffrl: {parts.bound.line()}", file=sys.stderr)
     try:
         return await MODES[cfg.run.mode](cfg, parts)
     finally:  # scorer clients, remote engines: released however the run ends

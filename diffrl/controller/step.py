@@ -18,6 +18,7 @@ from diffrl.channel import Channel
 from diffrl.controller.run_dir import RunDir
 from diffrl.hostmem import peak_rss_bytes
 from diffrl.reward.pool import reward_summary
+from diffrl.sync.receipt import load_verified
 from diffrl.types import ScoredBatch
 
 # receives each scored micro-batch of a step as it is ready (run.stream_train trains it)
@@ -84,7 +85,7 @@ async def run_eval(parts: Engines, run: RunDir, step: int) -> dict[str, float]:
 async def evaluate_adapter(parts: Engines, adapter: str):
     """The task's held-out evaluation of one adapter: fixed prompts and noise, ODE sampling."""
     cfg = parts.cfg
-    parts.evaluator.load_weights(parts.actor.export_weights(adapter))
+    load_verified(parts.evaluator, parts.actor.export_weights(adapter), "evaluator")
     prompts = parts.eval_set.all()
     first, mine = parts.ranks.share(len(prompts))  # under torchrun, this rank's prompts
     traj = None

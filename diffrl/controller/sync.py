@@ -38,6 +38,7 @@ from diffrl.controller.step import (
     rollout_and_score,
     run_eval,
 )
+from diffrl.sync.receipt import load_verified
 from diffrl.types import ScoredBatch
 
 
@@ -97,7 +98,7 @@ def apply_plan(parts: Engines, plan: WeightPlan) -> dict[str, float]:
         parts.actor.update_old(plan.refresh_old)
     if not plan.sync:
         return {}
-    return parts.rollout.load_weights(parts.actor.export_weights(plan.rollout_adapter)).as_metrics()
+    return load_verified(parts.rollout, parts.actor.export_weights(plan.rollout_adapter))
 
 
 def prefetch_next(parts: Engines, step: int, plan: WeightPlan) -> asyncio.Task | None:
@@ -116,11 +117,12 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)
     plan_of = lambda k: parts.algorithm.weight_plan(k, cfg.algorithm)  # noqa: E731
-    parts.rollout.load_weights(parts.actor.export_weights(plan_of(start + 1).rollout_adapter))
+    load_verified(parts.rollout, parts.actor.export_weights(plan_of(start + 1).rollout_adapter))
     t0, samples, eval_m = time.time() - wall0, 0, {}
     if start == 0:
         eval_m = await run_eval(parts, run, 0)
-        run.log(0, {**eval_m, **parts.probe.metrics()})
+        lora = parts.bound.as_metrics() if parts.bound else {}  # what the adapter is on
+        run.log(0, {**eval_m, **parts.probe.metrics(), **lora})
     bar = tqdm(
         range(start, cfg.run.steps), initial=start, total=cfg.run.steps, desc="diffrl train",
         disable=not parts.ranks.primary,

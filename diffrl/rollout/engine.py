@@ -32,6 +32,8 @@ from diffrl.rollout.samplers import (
     tree_noise_blocks,
 )
 from diffrl.rollout.scheduler import ContinuousBatcher
+from diffrl.sync.bound import bound_of, linear_weights
+from diffrl.sync.receipt import SyncReceipt, receipt_of
 from diffrl.sync.weights import (
     BasePrints,
     MergedLoraTarget,
@@ -226,6 +228,9 @@ class RolloutEngine:
         # the trained modules' base rows as they are before the serving layout moves them: the
         # anchor the slot map is checked against, here and against the actor's on each sync
         base_prints = BasePrints.of_model(self.model, lora_targets)
+        # what updates merge into, named and shaped before the serving layout: the rollout's
+        # half of the bound-module gate (diffrl/sync/bound.py), compared with the actor's
+        self.bound = bound_of(linear_weights(self.model, lora_targets))
         slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
         self.target = MergedLoraTarget(
             self.model, lora_targets, slot_map, cfg.base_copy, base_prints
@@ -255,6 +260,13 @@ class RolloutEngine:
         report = self.target.apply(update)
         self.version = update.version
         return report
+
+    def receipt(self) -> SyncReceipt:
+        """What this rollout holds now, for the sender to check a sync by
+        (``diffrl/sync/receipt.py``)."""
+        if self.shared:
+            raise SyncError("this rollout engine shares the actor's model: it has no copy to sync")
+        return receipt_of(self.target, self.version)
 
     async def stream(
         self,

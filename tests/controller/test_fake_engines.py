@@ -22,6 +22,7 @@ from diffrl.controller.run_dir import read_metrics
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
 from diffrl.models.family import TokenBatch, hash_rows
 from diffrl.models.probe import ProbeResult
+from diffrl.sync.receipt import SyncReceipt, expected_of
 from diffrl.sync.weights import LoraDelta, SyncError, SyncReport, WeightUpdate
 from diffrl.tasks import EvalResult, Prompt, PromptSet, PromptSource
 from diffrl.types import (
@@ -80,7 +81,12 @@ class FakeRollout:
             raise SyncError(f"stale weight update v{update.version} < current v{self.version}")
         self.version, self.weights = update.version, float(update.deltas["w"].a)
         self.loads.append((update.adapter, update.version, self.weights))
+        self.held = expected_of(update)  # it holds what it loaded
         return SyncReport(update.version, update.adapter, 1, 1, 0.0)
+
+    def receipt(self) -> SyncReceipt:
+        zero = {k: torch.zeros_like(v) for k, v in self.held.items()}
+        return SyncReceipt(self.version, self.held, zero)
 
     async def stream(
         self, prompts: PromptBatch, seed: int, channel: Channel, *, iteration: int = 0, **kw

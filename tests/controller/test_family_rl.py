@@ -125,3 +125,67 @@ def test_two_rl_steps(tiny_dir, algorithm, tmp_path):
     b = [t for k, t in adapters.items() if ".lora_B.default." in k]
     assert b and any(t.abs().sum() > 0 for t in b)
     assert json.loads((ckpt / "controller.json").read_text())["step"] == 2
+
+
+def _no_op_apply(update):
+    from diffrl.sync.weights import SyncReport
+
+    n = len(update.deltas)
+    return SyncReport(update.version, update.adapter, n, n, 0.0)
+
+
+@pytest.mark.parametrize("fault", ["rollout_logprobs", "rollout_left_on_base"])
+def test_injected_faults_stop_the_first_step(tiny_dir, fault, tmp_path):
+    """On every family: rollout log-probs off by 0.01 stop FlowGRPO's first step before its
+    update (FirstStepGap), and a rollout whose merge does nothing stops the run at the sync
+    after update 1 (the receipt: still on base weights)."""
+    from diffrl.algorithms.flow_grpo import FirstStepGap
+    from diffrl.build import build
+    from diffrl.controller.sync import train_sync
+    from diffrl.sync.weights import SyncError
+
+    family, path = tiny_dir
+    cfg = load_config(
+        None,
+        [
+            f"model.family={family}",
+            f"model.path={path}",
+            *FAMILIES[family][3],
+            "data.task=prompts",
+            "data.prompts_per_step=2",
+            "data.eval_prompts=2",
+            "data.eval_samples_per_prompt=1",
+            "rollout.group_size=4",
+            "rollout.num_steps=3",
+            "rollout.eval_num_steps=2",
+            "reward.scorers=[{name: jpeg_incompressibility}]",
+            "actor.lr=1e-2",
+            "run.steps=2",
+            "run.tensorboard=false",
+            f"run.out_dir={tmp_path}",
+            *ALGORITHMS["flow_grpo"],
+        ],
+    )
+    parts = build(cfg)
+    if fault == "rollout_logprobs":
+        sample = parts.rollout._sample
+
+        def perturbed(*args, **kw):
+            x0, latents, log_probs = sample(*args, **kw)
+            return x0, latents, log_probs + 0.01
+
+        parts.rollout._sample = perturbed
+        error, match = FirstStepGap, r"differs from the rollout's by 0\.01"
+    else:
+        parts.rollout.target.apply = _no_op_apply
+        error, match = SyncError, "after update v1: .* still on its base weights"
+
+    async def run():
+        try:
+            await train_sync(cfg, parts)
+        finally:
+            await parts.aclose()
+
+    with pytest.raises(error, match=match):
+        asyncio.run(run())
+    assert parts.actor.version == (0 if fault == "rollout_logprobs" else 1)
