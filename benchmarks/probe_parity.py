@@ -40,7 +40,7 @@ SMOKE = {
 STEPS, SHIFT = 10, 3.0  # the image and video recipes' rollout (num_steps, shift)
 
 
-def run_one(preset: str) -> dict:
+def run_one(preset: str, dtype: str) -> dict:
     from diffrl.build import reconstruction_probe
     from diffrl.models.probe import pipeline_parity
     from diffrl.models.registry import ModelConfig, load_model
@@ -52,11 +52,11 @@ def run_one(preset: str) -> dict:
     res, frames = {**SHAPE, **SMOKE}[preset]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t = time.perf_counter()
-    dtype = "bfloat16" if cuda else "float32"
+    dtype = dtype or ("bfloat16" if cuda else "float32")
     model = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res, frames=frames), dev)
     sync()
     build_s = time.perf_counter() - t
-    row = {"preset": preset, "build_s": round(build_s, 2), "device": str(dev)}
+    row = {"preset": preset, "dtype": dtype, "build_s": round(build_s, 2), "device": str(dev)}
     row["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
     t = time.perf_counter()
     report = pipeline_parity(model, sigma_schedule, euler_step, STEPS, SHIFT, "a red bicycle")
@@ -84,14 +84,15 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="the tiny presets on the CPU")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)  # the per-preset child
     p.add_argument("--timeout", type=int, default=540)
+    p.add_argument("--dtype", default="", help="bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.one:
-        print("ROW " + json.dumps(run_one(args.one)), flush=True)
+        print("ROW " + json.dumps(run_one(args.one, args.dtype)), flush=True)
         return
     presets = list(SMOKE) if args.smoke else args.presets
     for preset in presets:
-        cmd = [sys.executable, __file__, "--one", preset]
+        cmd = [sys.executable, __file__, "--one", preset, "--dtype", args.dtype]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             rows = [ln[4:] for ln in done.stdout.splitlines() if ln.startswith("ROW ")]

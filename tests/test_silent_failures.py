@@ -16,9 +16,11 @@ from diffrl.build import build
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
+from diffrl.controller.sync import train_sync
 from diffrl.errors import ContractError
 from diffrl.models.registry import FAMILIES
-from diffrl.sync.weights import Slot, SlotMap, SyncError
+from diffrl.sync.bound import BoundModuleError
+from diffrl.sync.weights import Slot, SlotMap, SyncError, SyncReport, WeightUpdate
 from tests.tiny_runs import tiny_run
 
 pytest.importorskip("diffusers")
@@ -151,3 +153,52 @@ def test_the_unbroken_runs_make_their_first_step(tmp_path):
             assert first["probe/cosine"] > 0.5 and first["probe/parity_worst"] is None
         else:  # parity ran (NaN is written as null)
             assert 0.0 <= first["probe/parity_worst"] < 1.0
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_lora_bound_to_nothing_stops_at_start_up(preset, tmp_path):
+    cfg = config(preset, tmp_path, "probe.mode=off", "actor.lora.targets=[attn.to_nothing]")
+    with pytest.raises(BoundModuleError, match=r"attn\.to_nothing"):
+        build(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+# --- faults of the first step ---------------------------------------------------------------
+
+
+def _run(cfg, parts, trained: list[int]) -> None:
+    """Train ``parts`` under ``cfg``, appending to ``trained`` at each actor update."""
+    step = parts.actor.train_step
+    parts.actor.train_step = lambda batch: trained.append(1) or step(batch)
+
+    async def go():
+        try:
+            await train_sync(cfg, parts)
+        finally:
+            await parts.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        parts.actor.train_step = step
+
+
+def _no_op_apply(update: WeightUpdate) -> SyncReport:
+    n = len(update.deltas)
+    return SyncReport(update.version, update.adapter, n, n, 0.0)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_rollout_left_on_base_weights_stops_at_the_first_sync(preset, tmp_path):
+    """The rollout's merge a no-op (its version moves, its weights do not): the sync after
+    update 1 (the first that carries a change; peft's B starts at 0) raises before step 2
+    samples with base weights."""
+    cfg = config(
+        preset, tmp_path, "probe.mode=off", "run.steps=2", "actor.lr=1e-2", "algorithm.old_every=1"
+    )
+    parts = build(cfg)
+    parts.rollout.target.apply = _no_op_apply
+    trained: list[int] = []
+    with pytest.raises(SyncError, match="still on its base weights"):
+        _run(cfg, parts, trained)
+    assert len(trained) == 1  # stopped at the sync after update 1

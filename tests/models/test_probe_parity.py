@@ -121,3 +121,20 @@ def test_an_input_at_its_default_equals_one_left_out():
         compare_calls(_recorded(flag=True), _recorded(), 1e-4, "toy")
     with pytest.raises(ContractError, match="scale: pipeline 2.0, diffrl 1.0"):
         compare_calls(_recorded(scale=2.0), _recorded(), 1e-4, "toy")
+
+
+@pytest.mark.parametrize("preset", ["sd35-tiny", "h3-tiny"])
+def test_bf16_another_text_encoding_raises(preset):
+    """In bfloat16 tensors are judged by their relative rms difference: text states off by one
+    token (a template or drop-index slip) still move the whole tensor."""
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset=preset, dtype="bfloat16"), "cpu")
+    own = model.net.encode_uncached
+
+    def shifted(ids):
+        out = own(ids)
+        return (out[0].roll(1, dims=1), *out[1:])
+
+    model.net.encode_uncached = shifted
+    with pytest.raises(ContractError, match="encoder_hidden_states: rel rms"):
+        pipeline_parity(model, sigma_schedule, euler_step, 10, SHIFT, "a red circle")
