@@ -1,0 +1,128 @@
+"""Contract 3 across ranks (``parallel/drift.py``, ``Ranks.rows_groups``), over 2 gloo ranks.
+
+Under tensor (or sequence) parallelism both ranks compute on the same rows, so they must hold
+the same ids and conditions. Each test spawns the ranks as a ``tp=2`` mesh (``build_meshes``),
+hands each a batch, and records what each rank raised; the parent asserts on both:
+
+- the same batch on both ranks passes;
+- rank 1's ids re-tokenised with its own, consistent hashes (its own check passes): only the
+  comparison across the group sees it, and both ranks raise naming rank 1 and the row;
+- rank 1's ids changed on the way (the data stage's hashes kept): both ranks raise naming it;
+- rank 1's conditioning frame re-encoded differently: both raise naming cond and the row;
+- the actor (``ActorEngine`` given the mesh's ``rows_groups``) refuses before training;
+- with data parallelism alone (no groups) only rank 1 raises, naming "rank 1 of 2".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this torch build",
+)
+
+WORLD = 2
+DEADLINE_S = 60.0  # a rank left waiting in a collective fails here
+
+
+def _batch():
+    from conftest import make_train_batch
+
+    from diffrl.types import hash_cond_rows
+
+    b = make_train_batch(4)
+    cond = torch.linspace(-1, 1, 4 * 2 * 6).view(4, 2, 6)
+    return dataclasses.replace(b, cond=cond, cond_hash=hash_cond_rows(cond))
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    from conftest import make_tiny_model
+
+    from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
+    from diffrl.algorithms.diffusion_nft import NFTConfig
+    from diffrl.algorithms.registry import get_algorithm
+    from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS
+    from diffrl.parallel.dims import ParallelDims, build_meshes
+    from diffrl.parallel.drift import check_tokens_across
+    from diffrl.parallel.launch import Ranks
+    from diffrl.types import check_token_hashes, hash_cond_rows, hash_rows
+
+    init_gloo(rank, WORLD, port, DEADLINE_S)
+    meshes = build_meshes(ParallelDims(dp_shard=1, tp=2, world_size=WORLD), "cpu")
+    groups = Ranks(rank, WORLD, meshes).rows_groups
+    batch = _batch()
+    ids = batch.input_ids.clone()
+    ids[2, 1] += 1
+    frame = batch.cond.clone()
+    frame[3, 1, 0] = 0.5
+    mine = {  # what rank 1 holds in each case; rank 0 always holds the data stage's batch
+        "same": batch,
+        "retokenised": dataclasses.replace(batch, input_ids=ids, ids_hash=hash_rows(ids)),
+        "changed": dataclasses.replace(batch, input_ids=ids),
+        "cond": dataclasses.replace(batch, cond=frame, cond_hash=hash_cond_rows(frame)),
+    }
+    seen: dict[str, str | None] = {"groups": sorted(groups)}
+    for case, held in mine.items():
+        try:
+            check_tokens_across(held if rank == 1 else batch, groups, "the actor")
+            seen[case] = None
+        except Exception as e:  # noqa: BLE001 - the parent asserts on the message
+            seen[case] = f"{type(e).__name__}: {e}"
+
+    actor = ActorEngine(
+        make_tiny_model(0),
+        ActorConfig(lr=1e-2, lora=AdapterConfig(rank=4, alpha=4.0)),
+        list(TINY_DIT_LORA_TARGETS),
+        get_algorithm("diffusion_nft"),
+        NFTConfig(weighting="uniform", timesteps_per_sample=1),
+        torch.device("cpu"),
+        rows_groups=groups,
+    )
+    try:
+        actor.train_step(mine["retokenised"] if rank == 1 else batch)
+        seen["actor"] = None
+    except Exception as e:  # noqa: BLE001
+        seen["actor"] = f"{type(e).__name__}: {e}"
+    seen["actor_version"] = actor.version
+
+    try:  # data parallelism alone: each rank its own rows, no group to compare with
+        check_token_hashes(mine["changed"] if rank == 1 else batch, "the actor")
+        seen["dp"] = None
+    except Exception as e:  # noqa: BLE001
+        seen["dp"] = f"{type(e).__name__}: {e}"
+    finish_rank(Path(out), rank, seen)
+
+
+def test_token_drift_across_a_tp_group(tmp_path: Path) -> None:
+    run_ranks(_worker, WORLD, (free_port(), str(tmp_path)), DEADLINE_S)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for rank, s in enumerate(seen):
+        assert s["groups"] == ["tp"]
+        assert s["same"] is None, s
+        group = rf"token drift at the actor, seen by rank {rank} \(tp group of ranks \[0, 1\]\)"
+        assert s["retokenised"].startswith("ContractError: "), s
+        assert _match(rf"{group}: rank 1 holds other input_ids than rank 0 in rows \[2\]", s)
+        assert _match(
+            rf"{group}: rank 1: input_ids of rows \[2\] changed since the data stage", s, "changed"
+        )
+        assert _match(rf"{group}: rank 1 holds other cond than rank 0 in rows \[3\]", s, "cond")
+        assert _match(r"rank 1 holds other input_ids than rank 0 in rows \[2\]", s, "actor")
+        assert s["actor_version"] == 0  # refused before any update
+    assert seen[0]["dp"] is None
+    assert seen[1]["dp"].startswith(
+        "ContractError: token drift at the actor on rank 1 of 2: input_ids of rows [2]"
+    )
+
+
+def _match(pattern: str, seen: dict, case: str = "retokenised") -> bool:
+    import re
+
+    return seen[case] is not None and re.search(pattern, seen[case]) is not None
