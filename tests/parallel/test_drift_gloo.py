@@ -10,7 +10,8 @@ hands each a batch, and records what each rank raised; the parent asserts on bot
 - rank 1's ids changed on the way (the data stage's hashes kept): both ranks raise naming it;
 - rank 1's conditioning frame re-encoded differently: both raise naming cond and the row;
 - the actor (``ActorEngine`` given the mesh's ``rows_groups``) refuses before training;
-- with data parallelism alone (no groups) only rank 1 raises, naming "rank 1 of 2".
+- with data parallelism alone (no groups) only rank 1 raises, naming "rank 1 of 2";
+- and so does ``diffrl train`` over 2 data-parallel ranks whose rank 1 receives a drifted id.
 """
 
 from __future__ import annotations
@@ -126,3 +127,48 @@ def _match(pattern: str, seen: dict, case: str = "retokenised") -> bool:
     import re
 
     return seen[case] is not None and re.search(pattern, seen[case]) is not None
+
+
+def _dp_train_worker(rank: int, port: int, over: list[str]) -> None:
+    """``diffrl train`` as torchrun's rank ``rank`` of 2 (data parallel); on rank 1 the
+    trajectories reach the controller with one id of row 1 changed."""
+    import asyncio
+    import os
+
+    from diffrl.build import build
+    from diffrl.channel.local import Channel
+    from diffrl.config import load_config
+    from diffrl.controller.sync import train_sync
+    from diffrl.types import Trajectory
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    if rank == 1:
+        put = Channel.put
+
+        async def drifting_put(self, record, version):
+            if isinstance(record, Trajectory):
+                ids = record.prompts.input_ids.clone()
+                ids[1, 0] += 1
+                prompts = dataclasses.replace(record.prompts, input_ids=ids)
+                record = dataclasses.replace(record, prompts=prompts)
+            await put(self, record, version)
+
+        Channel.put = drifting_put  # this rank's process only
+    cfg = load_config("recipes/shapes_nft.yaml", over)
+    parts = build(cfg)
+    asyncio.run(train_sync(cfg, parts))
+
+
+def test_data_parallel_training_stops_on_the_drifted_rank(tiny_checkpoint, tmp_path) -> None:
+    """Under ``diffrl train`` over 2 data-parallel ranks, the rank whose ids drifted raises
+    at its first update, naming itself; the launcher then ends the other rank."""
+    from tiny_runs import tiny_run
+
+    over = tiny_run(tiny_checkpoint, tmp_path, 1, "rollout.num_steps=2", "run.threads=1")
+    message = r"token drift at the actor on rank 1 of 2: input_ids of rows \[1\]"
+    with pytest.raises(Exception, match=message) as err:
+        run_ranks(_dp_train_worker, WORLD, (free_port(), over), DEADLINE_S)
+    assert "ContractError" in str(err.value)
