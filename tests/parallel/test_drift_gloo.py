@@ -1,7 +1,8 @@
 """Contract 3 across ranks (``parallel/drift.py``, ``Ranks.rows_groups``), over 2 gloo ranks.
 
 Under tensor (or sequence) parallelism both ranks compute on the same rows, so they must hold
-the same ids and conditions. Each test spawns the ranks as a ``tp=2`` mesh (``build_meshes``),
+the same ids and conditions. Each test spawns the ranks as a ``tp=2`` or ``sp=2`` mesh
+(``build_meshes``),
 hands each a batch, and records what each rank raised; the parent asserts on both:
 
 - the same batch on both ranks passes;
@@ -44,7 +45,7 @@ def _batch():
     return dataclasses.replace(b, cond=cond, cond_hash=hash_cond_rows(cond))
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, axis: str) -> None:
     from conftest import make_tiny_model
 
     from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
@@ -57,7 +58,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     from diffrl.types import check_token_hashes, hash_cond_rows, hash_rows
 
     init_gloo(rank, WORLD, port, DEADLINE_S)
-    meshes = build_meshes(ParallelDims(dp_shard=1, tp=2, world_size=WORLD), "cpu")
+    meshes = build_meshes(ParallelDims(dp_shard=1, world_size=WORLD, **{axis: 2}), "cpu")
     groups = Ranks(rank, WORLD, meshes).rows_groups
     batch = _batch()
     ids = batch.input_ids.clone()
@@ -102,13 +103,14 @@ def _worker(rank: int, port: int, out: str) -> None:
     finish_rank(Path(out), rank, seen)
 
 
-def test_token_drift_across_a_tp_group(tmp_path: Path) -> None:
-    run_ranks(_worker, WORLD, (free_port(), str(tmp_path)), DEADLINE_S)
+@pytest.mark.parametrize("axis", ["tp", "sp"])
+def test_token_drift_across_a_tp_or_sp_group(axis: str, tmp_path: Path) -> None:
+    run_ranks(_worker, WORLD, (free_port(), str(tmp_path), axis), DEADLINE_S)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for rank, s in enumerate(seen):
-        assert s["groups"] == ["tp"]
+        assert s["groups"] == [axis]
         assert s["same"] is None, s
-        group = rf"token drift at the actor, seen by rank {rank} \(tp group of ranks \[0, 1\]\)"
+        group = rf"token drift at the actor, seen by rank {rank} \({axis} group of ranks \[0, 1\]\)"
         assert s["retokenised"].startswith("ContractError: "), s
         assert _match(rf"{group}: rank 1 holds other input_ids than rank 0 in rows \[2\]", s)
         assert _match(
