@@ -272,6 +272,7 @@ def actor_side(
         cfg.run.seed,
         shard=shard_frozen_base(ranks.meshes.fsdp_mesh) if dp else None,
         dp_group=ranks.dp_group if dp else None,
+        rows_groups=ranks.rows_groups,
     )  # fmt: skip
 
 

@@ -10,9 +10,12 @@ Media that a scorer may need (decoded images, video frames, audio) ride in ``ext
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from diffrl.errors import ContractError
@@ -106,6 +109,7 @@ class PromptBatch:
     # (B, ...) float conditions beyond the text, encoded once in the data stage with the
     # tokens (FL2VA: first/last keyframe latents, (B, 2, C, 1, h, w)); None = text only
     cond: Tensor | None = rows()
+    cond_hash: tuple[str, ...] | None = rows()  # (B,) hash_cond_rows(cond), made with it
 
     def __post_init__(self) -> None:
         n = len(self.texts)
@@ -115,6 +119,10 @@ class PromptBatch:
             raise ValueError("ids_hash and prompt_ids must have one entry per prompt")
         if self.cond is not None and self.cond.shape[0] != n:
             raise ValueError(f"cond must have one row per prompt ({n}), got {self.cond.shape[0]}")
+        if (self.cond is None) != (self.cond_hash is None) or len(self.cond_hash or ()) != (
+            0 if self.cond is None else n
+        ):
+            raise ValueError("cond_hash must hold one hash per row of cond, and exist only with it")
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -124,9 +132,10 @@ class PromptBatch:
         return PromptBatch(
             texts=tuple(t for t in self.texts for _ in range(g)),
             input_ids=self.input_ids.repeat_interleave(g, dim=0),
-            ids_hash=tuple(h for h in self.ids_hash for _ in range(g)),
+            ids_hash=_repeat(self.ids_hash, g),
             prompt_ids=self.prompt_ids.repeat_interleave(g),
             cond=None if self.cond is None else self.cond.repeat_interleave(g, dim=0),
+            cond_hash=None if self.cond_hash is None else _repeat(self.cond_hash, g),
         )
 
     def select(self, index: Tensor) -> PromptBatch:
@@ -223,6 +232,7 @@ class TrainBatch:
     ids_hash: tuple[str, ...] = rows()  # (B,) hashes from the data stage
     x0: Tensor = rows()  # (B, *S) clean samples
     cond: Tensor | None = rows()  # (B, ...) the data stage's conditions beyond the text
+    cond_hash: tuple[str, ...] | None = rows()  # (B,) their hashes from the data stage
     seeds: Tensor = rows()  # (B,) for reproducible training noise
     group: Tensor | None = rows()  # (B,) group id
     optimality: Tensor | None = rows()  # (B,) DiffusionNFT's r in [0, 1]
@@ -268,6 +278,7 @@ def train_batch(scored: ScoredBatch, **fields: Tensor) -> TrainBatch:
         ids_hash=t.prompts.ids_hash,
         x0=t.x0,
         cond=t.prompts.cond,
+        cond_hash=t.prompts.cond_hash,
         seeds=t.seeds,
         group=t.group,
         latents=t.latents,
@@ -279,15 +290,86 @@ def train_batch(scored: ScoredBatch, **fields: Tensor) -> TrainBatch:
     )
 
 
-def check_token_hashes(batch: TrainBatch, hash_fn) -> None:
-    """Contract 3: the actor sees exactly the ids the data stage produced."""
-    recomputed = hash_fn(batch.input_ids)
-    bad = [i for i, (a, b) in enumerate(zip(recomputed, batch.ids_hash, strict=True)) if a != b]
-    if bad:
-        raise ContractError(
-            f"token drift: input_ids of rows {bad[:8]} changed between the data stage and the "
-            "actor (hash mismatch); prompts must be tokenized once and travel unchanged"
-        )
+def hash_rows(ids: Tensor) -> tuple[str, ...]:
+    """Per-row stable fingerprint of (B, L) token ids (the first 16 hex digits of sha256): the
+    token-drift check compares these. Little-endian int64 bytes make it independent of the
+    tensor's dtype, device and platform, so two processes can compare them."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.ndim != 2:
+        raise ValueError(f"ids must have shape (B, L), got {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+    rows = ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
+    return tuple(hashlib.sha256(np.ascontiguousarray(r).tobytes()).hexdigest()[:16] for r in rows)
+
+
+def hash_cond_rows(cond: Tensor) -> tuple[str, ...]:
+    """Per-row fingerprint of (B, ...) float conditions (FL2VA's keyframe latents): sha256 of
+    each row's exact bytes as little-endian float32, with its shape, so it is the same on every
+    platform and device. float32 holds bf16 and fp16 values exactly (the data stage encodes in
+    float32), so a row hashes alike in any of them; any changed value changes it."""
+    if not isinstance(cond, Tensor) or not cond.is_floating_point() or cond.ndim < 1:
+        raise TypeError(f"cond must be a (B, ...) float tensor, got {type(cond).__name__}")
+    flat = cond.detach().to("cpu", torch.float32).reshape(len(cond), -1).numpy()
+    shape = repr(tuple(cond.shape[1:])).encode()
+    rows = flat.astype("<f4", copy=False)
+    return tuple(
+        hashlib.sha256(shape + np.ascontiguousarray(r).tobytes()).hexdigest()[:16] for r in rows
+    )
+
+
+def _repeat(hashes: tuple[str, ...], g: int) -> tuple[str, ...]:
+    return tuple(h for h in hashes for _ in range(g))
+
+
+def _place(where: str) -> str:
+    """``where``, with this process's rank when it is one of several (torchrun)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"{where} on rank {dist.get_rank()} of {dist.get_world_size()}"
+    return where
+
+
+def drifted_rows(record: PromptBatch | TrainBatch) -> list[str]:
+    """Contract 3's findings on one record, as sentences (none: it holds the data stage's
+    ids and conditions): its ``input_ids`` and ``cond`` re-hashed against the hashes the data
+    stage made and the record carries."""
+    out = _differ("input_ids", record.input_ids, record.ids_hash, hash_rows, "tokenized")
+    if record.cond is not None and record.cond_hash is not None:
+        what = "cond (conditioning frames/latents)"
+        out += _differ(what, record.cond, record.cond_hash, hash_cond_rows, "encoded")
+    elif record.cond is not None:
+        out.append("cond arrived without the data stage's cond_hash (made where it is encoded)")
+    elif record.cond_hash is not None:
+        out.append("cond was dropped on the way (the record still carries its cond_hash)")
+    return out
+
+
+def _differ(name: str, value: Tensor, carried: tuple[str, ...], hash_fn, made: str) -> list[str]:
+    if len(carried) != len(value):
+        return [f"{len(value)} rows of {name} carry {len(carried)} hashes"]
+    now = hash_fn(value)
+    bad = [i for i, (a, b) in enumerate(zip(now, carried, strict=True)) if a != b]
+    return [f"{name} of rows {_rows(bad)} changed since the data stage {made} them"] if bad else []
+
+
+def _rows(index: list[int]) -> str:
+    return str(index[:8]) + (f" (+{len(index) - 8} more)" if len(index) > 8 else "")
+
+
+def drift_error(where: str, findings: list[str]) -> ContractError:
+    return ContractError(
+        f"token drift at {where}: {'; '.join(findings)} (hash mismatch). Prompts are tokenized "
+        "and their conditions encoded once, in the data stage, and must travel unchanged"
+    )
+
+
+def check_token_hashes(record: PromptBatch | TrainBatch, where: str = "the actor") -> None:
+    """Contract 3: ``record`` holds exactly the ids (and conditions) the data stage produced;
+    else ``ContractError`` naming ``where`` (and this rank, under torchrun) and the rows."""
+    findings = drifted_rows(record)
+    if findings:
+        raise drift_error(_place(where), findings)
 
 
 def images_from_uint8(x: Tensor) -> Tensor:

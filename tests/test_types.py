@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
 from dataclasses import replace
 
 import pytest
@@ -18,6 +20,7 @@ from diffrl.types import (
     Trajectory,
     check_token_hashes,
     concat_rows,
+    hash_cond_rows,
     images_to_uint8,
     select_rows,
     train_batch,
@@ -82,7 +85,7 @@ def test_token_hash_check() -> None:
         optimality=torch.ones(3),
         seeds=torch.arange(3),
     )
-    check_token_hashes(batch, hash_ids)  # unchanged ids pass
+    check_token_hashes(batch)  # unchanged ids pass
     ids = p.input_ids.clone()
     ids[1, 2] = 0
     bad = TrainBatch(
@@ -92,8 +95,61 @@ def test_token_hash_check() -> None:
         optimality=batch.optimality,
         seeds=batch.seeds,
     )
-    with pytest.raises(ContractError, match=r"rows \[1\]"):
-        check_token_hashes(bad, hash_ids)
+    with pytest.raises(ContractError, match=r"token drift at the actor: input_ids of rows \[1\]"):
+        check_token_hashes(bad)
+    with pytest.raises(ContractError, match=r"token drift at the rollout engine: input_ids"):
+        check_token_hashes(replace(p, input_ids=ids), "the rollout engine")
+
+
+def cond_prompts(n: int = 3) -> PromptBatch:
+    """Prompts with FL2VA-like conditions, hashed where they are made (as PromptSet does)."""
+    cond = torch.linspace(-1, 1, n * 2 * 3 * 4).view(n, 2, 3, 1, 2, 2)  # (B, 2, C, 1, h, w)
+    return replace(prompts(n), cond=cond, cond_hash=hash_cond_rows(cond))
+
+
+def test_cond_hash_is_exact_and_fixed() -> None:
+    cond = cond_prompts().cond
+    h = hash_cond_rows(cond)
+    assert len(set(h)) == 3 and all(len(x) == 16 for x in h)
+    # the same values in bf16-exact dtypes and on another layout hash alike (float32 bytes)
+    assert hash_cond_rows(cond.double()) == h
+    assert hash_cond_rows(cond.transpose(1, 2).contiguous().transpose(1, 2)) == h
+    halves = torch.full((1, 4), 0.5)
+    assert hash_cond_rows(halves.bfloat16()) == hash_cond_rows(halves)
+    # one ulp in one value, or another shape of the same values, changes the row's hash
+    nudged = cond.clone()
+    nudged[1, 1, 2, 0, 1, 1] = torch.nextafter(nudged[1, 1, 2, 0, 1, 1], torch.tensor(2.0))
+    assert [a == b for a, b in zip(hash_cond_rows(nudged), h, strict=True)] == [True, False, True]
+    assert hash_cond_rows(cond.reshape(3, 2, 3, 4)) != h
+    # by definition: sha256 of the row's shape and its little-endian float32 bytes, whatever the
+    # platform's own byte order
+    row = b"(2,)" + struct.pack("<2f", 1.5, -0.0)
+    want = hashlib.sha256(row).hexdigest()[:16]
+    assert hash_cond_rows(torch.tensor([[1.5, -0.0]], dtype=torch.float64)) == (want,)
+
+
+def test_cond_hashes_travel_and_a_changed_frame_raises() -> None:
+    p = cond_prompts(3)
+    r = p.repeat(2)
+    assert r.cond_hash == tuple(h for h in p.cond_hash for _ in range(2))
+    check_token_hashes(r.select(torch.tensor([5, 0])), "the rollout engine")
+    t = replace(traj(), prompts=r, x0=torch.zeros(6, 3, 2, 2), seeds=torch.arange(6))
+    t = replace(t, group=torch.arange(3).repeat_interleave(2), log_probs=torch.zeros(6, 2))
+    t = replace(t, extra_fields={})
+    scored = ScoredBatch(t, torch.zeros(6), {}, torch.ones(6, dtype=torch.bool))
+    batch = train_batch(scored)
+    assert batch.cond_hash == r.cond_hash
+    check_token_hashes(batch)
+    frame = batch.cond.clone()
+    frame[3, 0] += 0.25  # the first keyframe of row 3 changed on the way
+    with pytest.raises(ContractError, match=r"token drift at the actor: cond .* rows \[3\]"):
+        check_token_hashes(replace(batch, cond=frame))
+    with pytest.raises(ContractError, match="cond was dropped"):
+        check_token_hashes(replace(batch, cond=None))
+    with pytest.raises(ContractError, match="without the data stage's cond_hash"):
+        check_token_hashes(replace(batch, cond_hash=None))
+    with pytest.raises(ValueError, match="cond_hash"):
+        replace(p, cond_hash=None)  # a PromptBatch is made with both or neither
 
 
 def test_images_to_uint8_golden() -> None:

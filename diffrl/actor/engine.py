@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,13 +19,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer, LoraModel
 from torch import Tensor
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp
 
 from diffrl.algorithms.registry import Algorithm, AlgorithmConfig
 from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
-from diffrl.models.family import FamilyModel, hash_rows
+from diffrl.models.family import FamilyModel
+from diffrl.parallel.drift import check_tokens_across
 from diffrl.parallel.launch import all_reduced
 from diffrl.sync.bound import bound_of
 from diffrl.sync.weights import BasePrints, LoraDelta, WeightUpdate
@@ -313,11 +314,15 @@ class ActorEngine:
         seed: int = 0,
         shard: Callable[[torch.nn.Module], None] | None = None,
         dp_group=None,
+        rows_groups: Mapping[str, ProcessGroup | None] | None = None,
     ) -> None:
         """``shard`` (data parallel, ``parallel/fsdp.py``) shards the peft-wrapped model in
         place once its adapters exist; ``dp_group`` is the process group whose ranks each train
-        on a slice of the batch: the adapters' gradients and the loss are averaged over it."""
+        on a slice of the batch: the adapters' gradients and the loss are averaged over it.
+        ``rows_groups``: axis -> process group of the ranks that compute on the same rows (TP,
+        SP; ``Ranks.rows_groups``): every batch's token hashes are compared across each."""
         self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
+        self.rows_groups = dict(rows_groups or {})
         self.ids_device = model.ids_device(device)
         # how each optimizer step's micro-batches are weighted and reduced: one process, or
         # every data-parallel rank in lockstep
@@ -467,7 +472,7 @@ class ActorEngine:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update: ``minibatches`` optimizer steps over a shuffle of the batch, each a
         stream of one part. The diagnostics run first, under the rollout's weights."""
-        check_token_hashes(batch, hash_rows)
+        self._check_tokens(batch)
         self.model.train()
         diagnose = len(batch) > 0 and self.reduction.diagnostics
         totals: dict[str, float] = self._diagnostics(batch) if diagnose else {}
@@ -478,6 +483,14 @@ class ActorEngine:
             for k, v in self.end_stream().items():
                 totals[k] = totals.get(k, 0.0) + v / len(parts)
         return totals
+
+    def _check_tokens(self, batch: TrainBatch) -> None:
+        """Contract 3 on what this rank is about to train on: the data stage's ids and
+        conditions, and under TP/SP the same ones as the other ranks of its groups."""
+        if self.rows_groups:
+            check_tokens_across(batch, self.rows_groups, "the actor")  # collective
+        else:
+            check_token_hashes(batch, "the actor")
 
     def _minibatches(self, batch: TrainBatch) -> list[TrainBatch]:
         """The batch shuffled and cut into ``minibatches`` parts; an empty batch is one empty
@@ -509,7 +522,7 @@ class ActorEngine:
         weighted as the reduction policy says."""
         st = self._step
         assert st is not None, "train_part outside begin_stream / end_stream"
-        check_token_hashes(part, hash_rows)
+        self._check_tokens(part)
         if st.diagnose and len(part) and st.rows == 0:  # under the rollout's weights
             st.diagnostics = self._diagnostics(part)
         passes = self.reduction.passes(part, self.cfg.micro_batch, st.expected)

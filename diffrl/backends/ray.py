@@ -30,6 +30,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import uuid
 from dataclasses import dataclass
@@ -56,7 +57,14 @@ from diffrl.sync.bound import check_bound
 from diffrl.sync.receipt import SyncReceipt, expected_of
 from diffrl.sync.weights import SyncReport, WeightUpdate
 from diffrl.tasks import build_task, prompt_source
-from diffrl.types import PromptBatch, ScoredBatch, TrainBatch, Trajectory, to_device
+from diffrl.types import (
+    PromptBatch,
+    ScoredBatch,
+    TrainBatch,
+    Trajectory,
+    check_token_hashes,
+    to_device,
+)
 
 log = logging.getLogger(__name__)
 CPU = torch.device("cpu")
@@ -95,6 +103,7 @@ class Host:
     actor death."""
 
     error: DiffrlError | None = None
+    role = "engine"
 
     def __init__(self, cfg: Config, threads: int) -> None:
         try:
@@ -114,8 +123,15 @@ class Host:
     def describe(self) -> dict:
         return {}
 
+    def check_received(self, record: PromptBatch | TrainBatch) -> None:
+        """Contract 3 on a record as it arrives from the controller (serialised through Ray):
+        its ids and conditions re-hashed against the hashes that travel with it."""
+        check_token_hashes(record, f"the Ray {self.role} host (pid {os.getpid()})")
+
 
 class RolloutHost(Host):
+    role = "rollout"
+
     def build(self, cfg: Config, threads: int) -> None:
         side = rollout_side(cfg, setup_process(cfg, threads))
         self.side = side
@@ -134,6 +150,7 @@ class RolloutHost(Host):
 
     async def stream(self, which: str, prompts: PromptBatch, seed: int, kw: dict):
         """Yields the engine's micro-batches as they finish, on the CPU."""
+        self.check_received(prompts)
         channel = Channel(capacity=1)
         producer = asyncio.create_task(self.engines[which].stream(prompts, seed, channel, **kw))
         async for traj in channel:
@@ -150,6 +167,7 @@ class RolloutHost(Host):
             out.close()
 
     async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict):
+        self.check_received(prompts)
         return to_device(await self.engines[which].generate(prompts, seed, **kw), CPU)
 
     async def load_weights(self, which: str, update: WeightUpdate) -> SyncReport:
@@ -180,6 +198,8 @@ class RewardHost(Host):
 
 
 class ActorHost(Host):
+    role = "actor"
+
     def build(self, cfg: Config, threads: int) -> None:
         device = setup_process(cfg, threads)
         self.actor = actor_side(cfg, load_model(cfg.model, device), device)
@@ -192,12 +212,14 @@ class ActorHost(Host):
         }
 
     def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], int]:
+        self.check_received(batch)
         return self.actor.train_step(batch), self.actor.version
 
     def begin_stream(self, expected_rows: int) -> None:
         self.actor.begin_stream(expected_rows)
 
     def train_part(self, part: TrainBatch) -> None:
+        self.check_received(part)
         self.actor.train_part(part)
 
     def end_stream(self) -> tuple[dict[str, float], int]:

@@ -16,20 +16,21 @@ so frozen text encoders and VAEs exist once per process.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from diffrl.errors import ContractError
 from diffrl.models.convention import broadcast, get_convention, noised
+from diffrl.types import hash_rows
 
-__all__ = ["broadcast", "noised"]  # contract 1's helpers, re-exported beside the family
+# contract 1's helpers, and contract 3's hash (it lives with the records that carry it),
+# re-exported beside the family
+__all__ = ["broadcast", "hash_rows", "noised"]
 
 
 @dataclass(frozen=True)
@@ -39,20 +40,6 @@ class TokenBatch:
     input_ids: Tensor  # (B, L) int64; a family with several tokenizers concatenates their rows
     attention_mask: Tensor  # (B, L) bool, True = a real token
     hashes: tuple[str, ...]  # (B,) ``hash_row`` of each row of input_ids
-
-
-def hash_rows(ids: Tensor) -> tuple[str, ...]:
-    """Per-row stable fingerprint of (B, L) token ids (the first 16 hex digits of sha256): the
-    token-drift check compares these. Little-endian int64 bytes make it independent of the
-    tensor's dtype, device and platform, so two processes can compare them."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
-    if ids.ndim != 2:
-        raise ValueError(f"ids must have shape (B, L), got {tuple(ids.shape)}")
-    if ids.is_floating_point() or ids.is_complex():
-        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
-    rows = ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
-    return tuple(hashlib.sha256(np.ascontiguousarray(r).tobytes()).hexdigest()[:16] for r in rows)
 
 
 def hash_row(row: Tensor) -> str:

@@ -97,6 +97,15 @@ class Ranks:
             return None
         return dist.group.WORLD
 
+    @property
+    def rows_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """Axis -> process group, for the axes whose ranks compute on the same rows (sequence
+        and tensor parallelism, where more than 1): contract 3 compares their token hashes
+        (``parallel/drift.py``). Empty in one process and under data parallelism alone."""
+        if self.meshes is None:
+            return {}
+        return {a: self.meshes.group(a) for a in ("sp", "tp") if self.meshes.size(a) > 1}
+
     def mean(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each metric averaged over every rank (all hold the same keys: same loop, same step)."""
         if self.world == 1 or not metrics:

@@ -42,7 +42,7 @@ from diffrl.sync.weights import (
     SyncReport,
     WeightUpdate,
 )
-from diffrl.types import PromptBatch, StepSpec, Trajectory, host_to_device
+from diffrl.types import PromptBatch, StepSpec, Trajectory, check_token_hashes, host_to_device
 
 
 @dataclass(frozen=True)
@@ -379,6 +379,8 @@ class RolloutEngine:
         """One micro-batch's trajectory, and its final latents on the device; its media are
         decoded here unless ``decode`` is False (then ``_decode`` adds them)."""
         batch = prompts.repeat(g)
+        # contract 3: the ids (and conditions) sampled with are the data stage's, on this rank
+        check_token_hashes(batch, "the rollout engine")
         x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, mask, g, batch.cond)
         group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
         traj = Trajectory(

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from diffrl.errors import ConfigError, check, check_choice
-from diffrl.types import PromptBatch, Trajectory
+from diffrl.types import PromptBatch, Trajectory, hash_cond_rows
 
 
 @dataclass(frozen=True)
@@ -139,18 +139,23 @@ class PromptSet:
         if cond is not None and cond.shape[0] != len(prompts):
             raise ValueError(f"{cond.shape[0]} conditions for {len(prompts)} prompts")
         self.cond = cond
+        # hashed once, here beside the ids' hashes: every engine that receives a row re-hashes
+        # it against these (contract 3)
+        self.cond_hashes = None if cond is None else hash_cond_rows(cond)  # (N,)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def batch(self, index) -> PromptBatch:
         idx = torch.as_tensor(np.asarray(index), dtype=torch.int64)
+        rows = idx.tolist()
         return PromptBatch(
-            texts=tuple(self.texts[i] for i in idx.tolist()),
+            texts=tuple(self.texts[i] for i in rows),
             input_ids=self.input_ids[idx],
-            ids_hash=tuple(self.hashes[i] for i in idx.tolist()),
+            ids_hash=tuple(self.hashes[i] for i in rows),
             prompt_ids=idx,
             cond=None if self.cond is None else self.cond[idx],
+            cond_hash=None if self.cond is None else tuple(self.cond_hashes[i] for i in rows),
         )
 
     def all(self) -> PromptBatch:

@@ -6,6 +6,7 @@ that fails to build, and Ray missing are clear errors that leave nothing behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 
@@ -16,7 +17,7 @@ from diffrl.backends import build_engines
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.errors import ConfigError, DiffrlError
+from diffrl.errors import ConfigError, ContractError, DiffrlError
 
 ray = pytest.importorskip("ray")
 
@@ -124,3 +125,43 @@ def test_ray_not_installed_is_a_config_error(tiny_checkpoint, tmp_path, monkeypa
     cfg = load_config(RECIPE, tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray"))
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[ray\]'"):
         build_engines(cfg)
+
+
+def _one_id_changed(record, row: int):
+    ids = record.input_ids.clone()
+    ids[row, 0] += 1
+    return dataclasses.replace(record, input_ids=ids)
+
+
+@pytest.mark.parametrize("host", ["rollout", "actor"])
+def test_a_host_refuses_ids_changed_on_the_way(host, tiny_checkpoint, tmp_path, monkeypatch):
+    """Contract 3 on each Ray host: the controller's record reaches the host with one id
+    changed (the data stage's hashes kept); the host re-hashes what Ray delivered and stops the
+    run before its engine sees it, naming itself and the row."""
+    from diffrl.backends.ray import RemoteActor, RemoteRollout
+
+    if host == "actor":
+        send = RemoteActor.train_step
+        monkeypatch.setattr(
+            RemoteActor, "train_step", lambda self, b: send(self, _one_id_changed(b, 1))
+        )
+        part = RemoteActor.train_part
+        monkeypatch.setattr(
+            RemoteActor, "train_part", lambda self, b: part(self, _one_id_changed(b, 1))
+        )
+    else:
+        generate, stream = RemoteRollout.generate, RemoteRollout.stream
+        monkeypatch.setattr(
+            RemoteRollout,
+            "generate",
+            lambda self, p, seed, **kw: generate(self, _one_id_changed(p, 1), seed, **kw),
+        )
+        monkeypatch.setattr(
+            RemoteRollout,
+            "stream",
+            lambda self, p, seed, ch, **kw: stream(self, _one_id_changed(p, 1), seed, ch, **kw),
+        )
+    message = rf"token drift at the Ray {host} host \(pid \d+\): input_ids of rows \[1\]"
+    with pytest.raises(ContractError, match=message):
+        run(tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray"))
+    assert all_released()

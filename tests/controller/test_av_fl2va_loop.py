@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from diffrl.build import Engines, build, prompt_set
+from diffrl.channel.local import Channel
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
-from diffrl.errors import ConfigError
+from diffrl.errors import ConfigError, ContractError
 from diffrl.models.family import noised
 from diffrl.models.registry import ModelConfig, load_model
 from diffrl.tasks import TaskConfig, build_task
+from diffrl.types import Trajectory, hash_cond_rows
 
 pytest.importorskip("diffusers")
 
@@ -127,3 +130,46 @@ def test_a_text_only_family_refuses_an_fl2va_task() -> None:
     # the T2VA task is text only, and sd3 takes it
     t2va = build_task(TaskConfig(task="avbench"))
     assert prompt_set(t2va, model, t2va.prompts("train")[:2]).cond is None
+
+
+def test_the_conditions_are_hashed_once_and_a_changed_frame_is_refused(parts: Engines) -> None:
+    """Contract 3 for the conditions: hashed in the data stage beside the ids, carried to the
+    update; one keyframe changed on the way stops the rollout and the actor, naming the rows."""
+    prompts = parts.prompts.at(0)
+    assert prompts.cond_hash == hash_cond_rows(prompts.cond)
+    frame = prompts.cond.clone()
+    frame[1, 1] += 0.5  # the last keyframe of prompt 1
+    with pytest.raises(ContractError, match=r"at the rollout engine: cond .* rows \[2, 3\]"):
+        asyncio.run(parts.rollout.generate(replace(prompts, cond=frame), seed=0))
+
+    traj = asyncio.run(parts.rollout.generate(prompts, seed=0))
+    scored, _ = asyncio.run(parts.rewards.score(traj))
+    batch = parts.algorithm.prepare(scored, parts.cfg.algorithm)
+    assert batch.cond_hash == traj.prompts.cond_hash == prompts.repeat(GROUP).cond_hash
+    frames = batch.cond.clone()
+    frames[0, 0, 0, 0, 3, 5] = -frames[0, 0, 0, 0, 3, 5] + 1e-3  # one latent value of row 0
+    version = parts.actor.version
+    with pytest.raises(ContractError, match=r"token drift at the actor: cond .* rows \[0\]"):
+        parts.actor.train_step(replace(batch, cond=frames))
+    assert parts.actor.version == version  # nothing trained
+
+
+def test_a_changed_conditioning_frame_stops_the_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout's trajectories reach the controller with the first keyframe of row 1
+    changed (as a re-encoding in another precision would): the first update refuses."""
+    put = Channel.put
+
+    async def drifting_put(self, record, version):
+        if isinstance(record, Trajectory) and record.prompts.cond is not None:
+            frame = record.prompts.cond.clone()
+            frame[1, 0] = frame[1, 0].bfloat16().float() + 1e-2
+            record = replace(record, prompts=replace(record.prompts, cond=frame))
+        await put(self, record, version)
+
+    monkeypatch.setattr(Channel, "put", drifting_put)
+    over = [*TINY, "run.steps=1", f"run.out_dir={tmp_path}", "model.probe=false"]
+    message = r"token drift at the actor: cond \(conditioning frames/latents\) of rows \[1\]"
+    with pytest.raises(ContractError, match=message):
+        asyncio.run(train(load_config(RECIPE, over)))

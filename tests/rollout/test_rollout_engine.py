@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 from stream_helpers import stream_parts
 
-from diffrl.errors import FieldError
+from diffrl.errors import ContractError, FieldError
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, noise_from_seeds, sample_seeds
 from diffrl.rollout.samplers import sigma_schedule
 from diffrl.sync.weights import SyncError, WeightUpdate
@@ -322,3 +323,17 @@ def test_coarse_ode_tail(tiny_model, prompt_set) -> None:
     RolloutConfig(
         sampler="sde", num_steps=10, sde_window=1, sde_window_start=2, ode_tail_steps=6
     ).validate()
+
+
+def test_sampling_with_drifted_ids_raises(tiny_model, prompt_set) -> None:
+    """Contract 3: the ids the rollout samples with must hash to the PromptSet's hashes; a
+    prompt re-tokenised on its way here (one id changed, the data stage's hashes kept) stops
+    the rollout before any sample, naming the engine and the (repeated) rows."""
+    prompts = prompt_set.batch([5, 2])
+    ids = prompts.input_ids.clone()
+    ids[1, 0] += 1
+    drifted = dataclasses.replace(prompts, input_ids=ids)
+    message = r"token drift at the rollout engine: input_ids of rows \[3, 4, 5\]"
+    with pytest.raises(ContractError, match=message):
+        gen(engine(tiny_model), drifted)
+    gen(engine(tiny_model), prompts)  # the data stage's ids pass
