@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diffrl.build import build
+from diffrl.channel.local import Channel
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
@@ -21,6 +22,8 @@ from diffrl.errors import ContractError
 from diffrl.models.registry import FAMILIES
 from diffrl.sync.bound import BoundModuleError
 from diffrl.sync.weights import Slot, SlotMap, SyncError, SyncReport, WeightUpdate
+from diffrl.tasks.base import PromptSet
+from diffrl.types import PromptBatch, Trajectory
 from tests.tiny_runs import tiny_run
 
 pytest.importorskip("diffusers")
@@ -202,3 +205,41 @@ def test_rollout_left_on_base_weights_stops_at_the_first_sync(preset, tmp_path):
     with pytest.raises(SyncError, match="still on its base weights"):
         _run(cfg, parts, trained)
     assert len(trained) == 1  # stopped at the sync after update 1
+
+
+def _one_id_changed(ids: torch.Tensor) -> torch.Tensor:
+    out = ids.clone()
+    out[-1, 0] = out[-1, 0] + 1  # as a tokenizer with another vocabulary would give
+    return out
+
+
+@pytest.mark.parametrize("where", ["rollout engine", "actor"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_retokenised_prompt_stops_the_first_step(preset, where, tmp_path, monkeypatch):
+    """The data stage's ids changed on their way to the rollout (re-tokenised, the hashes
+    kept), or in the channel between the rollout and the actor: the run stops at its first
+    step, naming token drift and where, with nothing trained. (A changed conditioning frame,
+    for the family that takes frames: tests/controller/test_av_fl2va_loop.py.)"""
+    if where == "rollout engine":
+        batch = PromptSet.batch
+
+        def retokenised(self, index) -> PromptBatch:
+            b = batch(self, index)
+            return dataclasses.replace(b, input_ids=_one_id_changed(b.input_ids))
+
+        monkeypatch.setattr(PromptSet, "batch", retokenised)
+    else:
+        put = Channel.put
+
+        async def drifting(self, record, version):
+            if isinstance(record, Trajectory):
+                ids = _one_id_changed(record.prompts.input_ids)
+                prompts = dataclasses.replace(record.prompts, input_ids=ids)
+                record = dataclasses.replace(record, prompts=prompts)
+            await put(self, record, version)
+
+        monkeypatch.setattr(Channel, "put", drifting)
+    cfg = config(preset, tmp_path, "probe.mode=off", "run.steps=2")
+    with pytest.raises(ContractError, match=f"token drift at the {where}: input_ids"):
+        asyncio.run(train(cfg))
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
