@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -396,3 +398,18 @@ class DiffusersNet(nn.Module):
             if dtype is None
             else tuple(t.to(dtype) if t.is_floating_point() else t for t in out)
         )
+
+
+# --- causal video autoencoders ----------------------------------------------------------------
+
+_VAE_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_VAE_LOCKS_GUARD = threading.Lock()
+
+
+def vae_lock(vae: nn.Module) -> threading.Lock:
+    """One lock per autoencoder. Wan's and Qwen-Image's causal VAEs keep a per-instance
+    feature cache across the frames of one call (``clear_cache``, ``_feat_map``), so two
+    threads decoding at once (the held-out eval beside the next step's prefetched rollout)
+    mix each other's caches: hold this around every encode and decode."""
+    with _VAE_LOCKS_GUARD:
+        return _VAE_LOCKS.setdefault(vae, threading.Lock())

@@ -43,6 +43,7 @@ from diffrl.models.families._diffusers import (
     random_component,
     save_pipeline_dir,
     tokenize_padded,
+    vae_lock,
     word_tokenizer,
 )
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
@@ -345,14 +346,16 @@ class QwenImageFamily(HasReferencePipeline):
         vae = self.net.frozen.vae
         z = latents.to(next(vae.parameters())).unsqueeze(2)  # (B, 16, 1, h, w)
         mean, std = self._stats(z)
-        pixels = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]  # (B, 3, H, W)
+        with vae_lock(vae):  # (B, 3, H, W)
+            pixels = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
         return {"image": images_to_uint8(pixels.cpu())}
 
     @torch.no_grad()
     def encode_pixels(self, pixels: Tensor) -> Tensor:
         vae = self.net.frozen.vae
         x = pixels.to(next(vae.parameters())).unsqueeze(2)  # (B, 3, 1, H, W)
-        z = vae.encode(x).latent_dist.mode()
+        with vae_lock(vae):
+            z = vae.encode(x).latent_dist.mode()
         mean, std = self._stats(z)
         return ((z - mean) / std)[:, :, 0]
 

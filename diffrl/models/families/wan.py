@@ -46,6 +46,7 @@ from diffrl.models.families._diffusers import (
     random_component,
     save_pipeline_dir,
     tokenize_padded,
+    vae_lock,
     word_tokenizer,
 )
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
@@ -234,7 +235,8 @@ class WanFamily(HasReferencePipeline, HasMediaGeometry):
         vae = self.net.frozen.vae
         z = latents.to(next(vae.parameters()))  # (B, C, F, h, w)
         mean, std = self._stats(z)
-        clip = vae.decode(z * std + mean, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
+        with vae_lock(vae):  # (B, 3, T, H, W) in [-1, 1]
+            clip = vae.decode(z * std + mean, return_dict=False)[0]
         video = ((clip.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         video = video.permute(0, 2, 3, 4, 1).cpu()  # (B, T, H, W, 3)
         fps = torch.full((video.shape[0],), self.fps)
@@ -247,7 +249,8 @@ class WanFamily(HasReferencePipeline, HasMediaGeometry):
         vae = self.net.frozen.vae
         if pixels.ndim == 4:
             pixels = pixels.unsqueeze(2).expand(-1, -1, self.frames, -1, -1)
-        z = vae.encode(pixels.to(next(vae.parameters()))).latent_dist.mode()
+        with vae_lock(vae):
+            z = vae.encode(pixels.to(next(vae.parameters()))).latent_dist.mode()
         mean, std = self._stats(z)
         return (z - mean) / std
 

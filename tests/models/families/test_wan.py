@@ -166,3 +166,29 @@ def test_flops_and_real_size_preset(model) -> None:
     with torch.device("meta"):
         t = WanTransformer3DModel.from_config(wan.PRESETS["wan2.1-1.3b"]["transformer"])
     assert sum(p.numel() for p in t.parameters()) == pytest.approx(1.42e9, rel=0.01)
+
+
+def test_decodes_from_two_threads_at_once() -> None:
+    """The held-out eval decodes beside the next step's prefetched rollout: Wan's causal VAE
+    keeps a per-instance feature cache, so its calls must not interleave (the family locks
+    them; with ``vae_lock`` replaced by a no-op this raised a size mismatch from the decoder's
+    cache in every run tried, as a two-step train run of wan-tiny did)."""
+    import threading
+
+    model = load_model(ModelConfig(preset="wan-tiny", resolution=32, frames=9))
+    fam = model.family
+    errors: list[BaseException] = []
+
+    def decode(n: int) -> None:
+        try:
+            for _ in range(6):
+                fam.decode(torch.randn(n, *fam.latent_shape()))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=decode, args=(n,)) for n in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
