@@ -52,7 +52,7 @@ async def main(args) -> None:
     scorer = f"[{{name: slow_shapes, params: {{latency_s: {args.latency}}}}}]"
     cfg = load_config(
         "recipes/shapes_nft.yaml",
-        [f"reward.scorers={scorer}", f"rollout.max_batch={args.max_batch}", "model.probe=false"],
+        [f"reward.scorers={scorer}", f"rollout.max_batch={args.max_batch}", "probe.mode=off"],
     )
     parts = build(cfg)
     adapter = parts.algorithm.weight_plan(1, cfg.algorithm).rollout_adapter

@@ -40,7 +40,7 @@ SMOKE = {
 STEPS, SHIFT = 10, 3.0  # the image and video recipes' rollout (num_steps, shift)
 
 
-def run_one(preset: str, dtype: str) -> dict:
+def run_one(preset: str, dtype: str, reconstruction: bool = True) -> dict:
     from diffrl.build import reconstruction_probe
     from diffrl.models.probe import pipeline_parity
     from diffrl.models.registry import ModelConfig, load_model
@@ -67,6 +67,8 @@ def run_one(preset: str, dtype: str) -> dict:
         "parity_worst_frac": round(report.worst, 4),
         "parity_inputs": list(report.inputs),
     }
+    if not reconstruction:
+        return row
     t = time.perf_counter()
     recon = reconstruction_probe(build_task(TaskConfig(task="prompts")), model)
     sync()
@@ -85,14 +87,17 @@ def main() -> None:
     p.add_argument("--one", default="", help=argparse.SUPPRESS)  # the per-preset child
     p.add_argument("--timeout", type=int, default=540)
     p.add_argument("--dtype", default="", help="bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--parity-only", action="store_true", help="skip the reconstruction probe")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.one:
-        print("ROW " + json.dumps(run_one(args.one, args.dtype)), flush=True)
+        row = run_one(args.one, args.dtype, not args.parity_only)
+        print("ROW " + json.dumps(row), flush=True)
         return
     presets = list(SMOKE) if args.smoke else args.presets
     for preset in presets:
         cmd = [sys.executable, __file__, "--one", preset, "--dtype", args.dtype]
+        cmd += ["--parity-only"] if args.parity_only else []
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             rows = [ln[4:] for ln in done.stdout.splitlines() if ln.startswith("ROW ")]

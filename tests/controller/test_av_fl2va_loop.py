@@ -169,7 +169,7 @@ def test_a_changed_conditioning_frame_stops_the_first_step(
         await put(self, record, version)
 
     monkeypatch.setattr(Channel, "put", drifting_put)
-    over = [*TINY, "run.steps=1", f"run.out_dir={tmp_path}", "model.probe=false"]
+    over = [*TINY, "run.steps=1", f"run.out_dir={tmp_path}", "probe.mode=off"]
     message = r"token drift at the actor: cond \(conditioning frames/latents\) of rows \[1\]"
     with pytest.raises(ContractError, match=message):
         asyncio.run(train(load_config(RECIPE, over)))
