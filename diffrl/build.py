@@ -132,7 +132,12 @@ def reconstruction_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
         return None
     ids = fam.tokenize(data.texts).input_ids.to(model.ids_device(param.device))
     report = probe_convention(model, x0.to(param.dtype), ids)
-    if not report.conclusive:
+    if report.conclusive:
+        contracts.info(
+            "reconstruction probe: the declared convention %r fits known x0 (cos %.3f)",
+            model.convention.name, report.cosine,
+        )  # fmt: skip
+    else:
         contracts.info("reconstruction probe undecided (pipeline parity stands): %s", report.reason)
     return report
 
