@@ -24,6 +24,7 @@ from diffrl.sync.bound import BoundModuleError
 from diffrl.sync.weights import Slot, SlotMap, SyncError, SyncReport, WeightUpdate
 from diffrl.tasks.base import PromptSet
 from diffrl.types import PromptBatch, Trajectory
+from tests.sync_faults import family_faults
 from tests.tiny_runs import tiny_run
 
 pytest.importorskip("diffusers")
@@ -96,22 +97,10 @@ def _swapped_layouts(model, slot_map: SlotMap) -> dict[str, SlotMap]:
     the first split module's two shards exchanged. A family whose rollout keeps its trained
     layout (the tiny DiT's one fused qkv) gets the same faults written as a re-layout of that
     weight's rows: Q's rows written where K's belong, and the MLP's two halves swapped."""
-    faults: dict[str, SlotMap] = {}
-    by_module: dict[str, list[str]] = {}
-    for name, slots in slot_map.slots.items():
-        if len(slots) == 1:
-            by_module.setdefault(slots[0].module, []).append(name)
-    fused = next((names for names in by_module.values() if len(names) >= 2), None)
-    if fused:
-        a, b = fused[:2]
-        faults["swapped_qk"] = SlotMap(
-            {**slot_map.slots, a: slot_map.slots[b], b: slot_map.slots[a]}
-        )
-    split = next((n for n, s in slot_map.slots.items() if len(s) == 2), None)
-    if split:
-        s0, s1 = slot_map.slots[split]
-        swapped = [dataclasses.replace(s0, rows=s1.rows), dataclasses.replace(s1, rows=s0.rows)]
-        faults["swapped_shards"] = SlotMap({**slot_map.slots, split: swapped})
+    faults = {
+        "swapped_shards" if what.endswith(" shards") else "swapped_qk": bad
+        for what, bad in family_faults(slot_map).items()
+    }
     names = dict(model.named_modules())
     trained = [n for n in names if n.endswith(tuple(model.family.lora_targets))]
     if "swapped_qk" not in faults:  # the layout keeps the fused qkv as trained (tiny DiT)

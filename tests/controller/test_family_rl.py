@@ -82,10 +82,9 @@ def tiny_dir(request, tmp_path_factory):
     return request.param, path
 
 
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
-def test_two_rl_steps(tiny_dir, algorithm, tmp_path):
-    family, path = tiny_dir
-    cfg = load_config(
+def two_steps(family: str, path, out, *extra: str):
+    """Two RL steps of ``family``'s tiny directory at ``path``; ``extra`` overrides win."""
+    return load_config(
         None,
         [
             f"model.family={family}",
@@ -101,12 +100,18 @@ def test_two_rl_steps(tiny_dir, algorithm, tmp_path):
             "reward.scorers=[{name: jpeg_incompressibility}]",
             "actor.lr=1e-2",
             "run.steps=2",
-            "run.eval_every=2",
             "run.tensorboard=false",
-            f"run.out_dir={tmp_path}",
-            "run.name=run",
-            *ALGORITHMS[algorithm],
+            f"run.out_dir={out}",
+            *extra,
         ],
+    )
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_two_rl_steps(tiny_dir, algorithm, tmp_path):
+    family, path = tiny_dir
+    cfg = two_steps(
+        family, path, tmp_path, "run.eval_every=2", "run.name=run", *ALGORITHMS[algorithm]
     )
     root = asyncio.run(train(cfg))
     rows = read_metrics(root)
@@ -145,27 +150,7 @@ def test_injected_faults_stop_the_first_step(tiny_dir, fault, tmp_path):
     from diffrl.sync.weights import SyncError
 
     family, path = tiny_dir
-    cfg = load_config(
-        None,
-        [
-            f"model.family={family}",
-            f"model.path={path}",
-            *FAMILIES[family][3],
-            "data.task=prompts",
-            "data.prompts_per_step=2",
-            "data.eval_prompts=2",
-            "data.eval_samples_per_prompt=1",
-            "rollout.group_size=4",
-            "rollout.num_steps=3",
-            "rollout.eval_num_steps=2",
-            "reward.scorers=[{name: jpeg_incompressibility}]",
-            "actor.lr=1e-2",
-            "run.steps=2",
-            "run.tensorboard=false",
-            f"run.out_dir={tmp_path}",
-            *ALGORITHMS["flow_grpo"],
-        ],
-    )
+    cfg = two_steps(family, path, tmp_path, *ALGORITHMS["flow_grpo"])
     parts = build(cfg)
     if fault == "rollout_logprobs":
         sample = parts.rollout._sample

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from sync_faults import family_faults
 from torch import nn
 
 from diffrl.sync import layouts
@@ -294,28 +295,6 @@ FAMILY_PRESETS = [
 ]
 
 
-def _family_faults(slot_map: SlotMap) -> dict[str, SlotMap]:
-    """The family's slot map with the first fused pair exchanged (two trained modules sharing
-    one weight, e.g. Q and K) and the first split module's shards exchanged, where it has them."""
-    faults: dict[str, SlotMap] = {}
-    by_module: dict[str, list[str]] = {}
-    for name, slots in slot_map.slots.items():
-        if len(slots) == 1:
-            by_module.setdefault(slots[0].module, []).append(name)
-    fused = next((names for names in by_module.values() if len(names) >= 2), None)
-    if fused:
-        a, b = fused[:2]
-        faults[f"{a} <-> {b}"] = SlotMap(
-            {**slot_map.slots, a: slot_map.slots[b], b: slot_map.slots[a]}
-        )
-    split = next((n for n, s in slot_map.slots.items() if len(s) == 2), None)
-    if split:
-        s0, s1 = slot_map.slots[split]
-        swapped = [dataclasses.replace(s0, rows=s1.rows), dataclasses.replace(s1, rows=s0.rows)]
-        faults[f"{split} shards"] = SlotMap({**slot_map.slots, split: swapped})
-    return faults
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family, preset", FAMILY_PRESETS)
 def test_every_family_layout_passes_and_a_swap_raises(family, preset, dtype) -> None:
@@ -330,7 +309,7 @@ def test_every_family_layout_passes_and_a_swap_raises(family, preset, dtype) -> 
     rollout = copy.deepcopy(base).to(dtype)
     slot_map = rollout.family.serving_layout(rollout)
     assert slot_map.slots, "the family re-lays something out"
-    faults = _family_faults(slot_map)
+    faults = family_faults(slot_map)
     assert faults
     for what, bad in faults.items():
         with pytest.raises(

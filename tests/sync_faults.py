@@ -1,0 +1,30 @@
+"""Faulty serving layouts for the sync contract's tests: a family's own slot map with a fused
+pair or two shards exchanged (shared by tests/sync and tests/test_silent_failures.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from diffrl.sync.weights import SlotMap
+
+
+def family_faults(slot_map: SlotMap) -> dict[str, SlotMap]:
+    """The family's slot map with the first fused pair exchanged (two trained modules sharing
+    one weight, e.g. Q and K) and the first split module's shards exchanged, where it has them."""
+    faults: dict[str, SlotMap] = {}
+    by_module: dict[str, list[str]] = {}
+    for name, slots in slot_map.slots.items():
+        if len(slots) == 1:
+            by_module.setdefault(slots[0].module, []).append(name)
+    fused = next((names for names in by_module.values() if len(names) >= 2), None)
+    if fused:
+        a, b = fused[:2]
+        faults[f"{a} <-> {b}"] = SlotMap(
+            {**slot_map.slots, a: slot_map.slots[b], b: slot_map.slots[a]}
+        )
+    split = next((n for n, s in slot_map.slots.items() if len(s) == 2), None)
+    if split:
+        s0, s1 = slot_map.slots[split]
+        swapped = [dataclasses.replace(s0, rows=s1.rows), dataclasses.replace(s1, rows=s0.rows)]
+        faults[f"{split} shards"] = SlotMap({**slot_map.slots, split: swapped})
+    return faults
