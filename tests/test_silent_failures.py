@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from sync_faults import family_faults
+from tiny_runs import tiny_run
 
 from diffrl.build import build
 from diffrl.channel.local import Channel
@@ -24,8 +26,6 @@ from diffrl.sync.bound import BoundModuleError
 from diffrl.sync.weights import Slot, SlotMap, SyncError, SyncReport, WeightUpdate
 from diffrl.tasks.base import PromptSet
 from diffrl.types import PromptBatch, Trajectory
-from tests.sync_faults import family_faults
-from tests.tiny_runs import tiny_run
 
 pytest.importorskip("diffusers")
 
