@@ -24,7 +24,9 @@ from diffrl.errors import CONTRACTS_LOG, ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
 from diffrl.models.family import EncodesClips, FamilyModel, HasMediaGeometry, TakesConditions
 from diffrl.models.probe import NoReference, ProbeResult, pipeline_parity
+from diffrl.models.registry import family as family_spec
 from diffrl.models.registry import load_model, lora_targets
+from diffrl.parallel.etp import encode_all, shard_encoders
 from diffrl.parallel.fsdp import shard_frozen_base
 from diffrl.parallel.launch import SOLO, Ranks, local_device
 from diffrl.parallel.launch import start as start_ranks
@@ -235,15 +237,21 @@ def setup_process(cfg: Config, threads: int = 0) -> torch.device:
     return pick_device(local_device(cfg.run.device))
 
 
-def rollout_side(cfg: Config, device: torch.device) -> RolloutSide:
+def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> RolloutSide:
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
+    if ranks.etp_size > 1:  # before anything encodes (parallel/etp.py)
+        shard_encoders(base, family_spec(cfg.model.resolved_family), ranks.etp_mesh)
     train = prompt_set(task, base, task.prompts("train"))
     test_prompts = task.prompts("test")
     if cfg.data.eval_prompts:
         test_prompts = test_prompts[: cfg.data.eval_prompts]
     eval_set = prompt_set(task, base, test_prompts)
     probe = run_probe(cfg, task, base)
+    if ranks.etp_size > 1:  # every row the run can ask for, in step on the ETP group; sealed
+        rows = [train.input_ids, eval_set.input_ids, base.family.null_ids()]
+        n = encode_all(base, rows, ranks.meshes.group("etp"), cfg.rollout.max_batch)
+        log.info("ETP: %d prompt rows encoded at start-up; the text-encoder cache is sealed", n)
     rollout_targets = expanded_targets(base, actor_targets(cfg))
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent
@@ -294,7 +302,7 @@ def build(cfg: Config) -> Engines:
     ranks = start_ranks(cfg)  # torchrun: the process group and meshes; else SOLO
     cfg.data.check_loop(cfg.run.mode, ranks.dp_size)
     device = setup_process(cfg)
-    side = rollout_side(cfg, device)
+    side = rollout_side(cfg, device, ranks)
     rewards = RewardPool(cfg.reward)
     rewards.check_inputs(produced=set(side.rollout.produces))
     actor = actor_side(cfg, side.base, device, ranks)

@@ -206,6 +206,10 @@ class EncodeCache:
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity, self.store = capacity, {}
         self.hits = self.misses = 0
+        # set (to why) once every row a run can ask for is in the store: a miss then raises.
+        # Under ETP an encode is a collective of the encoder's group (``parallel/etp.py``), so a
+        # miss on one rank alone would hang the group instead of encoding.
+        self.sealed = ""
 
     def __deepcopy__(self, memo) -> EncodeCache:
         return self  # the encoders are shared, so their outputs are too
@@ -215,6 +219,11 @@ class EncodeCache:
         tuple of (b, ...) tensors for the rows not cached."""
         keys = hash_rows(ids)
         todo = [k for k in dict.fromkeys(keys) if k not in self.store]
+        if todo and self.sealed:
+            raise ContractError(
+                f"text-encoder cache miss on prompt row(s) {todo[:4]} (id hashes; {len(todo)} "
+                f"missing) after the cache was sealed: {self.sealed}"
+            )
         if todo:
             out = encode(ids[[keys.index(k) for k in todo]])
             for j, k in enumerate(todo):

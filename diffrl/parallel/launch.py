@@ -18,9 +18,13 @@ Every rank runs the same controller loop. Rank 0 writes the run directory. The s
 are means over the ranks, and a stop signal seen by any rank stops all of them at the same
 step (``Ranks``). Held-out eval is shared out: each rank samples a contiguous share of the
 held-out prompts with the one-process seeds, the shares are gathered, and every rank scores the
-whole set (the same result on each). ``parallel.tp``, ``sp`` and ``etp`` above 1 are planned
-by ``diffrl plan`` and tested on their own (``tests/parallel``); ``diffrl train`` refuses them
-until the actor applies them.
+whole set (the same result on each).
+
+``parallel.etp`` above 1 shards the frozen text encoders over groups of ``etp`` consecutive
+ranks (their own mesh), independently of the other degrees, and encodes every prompt at start-up
+(``parallel/etp.py``). ``parallel.tp`` and ``sp`` above 1 are planned by ``diffrl plan`` and
+tested on their own (``tests/parallel``); ``diffrl train`` refuses them until the actor applies
+them.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
     sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
     tp: int = 1  # tensor parallelism of the DiT (planned; not applied by diffrl train yet)
-    etp: int = 1  # tensor parallelism of the text encoder (planned; not applied yet)
+    etp: int = 1  # tensor parallelism of the text encoders (parallel/etp.py)
 
     def validate(self) -> None:
         for name in ("dp_replicate", "sp", "tp", "etp"):
@@ -87,6 +91,17 @@ class Ranks:
     @property
     def dp_size(self) -> int:
         return self.meshes.dp_size if self.meshes is not None else 1
+
+    @property
+    def etp_size(self) -> int:
+        """Ranks each text encoder is tensor-parallel over (``parallel.etp``; 1 = whole)."""
+        return self.meshes.size("etp") if self.meshes is not None else 1
+
+    @property
+    def etp_mesh(self):
+        """This rank's ETP group as a 1-D mesh (``parallel/etp.py`` shards the encoders over
+        it); None in one process."""
+        return self.meshes.etp if self.meshes is not None else None
 
     @property
     def dp_group(self):
@@ -176,14 +191,23 @@ def start(cfg) -> Ranks:
     dims = cfg.parallel.dims()
     if dims.world_size == 1:
         return SOLO
-    unsupported = [k for k in ("tp", "sp", "etp") if getattr(dims, k) > 1]
+    unsupported = [k for k in ("tp", "sp") if getattr(dims, k) > 1]
     if unsupported:
         keys = ", ".join(f"{KEY}.{k}={getattr(dims, k)}" for k in unsupported)
         raise ConfigError(
             f"{keys}: diffrl train shards the data only today (FSDP2 over dp_shard and "
-            "dp_replicate); tensor, sequence and encoder parallelism are planned by diffrl plan "
-            f"and tested on their own. Set {KEY}.tp, {KEY}.sp and {KEY}.etp to 1"
+            "dp_replicate); tensor and sequence parallelism of the DiT are planned by diffrl "
+            f"plan and tested on their own. Set {KEY}.tp and {KEY}.sp to 1"
         )
+    if dims.etp > 1:
+        from diffrl.models.registry import family
+
+        spec = family(cfg.model.resolved_family)
+        if not spec.etp_plans:
+            raise ConfigError(
+                f"{KEY}.etp={dims.etp}: model family {spec.name!r} declares no ETP plan for "
+                f"its text encoder(s) (FamilySpec.etp_plans is empty); set {KEY}.etp=1"
+            )
     if cfg.run.mode != "sync" or cfg.run.backend != "local":
         raise ConfigError(
             f"config keys 'run.mode' = {cfg.run.mode!r}, 'run.backend' = {cfg.run.backend!r}: "
