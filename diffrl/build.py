@@ -62,6 +62,8 @@ class Engines:
     ranks: Ranks = SOLO
     # the bound-module gate's counts (diffrl/sync/bound.py): what the adapter is on
     bound: BoundReport | None = None
+    # parallel.etp > 1: the text encoders sharded and the prompts encoded at start-up
+    etp: str = ""
 
     async def aclose(self) -> None:
         if self.close is not None:
@@ -225,6 +227,7 @@ class RolloutSide:
     probe: ProbeResult
     rollout: RolloutEngine
     evaluator: RolloutEngine
+    etp: str = ""  # under parallel.etp > 1: what was sharded and encoded at start-up
 
 
 def setup_process(cfg: Config, threads: int = 0) -> torch.device:
@@ -240,18 +243,23 @@ def setup_process(cfg: Config, threads: int = 0) -> torch.device:
 def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> RolloutSide:
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
+    sharded = []
     if ranks.etp_size > 1:  # before anything encodes (parallel/etp.py)
-        shard_encoders(base, family_spec(cfg.model.resolved_family), ranks.etp_mesh)
+        sharded = shard_encoders(base, family_spec(cfg.model.resolved_family), ranks.etp_mesh)
     train = prompt_set(task, base, task.prompts("train"))
     test_prompts = task.prompts("test")
     if cfg.data.eval_prompts:
         test_prompts = test_prompts[: cfg.data.eval_prompts]
     eval_set = prompt_set(task, base, test_prompts)
     probe = run_probe(cfg, task, base)
+    etp = ""
     if ranks.etp_size > 1:  # every row the run can ask for, in step on the ETP group; sealed
         rows = [train.input_ids, eval_set.input_ids, base.family.null_ids()]
         n = encode_all(base, rows, ranks.meshes.group("etp"), cfg.rollout.max_batch)
-        log.info("ETP: %d prompt rows encoded at start-up; the text-encoder cache is sealed", n)
+        etp = (
+            f"ETP: text encoder(s) {', '.join(sharded)} sharded over {ranks.etp_size} ranks; "
+            f"{n} prompt rows encoded at start-up, the encode cache sealed"
+        )
     rollout_targets = expanded_targets(base, actor_targets(cfg))
     rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent
@@ -265,7 +273,7 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
         ode_dtype="float32",
     )
     evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device)
-    return RolloutSide(task, base, train, eval_set, probe, rollout, evaluator)
+    return RolloutSide(task, base, train, eval_set, probe, rollout, evaluator, etp)
 
 
 def actor_targets(cfg: Config) -> list[str]:
@@ -329,6 +337,7 @@ def build(cfg: Config) -> Engines:
         close=close,
         ranks=ranks,
         bound=bound,
+        etp=side.etp,
     )
 
 

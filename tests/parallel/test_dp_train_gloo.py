@@ -249,6 +249,7 @@ def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
     ("extra", "says"),
     [
         (["parallel.tp=2"], r"parallel.tp=2: diffrl train shards the data only"),
+        (["parallel.etp=2"], r"parallel.etp=2: model family 'tiny_dit' declares no ETP plan"),
         (["run.mode=async"], r"under torchrun diffrl train runs the sync loop"),
         (["data.prompts_per_step=3"], r"'data.prompts_per_step' = 3.*multiple of 2"),
         (["parallel.dp_shard=3"], r"parallel: dp_replicate\*dp_shard\*sp\*tp = 1\*3\*1\*1 = 3"),

@@ -127,3 +127,66 @@ def test_a_family_without_encoder_plans_is_refused_naming_it():
     with pytest.raises(ConfigError, match=r"parallel.etp=2: model family 'sd3'.*t5 \(T5Encoder"):
         encoder_plans(model, spec, 2)
     assert list(encoder_plans(model, family_spec("sd3"), 2)) == ["t5"]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = "recipes/shapes_sd3_nft.yaml"  # sd3-shapes: CLIP-L, CLIP-G and a 4-head T5
+TINY = [
+    "run.steps=1", "data.prompts_per_step=2", "rollout.group_size=2", "rollout.num_steps=2",
+    "rollout.eval_num_steps=2", "data.eval_prompts=4", "data.eval_samples_per_prompt=1",
+    "run.eval_every=1", "run.tensorboard=false", "rollout.compile=false", "actor.compile=false",
+    "run.threads=1", "algorithm.timesteps_per_sample=1",
+]  # fmt: skip
+
+
+def _torchrun(out: Path, *extra: str) -> tuple[list[dict], str]:
+    """``torchrun --nproc-per-node 2 -m diffrl.cli train`` as a user runs it (CPU, gloo)."""
+    import os
+    import subprocess
+    import sys
+
+    from diffrl.controller.run_dir import read_metrics
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "diffrl.cli", "train", RECIPE, *TINY, f"run.out_dir={out}", *extra,
+    ]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_metrics(out / "shapes_sd3_nft"), done.stderr
+
+
+def test_train_with_sharded_encoders_is_the_data_parallel_run(tmp_path):
+    """``parallel.etp=2`` beside data parallelism 2 (the same 2 ranks): the T5 sharded, every
+    prompt encoded at start-up, and the run's metrics those of the DP-only run: the samples,
+    rewards and evals equal, the loss and gradient norm to fp32 rounding (the encoder's sums
+    are only reordered)."""
+    dp, said = _torchrun(tmp_path / "dp")
+    etp, says = _torchrun(tmp_path / "etp", "parallel.etp=2")
+    assert "ETP:" not in said
+    # sd3-shapes: 212 training + 4 held-out prompts (distinct) + the empty one
+    assert "ETP: text encoder(s) t5 sharded over 2 ranks; 217 prompt rows encoded" in says
+    assert [r["step"] for r in etp] == [r["step"] for r in dp] == [0, 1]
+    for a, b in zip(dp, etp, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k.startswith(("reward/", "eval/")):
+                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-7), k
+            elif k.startswith(("actor/loss", "actor/grad_norm", "nft/")):
+                assert b[k] == pytest.approx(a[k], rel=1e-5), k
+    assert etp[1]["actor/grad_norm"] > 0
+
+
+def test_a_prompt_universe_larger_than_the_cache_is_refused_at_start_up():
+    """Every row is kept once encoded: more distinct rows than the cache holds is a ConfigError
+    before any collective (no process group needed to see it)."""
+    from diffrl.parallel.etp import encode_all
+
+    model = _load("sd3", "sd35-tiny")
+    model.net.cache.capacity = 2
+    ids = model.family.tokenize(TEXTS).input_ids
+    with pytest.raises(ConfigError, match=r"parallel.etp: .* 3 distinct rows .* cache's 2"):
+        encode_all(model, [ids], None, chunk=2)
+    assert not model.net.cache.store and not model.net.cache.sealed
