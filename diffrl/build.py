@@ -24,11 +24,13 @@ from diffrl.errors import CONTRACTS_LOG, ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
 from diffrl.models.family import EncodesClips, FamilyModel, HasMediaGeometry, TakesConditions
 from diffrl.models.probe import NoReference, ProbeResult, pipeline_parity
+from diffrl.models.registry import family as family_spec
 from diffrl.models.registry import load_model, lora_targets
 from diffrl.parallel.fsdp import shard_frozen_base
 from diffrl.parallel.launch import SOLO, Ranks, local_device
 from diffrl.parallel.launch import start as start_ranks
 from diffrl.parallel.launch import stop as stop_ranks
+from diffrl.parallel.tp_lora import tp_hook
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.rollout.samplers import euler_step, sigma_schedule
@@ -272,12 +274,18 @@ def actor_side(
     sharded over the data-parallel ranks and the adapters' gradients averaged over them."""
     algorithm = get_algorithm(cfg.algorithm.name)
     dp = ranks.dp_size > 1
+    tp = None  # tensor parallel: the base and adapters sharded with the family's plan
+    if ranks.meshes is not None and ranks.meshes.size("tp") > 1:
+        assert ranks.meshes.main is not None, "a tp axis > 1 has a main mesh"
+        spec = family_spec(cfg.model.resolved_family)
+        tp = tp_hook(ranks.meshes.main["tp"], spec.tp_plan, spec.name)
     return ActorEngine(
         base, actor_with_horizon(cfg), actor_targets(cfg), algorithm, cfg.algorithm, device,
         cfg.run.seed,
         shard=shard_frozen_base(ranks.meshes.fsdp_mesh) if dp else None,
         dp_group=ranks.dp_group if dp else None,
         rows_groups=ranks.rows_groups,
+        tensor_parallel=tp,
     )  # fmt: skip
 
 

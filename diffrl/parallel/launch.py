@@ -176,14 +176,16 @@ def start(cfg) -> Ranks:
     dims = cfg.parallel.dims()
     if dims.world_size == 1:
         return SOLO
-    unsupported = [k for k in ("tp", "sp", "etp") if getattr(dims, k) > 1]
+    unsupported = [k for k in ("sp", "etp") if getattr(dims, k) > 1]
     if unsupported:
         keys = ", ".join(f"{KEY}.{k}={getattr(dims, k)}" for k in unsupported)
         raise ConfigError(
-            f"{keys}: diffrl train shards the data only today (FSDP2 over dp_shard and "
-            "dp_replicate); tensor, sequence and encoder parallelism are planned by diffrl plan "
-            f"and tested on their own. Set {KEY}.tp, {KEY}.sp and {KEY}.etp to 1"
+            f"{keys}: diffrl train shards the data (FSDP2 over dp_shard and dp_replicate) and "
+            "the DiT (tp); sequence and encoder parallelism are planned by diffrl plan and "
+            f"tested on their own. Set {KEY}.sp and {KEY}.etp to 1"
         )
+    if dims.tp > 1:
+        check_tp(cfg, dims)
     if cfg.run.mode != "sync" or cfg.run.backend != "local":
         raise ConfigError(
             f"config keys 'run.mode' = {cfg.run.mode!r}, 'run.backend' = {cfg.run.backend!r}: "
@@ -218,6 +220,26 @@ def start(cfg) -> Ranks:
     if rank:  # one voice in the console: the others log warnings and errors only
         logging.getLogger("diffrl").setLevel(logging.WARNING)
     return Ranks(rank, dims.world_size, meshes)
+
+
+def check_tp(cfg, dims: ParallelDims) -> None:
+    """``parallel.tp`` > 1 before any process group: the family must declare a TP plan, and
+    (for now) tp is the only model axis: FSDP2 over a TP-sharded base is not run by diffrl
+    train yet."""
+    from diffrl.models.registry import family  # the records import diffusers lazily
+
+    spec = family(cfg.model.resolved_family)
+    if spec.tp_plan is None:
+        raise ConfigError(
+            f"{KEY}.tp={dims.tp}: model family {spec.name!r} declares no TP plan for the tp "
+            f"axis; set {KEY}.tp=1 (shard the base with {KEY}.dp_shard instead)"
+        )
+    if dims.dp > 1:
+        raise ConfigError(
+            f"{KEY}.tp={dims.tp} with {dims.dp} data-parallel ranks ({KEY}.dp_shard="
+            f"{dims.dp_shard}, {KEY}.dp_replicate={dims.dp_replicate}): diffrl train does not "
+            f"run FSDP2 over a TP-sharded base yet; use tp alone (tp = the world size)"
+        )
 
 
 def stop() -> None:
