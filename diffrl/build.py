@@ -62,6 +62,8 @@ class Engines:
     ranks: Ranks = SOLO
     # the bound-module gate's counts (diffrl/sync/bound.py): what the adapter is on
     bound: BoundReport | None = None
+    # the model parallelism the actor applied, in a line for the console ("" = none)
+    layout: str = ""
 
     async def aclose(self) -> None:
         if self.close is not None:
@@ -329,6 +331,7 @@ def build(cfg: Config) -> Engines:
         close=close,
         ranks=ranks,
         bound=bound,
+        layout=actor.layout,
     )
 
 

@@ -20,6 +20,7 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer, LoraModel
 from torch import Tensor
 from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.tensor import DTensor
 
 from diffrl.algorithms.registry import Algorithm, AlgorithmConfig
 from diffrl.errors import DiffrlError, check, check_choice
@@ -318,7 +319,7 @@ class ActorEngine:
         seed: int = 0,
         shard: Callable[[torch.nn.Module], None] | None = None,
         dp_group=None,
-        tensor_parallel: Callable[[torch.nn.Module], None] | None = None,
+        tensor_parallel: Callable[[torch.nn.Module], str] | None = None,
         rows_groups: Mapping[str, ProcessGroup | None] | None = None,
     ) -> None:
         """``shard`` (data parallel, ``parallel/fsdp.py``) shards the peft-wrapped model in
@@ -370,8 +371,8 @@ class ActorEngine:
         self.bound = bound_of(base_weights)
         # TP replaces the sharded parameters by DTensor ones: before anything keys on them
         self.sharded = tensor_parallel is not None
-        if tensor_parallel is not None:
-            tensor_parallel(self.model)
+        # what the model parallelism applied, in a line for the console ("" = none)
+        self.layout = tensor_parallel(self.model) if tensor_parallel is not None else ""
         self.masters: dict[Tensor, Tensor] = {}  # LoRA factor -> its fp32 master (bf16 compute)
         # the precision the policy's forward computes in (the first-step gate's default
         # threshold depends on it), and whether that gate has run in this process
@@ -392,9 +393,13 @@ class ActorEngine:
         # what the optimizer steps: the fp32 masters when the factors compute in bf16
         self.params = [self.masters[p] for p in self.trained] if self.masters else self.trained
         beta1, beta2 = cfg.betas  # a tuple, or a list from YAML
+        # a multi-tensor (foreach) step, torch's default on GPUs, takes no mix of TP shards and
+        # plain tensors: per tensor under TP
+        foreach = False if self.sharded else None
         self.opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(beta1, beta2), weight_decay=cfg.weight_decay
-        )
+            self.params, lr=cfg.lr, betas=(beta1, beta2), weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )  # fmt: skip
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0  # optimizer steps taken
         self._step: PendingStep | None = None  # the optimizer step in progress
@@ -412,7 +417,11 @@ class ActorEngine:
                 for mod in getattr(layer, name).values():
                     w = mod.weight
                     master = w.detach().float().clone()
-                    w.data = w.data.to(base)
+                    if isinstance(w, DTensor):  # a TP shard: its .data cannot change dtype
+                        w = torch.nn.Parameter(w.detach().to(base), w.requires_grad)
+                        mod.weight = w
+                    else:
+                        w.data = w.data.to(base)
                     self.masters[w] = master
 
     def _fold_grads(self) -> None:
@@ -423,7 +432,10 @@ class ActorEngine:
         folded = [(self.masters[w], w.grad) for w in self.trained if w.grad is not None]
         if not folded:
             return
-        torch._foreach_add_([grad_or_zeros(m) for m, _ in folded], [g for _, g in folded])
+        # on the local shards: a multi-tensor op takes no mix of TP shards and plain tensors
+        torch._foreach_add_(
+            [local(grad_or_zeros(m)) for m, _ in folded], [local(g) for _, g in folded]
+        )
         for w in self.trained:
             w.grad = None
 

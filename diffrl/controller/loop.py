@@ -21,6 +21,8 @@ async def train(cfg: Config) -> Path:
     parts = build_engines(cfg)
     if parts.bound is not None and parts.ranks.primary:  # once per run, before any work
         print(f"diffrl: {parts.bound.line()}", file=sys.stderr)
+    if parts.layout and parts.ranks.primary:
+        print(f"diffrl: {parts.layout}", file=sys.stderr)
     try:
         return await MODES[cfg.run.mode](cfg, parts)
     finally:  # scorer clients, remote engines: released however the run ends

@@ -18,9 +18,14 @@ Every rank runs the same controller loop. Rank 0 writes the run directory. The s
 are means over the ranks, and a stop signal seen by any rank stops all of them at the same
 step (``Ranks``). Held-out eval is shared out: each rank samples a contiguous share of the
 held-out prompts with the one-process seeds, the shares are gathered, and every rank scores the
-whole set (the same result on each). ``parallel.tp``, ``sp`` and ``etp`` above 1 are planned
-by ``diffrl plan`` and tested on their own (``tests/parallel``); ``diffrl train`` refuses them
-until the actor applies them.
+whole set (the same result on each).
+
+``parallel.tp`` = the world size shards the actor's DiT and its LoRA adapters with the family's
+TP plan (``parallel/tp_lora.py``); the ranks of the tp group see the same prompts and seeds
+(one data-parallel rank), and each holds a whole, replicated rollout copy that receives the
+gathered LoRA through the one-process sync. tp with data-parallel ranks beside it, ``sp`` and
+``etp`` above 1 are planned by ``diffrl plan`` and tested on their own (``tests/parallel``);
+``diffrl train`` refuses them, naming the keys.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
     sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
-    tp: int = 1  # tensor parallelism of the DiT (planned; not applied by diffrl train yet)
+    tp: int = 1  # tensor parallelism of the actor's DiT and LoRA (alone: tp = the world size)
     etp: int = 1  # tensor parallelism of the text encoder (planned; not applied yet)
 
     def validate(self) -> None:
@@ -91,8 +96,9 @@ class Ranks:
     @property
     def dp_group(self):
         """The process group gradients are averaged over: every data-parallel rank, across
-        the replicas of HSDP too (diffrl train runs no TP or SP, so that is the whole world);
-        None in one process."""
+        the replicas of HSDP too (diffrl train runs TP only with no data-parallel rank beside
+        it, where the actor reduces nothing, and no SP: so that is the whole world); None in
+        one process."""
         if self.meshes is None or self.meshes.main is None:
             return None
         return dist.group.WORLD

@@ -1,7 +1,8 @@
 """Tensor parallelism, applied outside the model from a plan: module-path pattern -> style.
 
-Parked: ``apply_plan`` is reached only from tests and ``diffrl plan`` (which reads the plans to
-count bytes); the parallel issue (38) wires it into `diffrl train`. This module holds the
+``apply_plan`` is reached from ``diffrl train`` at ``parallel.tp`` > 1, through
+``parallel/tp_lora.py`` (the plan rewritten for the actor's LoRA wrappers), from tests, and
+from ``diffrl plan`` (which reads the plans to count bytes). This module holds the
 generic styles; each family's plan is data in its record (``FamilySpec.tp_plan``, and
 ``etp_plans`` for its text encoders, ``models/families/_encoder_plans.py``).
 

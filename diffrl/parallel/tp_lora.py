@@ -96,8 +96,18 @@ def tp_hook(mesh: DeviceMesh, plan: Mapping[str, Any] | None, family: str):
             "(FamilySpec.tp_plan); set parallel.tp=1"
         )
 
-    def hook(model: nn.Module) -> None:
+    def hook(model: nn.Module) -> str:
+        """Shard ``model``; returns the layout applied, in a line for the console."""
         apply_lora_tp(model, mesh, plan)
+        params = dict(model.named_parameters())
+        lora = [p for n, p in params.items() if "lora_" in n]
+        base_sharded = sum(isinstance(p, DTensor) for n, p in params.items() if "lora_" not in n)
+        return (
+            f"tensor parallel: {family}'s TP plan over tp={mesh.size()} (ranks "
+            f"{mesh.mesh.tolist()}); {base_sharded} of {len(params) - len(lora)} base and "
+            f"{sum(isinstance(p, DTensor) for p in lora)} of {len(lora)} LoRA tensors sharded, "
+            "the rest replicated; the rollout replicated"
+        )
 
     return hook
 

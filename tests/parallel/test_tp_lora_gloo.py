@@ -34,11 +34,12 @@ DEADLINE_S = 180.0
 RTOL = 1e-5
 
 
-def _model():
+def _model(dtype: str = "float32"):
     from diffrl.models.registry import ModelConfig, load_model
 
     torch.manual_seed(0)
-    return load_model(ModelConfig(family="sd3", preset="sd35-tiny", resolution=32), "cpu")
+    cfg = ModelConfig(family="sd3", preset="sd35-tiny", resolution=32, dtype=dtype)
+    return load_model(cfg, "cpu")
 
 
 def _batch(model, n: int = 4):
@@ -77,11 +78,11 @@ def _actor(model, tensor_parallel=None):
     return actor
 
 
-def _run(tensor_parallel=None) -> dict:
+def _run(tensor_parallel=None, dtype: str = "float32") -> dict:
     """3 steps; everything the parent compares, as whole CPU tensors."""
     from diffrl.parallel.tp_lora import full
 
-    model = _model()
+    model = _model(dtype)
     batch = _batch(model)
     actor = _actor(model, tensor_parallel)
     names = [n for n, p in actor.model.named_parameters() if ".default." in n]
@@ -92,7 +93,8 @@ def _run(tensor_parallel=None) -> dict:
         norms.append(m["actor/grad_norm"])
         if step == 0:
             params = dict(actor.model.named_parameters())
-            grads = {n: full(params[n].grad).detach().clone() for n in names}
+            held = {n: actor.masters.get(params[n], params[n]) for n in names}  # bf16: masters
+            grads = {n: full(p.grad).detach().clone() for n, p in held.items()}
     update = actor.export_weights("default")
     x = torch.randn((2, *model.family.latent_shape()), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -102,8 +104,11 @@ def _run(tensor_parallel=None) -> dict:
         "losses": losses, "norms": norms, "grads": grads, "adapters": adapters, "v": v,
         "deltas": {k: (d.a, d.b) for k, d in update.deltas.items()},
         "moments": {i: s["exp_avg"] for i, s in state["optimizer"]["state"].items()},
+        "masters": len(actor.masters),
     }  # fmt: skip
-    if tensor_parallel is not None:  # the checkpoint loads back into a sharded actor
+    if (
+        tensor_parallel is not None and dtype == "float32"
+    ):  # the checkpoint loads back into a sharded actor
         other = _actor(_model(), tensor_parallel)
         other.load_state(adapters, state)
         again = other.adapter_tensors()
@@ -123,7 +128,7 @@ def _run(tensor_parallel=None) -> dict:
     return out
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, port: int, out: str, dtype: str = "float32") -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from diffrl.models.families.sd3 import TP_PLAN
@@ -131,7 +136,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
     init_gloo(rank, WORLD, port, DEADLINE_S)
     mesh = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
-    result = _run(tp_hook(mesh, TP_PLAN, "sd3"))
+    result = _run(tp_hook(mesh, TP_PLAN, "sd3"), dtype)
     torch.save(result, Path(out, f"rank{rank}.pt"))
     leave_group()
 
@@ -179,6 +184,28 @@ def test_lora_on_a_tp_sharded_sd3_trains_as_one_process(tmp_path: Path) -> None:
         torch.testing.assert_close(got["v_again"], got["v"], rtol=0, atol=1e-6)
 
 
+def test_bf16_lora_masters_under_tp(tmp_path: Path) -> None:
+    """A bf16 model: the LoRA factors compute in bf16 with fp32 masters (``lora_compute=auto``),
+    sharded ones included; 3 steps at tp=2 against one process. The forward's bf16 roundings
+    differ with the shard sums, so the bounds are bf16's: losses rtol 1e-3, adapters atol
+    3e-2 x the tensor's largest value (Adam's first steps move by ~lr whatever the gradient's
+    size; seen 1.1e-2)."""
+    torch.set_num_threads(1)
+    want = _run(dtype="bfloat16")
+    run_ranks(_rank, WORLD, (free_port(), str(tmp_path), "bfloat16"), DEADLINE_S)
+    assert want["masters"] > 0
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["masters"] == want["masters"]
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-3, atol=0
+        )
+        for n, w in want["adapters"].items():
+            assert got["adapters"][n].dtype == torch.float32  # the masters, exported whole
+            floor = 3e-2 * w.abs().max().item()
+            torch.testing.assert_close(got["adapters"][n], w, rtol=0, atol=floor)
+
+
 def test_a_family_without_a_tp_plan_is_refused_naming_it() -> None:
     from diffrl.parallel.tp_lora import tp_hook
 
@@ -211,3 +238,72 @@ def test_plan_rewritten_for_lora_wrappers() -> None:
     assert not any(f"{q}.lora_A" in k or f"{out}.lora_B" in k for k in plan)
     assert plan["transformer_blocks.*.attn.to_k"] is TP_PLAN["transformer_blocks.*.attn.to_k"]
     assert plan["transformer_blocks.*.attn"] is TP_PLAN["transformer_blocks.*.attn"]
+
+
+# --- diffrl train from the command line, under torchrun -----------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+SD3_RECIPE = "recipes/shapes_sd3_nft.yaml"
+
+
+def _cli_overrides(out: Path, steps: int) -> list[str]:
+    return [
+        f"run.steps={steps}", "data.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.num_steps=2", "rollout.eval_num_steps=2", "data.eval_samples_per_prompt=1",
+        "data.eval_prompts=2", "probe.mode=off", f"run.out_dir={out}", "run.tensorboard=false",
+        "rollout.compile=false", "actor.compile=false", "run.threads=1", "run.eval_every=1",
+        "run.save_every=1",
+    ]  # fmt: skip
+
+
+def _torchrun(over: list[str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={WORLD}", "-m", "diffrl.cli", "train", SD3_RECIPE, *over,
+    ]  # fmt: skip
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
+
+
+def test_diffrl_train_under_torchrun_at_tp2_is_the_one_process_run(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m diffrl.cli train recipes/shapes_sd3_nft.yaml ...
+    parallel.tp=2``: one run directory, the plan applied (said on the console), the same
+    samples and first steps as the one-process run (losses and grad norms rtol 1e-5), and its
+    checkpoint (the one-process format) resumes without TP into the one-process run's 3rd step
+    (rtol 1e-4: two steps of TP-reordered sums behind it)."""
+    import asyncio
+
+    from diffrl.config import load_config
+    from diffrl.controller.loop import train
+    from diffrl.controller.run_dir import read_metrics
+
+    one = read_metrics(
+        asyncio.run(train(load_config(SD3_RECIPE, _cli_overrides(tmp_path / "one", 3))))
+    )
+    tp_dir = tmp_path / "tp"
+    console = _torchrun([*_cli_overrides(tp_dir, 2), "parallel.tp=2"])
+    assert "tensor parallel: sd3's TP plan over tp=2 (ranks [0, 1])" in console
+    assert console.count("run directory:") == 1  # rank 0 alone
+    rows = read_metrics(tp_dir / "shapes_sd3_nft")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0] == {**one[0], "time": rows[0]["time"]}  # the untrained policy's eval
+    for step in (1, 2):
+        for key in [k for k in one[step] if k.startswith(("reward/", "eval/"))]:
+            assert rows[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-7), key
+        for key in ("actor/loss", "actor/grad_norm", "nft/loss_pos", "nft/loss_neg"):
+            assert rows[step][key] == pytest.approx(one[step][key], rel=1e-5), (step, key)
+    assert rows[1]["sync/applied"] == one[1]["sync/applied"] > 0  # the whole LoRA synced
+    # layout-independent checkpoints: the tp=2 run's step 2 resumes in one process
+    asyncio.run(train(load_config(SD3_RECIPE, _cli_overrides(tp_dir, 3))))
+    rows3 = read_metrics(tp_dir / "shapes_sd3_nft")
+    assert [r["step"] for r in rows3] == [0, 1, 2, 3]
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert rows3[3][key] == pytest.approx(one[3][key], rel=1e-4), key
