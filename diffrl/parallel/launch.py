@@ -20,12 +20,14 @@ step (``Ranks``). Held-out eval is shared out: each rank samples a contiguous sh
 held-out prompts with the one-process seeds, the shares are gathered, and every rank scores the
 whole set (the same result on each).
 
-``parallel.tp`` = the world size shards the actor's DiT and its LoRA adapters with the family's
-TP plan (``parallel/tp_lora.py``); the ranks of the tp group see the same prompts and seeds
-(one data-parallel rank), and each holds a whole, replicated rollout copy that receives the
-gathered LoRA through the one-process sync. tp with data-parallel ranks beside it, ``sp`` and
-``etp`` above 1 are planned by ``diffrl plan`` and tested on their own (``tests/parallel``);
-``diffrl train`` refuses them, naming the keys.
+``parallel.tp`` > 1 shards the actor's DiT and its LoRA adapters with the family's TP plan
+(``parallel/tp_lora.py``), then FSDP2 shards the result over ``dp_shard`` as above. The ranks
+of a tp group are one data-parallel rank: they see the same prompts and seeds, each holds a
+whole, replicated rollout copy that receives the gathered LoRA through the one-process sync,
+and the adapters' gradients are averaged over the dp peers of the same tp coordinate
+(``Ranks.dp_group``). tp with HSDP replicas (``dp_replicate`` > 1), ``sp`` and ``etp`` above 1
+are planned by ``diffrl plan`` and tested on their own (``tests/parallel``); ``diffrl train``
+refuses them, naming the keys.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
     sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
-    tp: int = 1  # tensor parallelism of the actor's DiT and LoRA (alone: tp = the world size)
+    tp: int = 1  # tensor parallelism of the actor's DiT and LoRA (the rollout stays replicated)
     etp: int = 1  # tensor parallelism of the text encoder (planned; not applied yet)
 
     def validate(self) -> None:
@@ -96,12 +98,14 @@ class Ranks:
     @property
     def dp_group(self):
         """The process group gradients are averaged over: every data-parallel rank, across
-        the replicas of HSDP too (diffrl train runs TP only with no data-parallel rank beside
-        it, where the actor reduces nothing, and no SP: so that is the whole world); None in
-        one process."""
+        the replicas of HSDP too. Without tp or sp that is the whole world; with them, the
+        ranks that share this rank's tp (and sp) coordinate: each averages its own shard of
+        the sharded adapters. None in one process."""
         if self.meshes is None or self.meshes.main is None:
             return None
-        return dist.group.WORLD
+        if self.meshes.size("tp") == 1 and self.meshes.size("sp") == 1:
+            return dist.group.WORLD
+        return self.meshes.dp_group()
 
     @property
     def rows_groups(self) -> dict[str, dist.ProcessGroup | None]:
@@ -230,8 +234,8 @@ def start(cfg) -> Ranks:
 
 def check_tp(cfg, dims: ParallelDims) -> None:
     """``parallel.tp`` > 1 before any process group: the family must declare a TP plan, and
-    (for now) tp is the only model axis: FSDP2 over a TP-sharded base is not run by diffrl
-    train yet."""
+    the data-parallel ranks beside tp are FSDP2 shards (dp_shard): HSDP replicas over a
+    TP-sharded base are not run by diffrl train yet."""
     from diffrl.models.registry import family  # the records import diffusers lazily
 
     spec = family(cfg.model.resolved_family)
@@ -240,11 +244,11 @@ def check_tp(cfg, dims: ParallelDims) -> None:
             f"{KEY}.tp={dims.tp}: model family {spec.name!r} declares no TP plan for the tp "
             f"axis; set {KEY}.tp=1 (shard the base with {KEY}.dp_shard instead)"
         )
-    if dims.dp > 1:
+    if dims.dp_replicate > 1:
         raise ConfigError(
-            f"{KEY}.tp={dims.tp} with {dims.dp} data-parallel ranks ({KEY}.dp_shard="
-            f"{dims.dp_shard}, {KEY}.dp_replicate={dims.dp_replicate}): diffrl train does not "
-            f"run FSDP2 over a TP-sharded base yet; use tp alone (tp = the world size)"
+            f"{KEY}.tp={dims.tp} with {KEY}.dp_replicate={dims.dp_replicate}: diffrl train "
+            f"does not run HSDP replicas over a TP-sharded base yet; set {KEY}.dp_replicate=1 "
+            f"(FSDP2 over {KEY}.dp_shard composes with tp)"
         )
 
 

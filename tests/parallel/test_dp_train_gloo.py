@@ -276,15 +276,15 @@ def test_layouts_train_cannot_run_are_refused_first(
     assert not dist.is_initialized()
 
 
-def test_tp_with_data_parallel_ranks_is_refused_first(tmp_path, monkeypatch):
-    """tp=2 on 4 ranks leaves 2 data-parallel ranks: FSDP2 over a TP-sharded base is not run
-    by diffrl train yet, so the layout is refused before any process group, naming the keys."""
+def test_tp_with_hsdp_replicas_is_refused_first(tmp_path, monkeypatch):
+    """tp=2 with 2 HSDP replicas on 4 ranks: not run by diffrl train yet, so the layout is
+    refused before any process group, naming the keys."""
     from diffrl.build import build
 
     monkeypatch.setenv("WORLD_SIZE", "4")
-    over = ["parallel.tp=2", "probe.mode=off", f"run.out_dir={tmp_path}"]
+    over = ["parallel.tp=2", "parallel.dp_replicate=2", "probe.mode=off", f"run.out_dir={tmp_path}"]
     cfg = load_config("recipes/shapes_sd3_nft.yaml", over)
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 with 2 data-parallel ranks"):
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 with parallel.dp_replicate=2"):
         build(cfg)
     assert not dist.is_initialized()
 

@@ -56,7 +56,7 @@ def _batch(model, n: int = 4):
     )
 
 
-def _actor(model, tensor_parallel=None):
+def _actor(model, tensor_parallel=None, shard=None, group=None):
     from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
     from diffrl.algorithms.diffusion_nft import NFTConfig
     from diffrl.algorithms.registry import get_algorithm
@@ -67,7 +67,7 @@ def _actor(model, tensor_parallel=None):
     algo = NFTConfig(weighting="uniform", timesteps_per_sample=1)
     actor = ActorEngine(
         model, cfg, list(LORA_TARGETS), get_algorithm("diffusion_nft"), algo,
-        torch.device("cpu"), tensor_parallel=tensor_parallel,
+        torch.device("cpu"), tensor_parallel=tensor_parallel, shard=shard, dp_group=group,
     )  # fmt: skip
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # B = 0 at init would give A no gradient
@@ -182,6 +182,47 @@ def test_lora_on_a_tp_sharded_sd3_trains_as_one_process(tmp_path: Path) -> None:
         torch.testing.assert_close(got["v"], want["v"], rtol=0, atol=1e-5)
         assert got["reloaded"] and got["reloaded_moments"]
         torch.testing.assert_close(got["v_again"], got["v"], rtol=0, atol=1e-6)
+
+
+def _dp_rank(rank: int, port: int, out: str, world: int, tp: int) -> None:
+    """A data-parallel rank (dp_shard=2) of ``world`` ranks, its base under FSDP2 and, at
+    ``tp`` > 1, under TP first; it trains its dp slice of the batch, 2 steps."""
+    from diffrl.models.families.sd3 import TP_PLAN
+    from diffrl.parallel.dims import ParallelDims, build_meshes
+    from diffrl.parallel.fsdp import shard_frozen_base
+    from diffrl.parallel.launch import Ranks
+    from diffrl.parallel.tp_lora import tp_hook
+
+    init_gloo(rank, world, port, DEADLINE_S)
+    meshes = build_meshes(ParallelDims(dp_shard=2, tp=tp, world_size=world), "cpu")
+    ranks = Ranks(rank, world, meshes)
+    hook = tp_hook(meshes.main["tp"], TP_PLAN, "sd3") if tp > 1 else None
+    model = _model()
+    mine = _batch(model).select(torch.arange(2 * ranks.dp_rank, 2 * ranks.dp_rank + 2))
+    actor = _actor(model, hook, shard=shard_frozen_base(meshes.fsdp_mesh), group=ranks.dp_group)
+    losses = [actor.train_step(mine)["actor/loss"] for _ in range(2)]
+    result = {"losses": losses, "adapters": actor.adapter_tensors(), "dp_rank": ranks.dp_rank}
+    torch.save(result, Path(out, f"dp{world}_{rank}.pt"))
+    leave_group()
+
+
+def test_fsdp_over_a_tp_sharded_base_is_data_parallel_alone(tmp_path: Path) -> None:
+    """dp_shard=2 x tp=2 on 4 ranks against dp_shard=2 on 2 (the same slices, the same
+    per-row draws): the same losses and gathered adapters (rtol 1e-5), on every rank. The tp
+    pairs average their gradients over their dp peers only (``Ranks.dp_group``): over the
+    world, shards of different columns would be mixed."""
+    run_ranks(_dp_rank, 2, (free_port(), str(tmp_path), 2, 1), DEADLINE_S)
+    run_ranks(_dp_rank, 4, (free_port(), str(tmp_path), 4, 2), DEADLINE_S)
+    want = torch.load(tmp_path / "dp2_0.pt", weights_only=False)
+    assert want["losses"][0] != want["losses"][1]
+    for rank in range(4):
+        got = torch.load(tmp_path / f"dp4_{rank}.pt", weights_only=False)
+        assert got["dp_rank"] == rank // 2  # tp groups are consecutive ranks
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0
+        )
+        for n, w in want["adapters"].items():
+            _close(got["adapters"][n], w, f"rank {rank} adapter {n}")
 
 
 def test_bf16_lora_masters_under_tp(tmp_path: Path) -> None:
