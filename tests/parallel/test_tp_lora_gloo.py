@@ -10,6 +10,10 @@ in lora_B's Colwise input hook must make them whole) and the gathered adapters a
 (rtol 1e-5, atol 1e-6 x the tensor's largest value: the sharded matmuls only reorder sums), the
 exported LoRA deltas, and a forward with the trained adapter (atol 1e-5). A checkpoint taken at
 tp=2 is the one-process format and loads back into the sharded actor exactly.
+
+Also: bf16 factors with fp32 masters at tp=2; dp_shard=2 x tp=2 on 4 ranks against dp_shard=2
+on 2; the plan rewrite itself; a family without a plan refused by name; and ``diffrl train``
+under torchrun at tp=2 against the one-process run, its checkpoint resumed at tp=1.
 """
 
 from __future__ import annotations
