@@ -31,6 +31,7 @@ from diffrl.parallel.fsdp import shard_frozen_base
 from diffrl.parallel.launch import SOLO, Ranks, local_device
 from diffrl.parallel.launch import start as start_ranks
 from diffrl.parallel.launch import stop as stop_ranks
+from diffrl.parallel.tp_lora import tp_hook
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.rollout.samplers import euler_step, sigma_schedule
@@ -64,6 +65,8 @@ class Engines:
     bound: BoundReport | None = None
     # parallel.etp > 1: the text encoders sharded and the prompts encoded at start-up
     etp: str = ""
+    # the model parallelism the actor applied, in a line for the console ("" = none)
+    layout: str = ""
 
     async def aclose(self) -> None:
         if self.close is not None:
@@ -288,12 +291,18 @@ def actor_side(
     sharded over the data-parallel ranks and the adapters' gradients averaged over them."""
     algorithm = get_algorithm(cfg.algorithm.name)
     dp = ranks.dp_size > 1
+    tp = None  # tensor parallel: the base and adapters sharded with the family's plan
+    if ranks.meshes is not None and ranks.meshes.size("tp") > 1:
+        assert ranks.meshes.main is not None, "a tp axis > 1 has a main mesh"
+        spec = family_spec(cfg.model.resolved_family)
+        tp = tp_hook(ranks.meshes.main["tp"], spec.tp_plan, spec.name)
     return ActorEngine(
         base, actor_with_horizon(cfg), actor_targets(cfg), algorithm, cfg.algorithm, device,
         cfg.run.seed,
         shard=shard_frozen_base(ranks.meshes.fsdp_mesh) if dp else None,
         dp_group=ranks.dp_group if dp else None,
         rows_groups=ranks.rows_groups,
+        tensor_parallel=tp,
     )  # fmt: skip
 
 
@@ -338,6 +347,7 @@ def build(cfg: Config) -> Engines:
         ranks=ranks,
         bound=bound,
         etp=side.etp,
+        layout=actor.layout,
     )
 
 

@@ -20,6 +20,7 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer, LoraModel
 from torch import Tensor
 from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.tensor import DTensor
 
 from diffrl.algorithms.registry import Algorithm, AlgorithmConfig
 from diffrl.errors import DiffrlError, check, check_choice
@@ -28,6 +29,7 @@ from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel
 from diffrl.parallel.drift import check_tokens_across
 from diffrl.parallel.launch import all_reduced
+from diffrl.parallel.tp_lora import clip_grads, full, like, local
 from diffrl.sync.bound import bound_of
 from diffrl.sync.weights import BasePrints, LoraDelta, WeightUpdate
 from diffrl.types import TrainBatch, check_token_hashes
@@ -172,6 +174,9 @@ def average_over(group, grads: list[Tensor], loss: Tensor, rows: int | None = No
     ``grads`` and ``loss`` are this rank's sums over its ``rows`` rows, and the average is over
     every rank's rows (ranks may hold different numbers); without, a plain mean over ranks."""
     dev = loss.device
+    # a TP-sharded gradient: this rank's shard, averaged with the same shard of the other
+    # data-parallel ranks (they hold the same TP coordinate)
+    grads = [local(g) for g in grads]
     parts = [g.float().reshape(-1) for g in grads] + [loss.float().reshape(1).to(dev)]
     if rows is not None:
         parts.append(torch.tensor([float(rows)], device=dev))
@@ -314,13 +319,16 @@ class ActorEngine:
         seed: int = 0,
         shard: Callable[[torch.nn.Module], None] | None = None,
         dp_group=None,
+        tensor_parallel: Callable[[torch.nn.Module], str] | None = None,
         rows_groups: Mapping[str, ProcessGroup | None] | None = None,
     ) -> None:
         """``shard`` (data parallel, ``parallel/fsdp.py``) shards the peft-wrapped model in
         place once its adapters exist; ``dp_group`` is the process group whose ranks each train
         on a slice of the batch: the adapters' gradients and the loss are averaged over it.
         ``rows_groups``: axis -> process group of the ranks that compute on the same rows (TP,
-        SP; ``Ranks.rows_groups``): every batch's token hashes are compared across each."""
+        SP; ``Ranks.rows_groups``): every batch's token hashes are compared across each.
+        ``tensor_parallel`` (``parallel/tp_lora.py``) shards the base and the adapters with
+        the family's TP plan, before any precision, compile or FSDP step (torchtitan's order)."""
         self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
         self.rows_groups = dict(rows_groups or {})
         self.ids_device = model.ids_device(device)
@@ -354,6 +362,17 @@ class ActorEngine:
         ]
         if missing or not self.layers:
             raise DiffrlError(f"LoRA targets {missing or targets} matched no module of the model")
+        # the frozen base's row prints, sent with every update so the rollout can check where
+        # its serving layout put each trained row (taken before any sharding: whole weights)
+        base_weights = {n: _weight(layer.get_base_layer()) for n, layer in self.layers.items()}
+        self.base_prints = BasePrints.of(base_weights)
+        # the modules the adapter is on, whole (before sharding): the actor's half of the
+        # bound-module gate (diffrl/sync/bound.py)
+        self.bound = bound_of(base_weights)
+        # TP replaces the sharded parameters by DTensor ones: before anything keys on them
+        self.sharded = tensor_parallel is not None
+        # what the model parallelism applied, in a line for the console ("" = none)
+        self.layout = tensor_parallel(self.model) if tensor_parallel is not None else ""
         self.masters: dict[Tensor, Tensor] = {}  # LoRA factor -> its fp32 master (bf16 compute)
         # the precision the policy's forward computes in (the first-step gate's default
         # threshold depends on it), and whether that gate has run in this process
@@ -363,13 +382,6 @@ class ActorEngine:
         self._init_precision(model)
         for name in self.frozen:  # == default at start (peft inits A randomly per adapter)
             self.blend(name, decay=0.0)
-        # the frozen base's row prints, sent with every update so the rollout can check where
-        # its serving layout put each trained row (taken before any sharding: whole weights)
-        base_weights = {n: _weight(layer.get_base_layer()) for n, layer in self.layers.items()}
-        self.base_prints = BasePrints.of(base_weights)
-        # the modules the adapter is on, whole (before sharding): the actor's half of the
-        # bound-module gate (diffrl/sync/bound.py)
-        self.bound = bound_of(base_weights)
         self.compiled = compile_blocks(model, "actor.compile") if cfg.compile else 0
         if shard is not None:
             shard(self.model)
@@ -381,9 +393,13 @@ class ActorEngine:
         # what the optimizer steps: the fp32 masters when the factors compute in bf16
         self.params = [self.masters[p] for p in self.trained] if self.masters else self.trained
         beta1, beta2 = cfg.betas  # a tuple, or a list from YAML
+        # a multi-tensor (foreach) step, torch's default on GPUs, takes no mix of TP shards and
+        # plain tensors: per tensor under TP
+        foreach = False if self.sharded else None
         self.opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(beta1, beta2), weight_decay=cfg.weight_decay
-        )
+            self.params, lr=cfg.lr, betas=(beta1, beta2), weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )  # fmt: skip
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0  # optimizer steps taken
         self._step: PendingStep | None = None  # the optimizer step in progress
@@ -401,7 +417,11 @@ class ActorEngine:
                 for mod in getattr(layer, name).values():
                     w = mod.weight
                     master = w.detach().float().clone()
-                    w.data = w.data.to(base)
+                    if isinstance(w, DTensor):  # a TP shard: its .data cannot change dtype
+                        w = torch.nn.Parameter(w.detach().to(base), w.requires_grad)
+                        mod.weight = w
+                    else:
+                        w.data = w.data.to(base)
                     self.masters[w] = master
 
     def _fold_grads(self) -> None:
@@ -412,7 +432,10 @@ class ActorEngine:
         folded = [(self.masters[w], w.grad) for w in self.trained if w.grad is not None]
         if not folded:
             return
-        torch._foreach_add_([grad_or_zeros(m) for m, _ in folded], [g for _, g in folded])
+        # on the local shards: a multi-tensor op takes no mix of TP shards and plain tensors
+        torch._foreach_add_(
+            [local(grad_or_zeros(m)) for m, _ in folded], [local(g) for _, g in folded]
+        )
         for w in self.trained:
             w.grad = None
 
@@ -593,7 +616,10 @@ class ActorEngine:
 
     def _update(self, total: Tensor, metrics: dict) -> dict[str, float]:
         """Clip, guard against non-finite values, and take the optimizer step."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if self.sharded:  # some adapters are DTensor shards: the norm over the whole set
+            norm = clip_grads(self.params, self.cfg.grad_clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         loss, grad_norm = torch.stack([total, norm.float().to(total.device)]).tolist()
         metrics = host_floats(metrics)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -643,8 +669,8 @@ class ActorEngine:
     def export_weights(self, adapter: str = "default") -> WeightUpdate:
         deltas = {
             name: LoraDelta(
-                a=self._factor(layer.lora_A[adapter]).detach().float().cpu().clone(),
-                b=self._factor(layer.lora_B[adapter]).detach().float().cpu().clone(),
+                a=full(self._factor(layer.lora_A[adapter])).detach().float().cpu().clone(),
+                b=full(self._factor(layer.lora_B[adapter])).detach().float().cpu().clone(),
                 scale=float(layer.scaling[adapter]),
             )
             for name, layer in self.layers.items()
@@ -653,16 +679,18 @@ class ActorEngine:
 
     # --- checkpoints (tensors only; loaded with weights_only=True) ------------------------
     def adapter_tensors(self) -> dict[str, Tensor]:
-        """Every adapter's factors by parameter name (the fp32 masters where there are)."""
+        """Every adapter's factors by parameter name (the fp32 masters where there are), whole:
+        TP shards are gathered (a collective: every rank calls it), so the format is the
+        one-process one whatever the layout."""
         return {
-            n: self.masters.get(p, p).detach().cpu().clone()
+            n: full(self.masters.get(p, p)).detach().cpu().clone()
             for n, p in self.model.named_parameters()
             if "lora_" in n
         }
 
     def state_dict(self) -> dict:
         return {
-            "optimizer": self.opt.state_dict(),
+            "optimizer": _whole_state(self.opt.state_dict()),
             "version": self.version,
             "gen": self.gen.get_state(),
             "nonfinite": self.nonfinite,
@@ -693,15 +721,27 @@ class ActorEngine:
                         f"checkpoint tensor {n} {tuple(t.shape)} does not fit the "
                         "model (different LoRA rank or targets?)"
                     )
-                self.masters.get(params[n], params[n]).copy_(t)
+                target = self.masters.get(params[n], params[n])
+                target.copy_(like(t, target))
         if self.masters:
             self._sync_from_masters()
         if start_ema:
             self.blend("ema", decay=0.0)
         self.opt.load_state_dict(state["optimizer"])
+        if self.sharded:  # the whole moments, split as their parameters are
+            for p in self.params:
+                for k, v in self.opt.state.get(p, {}).items():
+                    if isinstance(v, Tensor) and v.ndim:
+                        self.opt.state[p][k] = like(v, p)
         self.version = int(state["version"])
         self.gen.set_state(state["gen"])
         self.nonfinite = int(state["nonfinite"])
+
+
+def _whole_state(state: dict) -> dict:
+    """An optimizer state dict with every TP-sharded tensor gathered (a collective)."""
+    per_param = {i: {k: full(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return {**state, "state": per_param}
 
 
 def _weight(module: torch.nn.Module) -> Tensor:

@@ -23,6 +23,8 @@ async def train(cfg: Config) -> Path:
         print(f"diffrl: {parts.bound.line()}", file=sys.stderr)
     if parts.etp and parts.ranks.primary:
         print(f"diffrl: {parts.etp}", file=sys.stderr)
+    if parts.layout and parts.ranks.primary:
+        print(f"diffrl: {parts.layout}", file=sys.stderr)
     try:
         return await MODES[cfg.run.mode](cfg, parts)
     finally:  # scorer clients, remote engines: released however the run ends

@@ -103,14 +103,16 @@ async def evaluate_adapter(parts: Engines, adapter: str):
 
 
 def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
-    """Rank 0 writes it (every rank holds the same adapters and optimizer state)."""
+    """Rank 0 writes it. Every rank holds the same adapters and optimizer state, whole or (under
+    tp) as shards that every rank gathers together (a collective), so all of them take it."""
+    adapters, state = parts.actor.adapter_tensors(), parts.actor.state_dict()
     if not parts.ranks.primary:
         return
     save_checkpoint(
         run.root / "checkpoints",
         step,
-        parts.actor.adapter_tensors(),
-        parts.actor.state_dict(),
+        adapters,
+        state,
         {"step": step, "wall_s": wall, "prompts": parts.prompts.state_dict(step)},
     )
 

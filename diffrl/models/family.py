@@ -296,7 +296,13 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks of every ``nn.ModuleList`` child of a family model's transformer
     (``net.transformer``, or the net itself), under a peft wrapper or not: the units that
     regional compile and FSDP2 take one at a time."""
+    root = transformer_root(model)
+    return [b for child in root.children() if isinstance(child, torch.nn.ModuleList) for b in child]
+
+
+def transformer_root(model: torch.nn.Module) -> torch.nn.Module:
+    """A family model's transformer (``net.transformer``, or the net itself), under a peft
+    wrapper or not: what block lists and TP plans' module paths are relative to."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
     net = base.net
-    root = getattr(net, "transformer", net)
-    return [b for child in root.children() if isinstance(child, torch.nn.ModuleList) for b in child]
+    return getattr(net, "transformer", net)

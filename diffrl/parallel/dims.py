@@ -212,6 +212,21 @@ class Meshes:
         """Which slice of the batch this rank holds (sp and tp ranks of one slice share it)."""
         return self.rank_in("dp_replicate") * self.dims.dp_shard + self.rank_in("dp_shard")
 
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's data-parallel peers: the ranks with its sp and tp
+        coordinates, across ``dp_replicate`` x ``dp_shard`` (one axis: that axis's group; both:
+        the flattened pair, made once); None at world size 1."""
+        if self.main is None:
+            return None
+        if self.dims.dp_replicate == 1:
+            return self.main.get_group("dp_shard")
+        if self.dims.dp_shard == 1:
+            return self.main.get_group("dp_replicate")
+        pair = self.main["dp_replicate", "dp_shard"]
+        # DeviceMesh._flatten (private in torch 2.13) registers the 1-D "dp" mesh on the root
+        # and returns the same one when asked again
+        return pair._flatten("dp").get_group()
+
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh ``fully_shard`` takes: 1-D ``dp_shard`` (FSDP), or 2-D

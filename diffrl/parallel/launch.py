@@ -20,11 +20,16 @@ step (``Ranks``). Held-out eval is shared out: each rank samples a contiguous sh
 held-out prompts with the one-process seeds, the shares are gathered, and every rank scores the
 whole set (the same result on each).
 
-``parallel.etp`` above 1 shards the frozen text encoders over groups of ``etp`` consecutive
-ranks (their own mesh), independently of the other degrees, and encodes every prompt at start-up
-(``parallel/etp.py``). ``parallel.tp`` and ``sp`` above 1 are planned by ``diffrl plan`` and
-tested on their own (``tests/parallel``); ``diffrl train`` refuses them until the actor applies
-them.
+``parallel.tp`` > 1 shards the actor's DiT and its LoRA adapters with the family's TP plan
+(``parallel/tp_lora.py``), then FSDP2 shards the result over ``dp_shard`` as above. The ranks
+of a tp group are one data-parallel rank: they see the same prompts and seeds, each holds a
+whole, replicated rollout copy that receives the gathered LoRA through the one-process sync,
+and the adapters' gradients are averaged over the dp peers of the same tp coordinate
+(``Ranks.dp_group``). ``parallel.etp`` above 1 shards the frozen text encoders over groups of
+``etp`` consecutive ranks (their own mesh), independently of the other degrees, and encodes
+every prompt at start-up (``parallel/etp.py``). tp with HSDP replicas (``dp_replicate`` > 1)
+and ``sp`` above 1 are planned by ``diffrl plan`` and tested on their own
+(``tests/parallel``); ``diffrl train`` refuses them, naming the keys.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
     sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
-    tp: int = 1  # tensor parallelism of the DiT (planned; not applied by diffrl train yet)
+    tp: int = 1  # tensor parallelism of the actor's DiT and LoRA (the rollout stays replicated)
     etp: int = 1  # tensor parallelism of the text encoders (parallel/etp.py)
 
     def validate(self) -> None:
@@ -106,11 +111,14 @@ class Ranks:
     @property
     def dp_group(self):
         """The process group gradients are averaged over: every data-parallel rank, across
-        the replicas of HSDP too (diffrl train runs no TP or SP, so that is the whole world);
-        None in one process."""
+        the replicas of HSDP too. Without tp or sp that is the whole world; with them, the
+        ranks that share this rank's tp (and sp) coordinate: each averages its own shard of
+        the sharded adapters. None in one process."""
         if self.meshes is None or self.meshes.main is None:
             return None
-        return dist.group.WORLD
+        if self.meshes.size("tp") == 1 and self.meshes.size("sp") == 1:
+            return dist.group.WORLD
+        return self.meshes.dp_group()
 
     @property
     def rows_groups(self) -> dict[str, dist.ProcessGroup | None]:
@@ -191,14 +199,14 @@ def start(cfg) -> Ranks:
     dims = cfg.parallel.dims()
     if dims.world_size == 1:
         return SOLO
-    unsupported = [k for k in ("tp", "sp") if getattr(dims, k) > 1]
-    if unsupported:
-        keys = ", ".join(f"{KEY}.{k}={getattr(dims, k)}" for k in unsupported)
+    if dims.sp > 1:
         raise ConfigError(
-            f"{keys}: diffrl train shards the data only today (FSDP2 over dp_shard and "
-            "dp_replicate); tensor and sequence parallelism of the DiT are planned by diffrl "
-            f"plan and tested on their own. Set {KEY}.tp and {KEY}.sp to 1"
+            f"{KEY}.sp={dims.sp}: diffrl train shards the data (FSDP2 over dp_shard and "
+            "dp_replicate), the DiT (tp) and the text encoders (etp); sequence parallelism is "
+            f"planned by diffrl plan and tested on its own. Set {KEY}.sp to 1"
         )
+    if dims.tp > 1:
+        check_tp(cfg, dims)
     if dims.etp > 1:
         from diffrl.models.registry import family
 
@@ -242,6 +250,26 @@ def start(cfg) -> Ranks:
     if rank:  # one voice in the console: the others log warnings and errors only
         logging.getLogger("diffrl").setLevel(logging.WARNING)
     return Ranks(rank, dims.world_size, meshes)
+
+
+def check_tp(cfg, dims: ParallelDims) -> None:
+    """``parallel.tp`` > 1 before any process group: the family must declare a TP plan, and
+    the data-parallel ranks beside tp are FSDP2 shards (dp_shard): HSDP replicas over a
+    TP-sharded base are not run by diffrl train yet."""
+    from diffrl.models.registry import family  # the records import diffusers lazily
+
+    spec = family(cfg.model.resolved_family)
+    if spec.tp_plan is None:
+        raise ConfigError(
+            f"{KEY}.tp={dims.tp}: model family {spec.name!r} declares no TP plan for the tp "
+            f"axis; set {KEY}.tp=1 (shard the base with {KEY}.dp_shard instead)"
+        )
+    if dims.dp_replicate > 1:
+        raise ConfigError(
+            f"{KEY}.tp={dims.tp} with {KEY}.dp_replicate={dims.dp_replicate}: diffrl train "
+            f"does not run HSDP replicas over a TP-sharded base yet; set {KEY}.dp_replicate=1 "
+            f"(FSDP2 over {KEY}.dp_shard composes with tp)"
+        )
 
 
 def stop() -> None:

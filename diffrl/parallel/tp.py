@@ -1,9 +1,9 @@
 """Tensor parallelism, applied outside the model from a plan: module-path pattern -> style.
 
 ``diffrl train`` reaches ``apply_plan`` for the text encoders' plans under ``parallel.etp``
-(``parallel/etp.py``). The DiT's plans are parked: reached only from tests and ``diffrl plan``
-(which reads the plans to count bytes) until the parallel issue (38) wires ``parallel.tp`` into
-`diffrl train`. This module holds the
+(``parallel/etp.py``) and for the DiT's under ``parallel.tp`` > 1, through
+``parallel/tp_lora.py`` (the plan rewritten for the actor's LoRA wrappers); tests and
+``diffrl plan`` (which reads the plans to count bytes) reach it too. This module holds the
 generic styles; each family's plan is data in its record (``FamilySpec.tp_plan``, and
 ``etp_plans`` for its text encoders, ``models/families/_encoder_plans.py``).
 

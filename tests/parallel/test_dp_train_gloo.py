@@ -248,7 +248,16 @@ def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        (["parallel.tp=2"], r"parallel.tp=2: diffrl train shards the data only"),
+        (
+            ["parallel.tp=2"],
+            r"parallel.tp=2: model family 'tiny_dit' declares no TP plan for "
+            r"the tp axis",
+        ),
+        (
+            ["parallel.sp=2", "parallel.dp_shard=1"],
+            r"parallel.sp=2: diffrl train shards the "
+            r"data .*, the DiT \(tp\) and the text encoders \(etp\); sequence",
+        ),
         (["parallel.etp=2"], r"parallel.etp=2: model family 'tiny_dit' declares no ETP plan"),
         (["run.mode=async"], r"under torchrun diffrl train runs the sync loop"),
         (["data.prompts_per_step=3"], r"'data.prompts_per_step' = 3.*multiple of 2"),
@@ -264,6 +273,19 @@ def test_layouts_train_cannot_run_are_refused_first(
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config(RECIPE, [*overrides(tiny_checkpoint, tmp_path, 1), *extra])
     with pytest.raises(ConfigError, match=says):
+        build(cfg)
+    assert not dist.is_initialized()
+
+
+def test_tp_with_hsdp_replicas_is_refused_first(tmp_path, monkeypatch):
+    """tp=2 with 2 HSDP replicas on 4 ranks: not run by diffrl train yet, so the layout is
+    refused before any process group, naming the keys."""
+    from diffrl.build import build
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    over = ["parallel.tp=2", "parallel.dp_replicate=2", "probe.mode=off", f"run.out_dir={tmp_path}"]
+    cfg = load_config("recipes/shapes_sd3_nft.yaml", over)
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 with parallel.dp_replicate=2"):
         build(cfg)
     assert not dist.is_initialized()
 
