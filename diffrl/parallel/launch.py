@@ -264,6 +264,14 @@ def check_tp(cfg, dims: ParallelDims) -> None:
             f"{KEY}.tp={dims.tp}: model family {spec.name!r} declares no TP plan for the tp "
             f"axis; set {KEY}.tp=1 (shard the base with {KEY}.dp_shard instead)"
         )
+    if cfg.actor.compile:
+        # seen with torch 2.13 on CPU: inductor dies tracing the DTensor-sharded blocks
+        # ("TypeError: mul expected 2 arguments, got 3" in symbolic shapes, minimax_h3 at tp=2)
+        raise ConfigError(
+            f"config key 'actor.compile' = True with {KEY}.tp={dims.tp}: the actor's regional "
+            "compile is not run over a TP-sharded base yet (inductor fails tracing its DTensor "
+            "blocks); set actor.compile=false (the rollout, replicated, may still compile)"
+        )
     if dims.dp_replicate > 1:
         raise ConfigError(
             f"{KEY}.tp={dims.tp} with {KEY}.dp_replicate={dims.dp_replicate}: diffrl train "

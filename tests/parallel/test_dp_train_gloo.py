@@ -306,3 +306,17 @@ def test_parallel_keys_are_checked_at_load():
     with pytest.raises(ConfigError, match=r"'parallel.tp' = 0"):
         load_config(RECIPE, ["parallel.tp=0"])
     assert load_config(RECIPE).parallel.dp_shard == -1
+
+
+def test_tp_with_the_actor_compiled_is_refused_first(tmp_path, monkeypatch):
+    """The AV recipes compile the actor; over a TP-sharded base inductor fails mid-step, so
+    the layout is refused before any process group, naming the key to change."""
+    from diffrl.build import build
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    over = ["parallel.tp=2", "probe.mode=off", f"run.out_dir={tmp_path}"]
+    cfg = load_config("recipes/av_t2va_nft.yaml", over)
+    assert cfg.actor.compile
+    with pytest.raises(ConfigError, match=r"'actor.compile' = True with parallel.tp=2"):
+        build(cfg)
+    assert not dist.is_initialized()
