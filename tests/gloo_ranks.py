@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -66,3 +67,23 @@ def leave_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun_train(world: int, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node WORLD -m diffrl.cli train ARGS`` as a user runs
+    it (CPU, gloo), from the repository root with this checkout first on the path; a non-zero
+    exit fails the test with the tail of its stderr."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={world}", "-m", "diffrl.cli", "train", *args,
+    ]  # fmt: skip
+    done = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        timeout=timeout_s,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diffrl.sync.weights import SlotMap
+from diffrl.sync.weights import SlotMap, SyncReport, WeightUpdate
 
 
 def family_faults(slot_map: SlotMap) -> dict[str, SlotMap]:
@@ -28,3 +28,10 @@ def family_faults(slot_map: SlotMap) -> dict[str, SlotMap]:
         swapped = [dataclasses.replace(s0, rows=s1.rows), dataclasses.replace(s1, rows=s0.rows)]
         faults[f"{split} shards"] = SlotMap({**slot_map.slots, split: swapped})
     return faults
+
+
+def no_op_apply(update: WeightUpdate) -> SyncReport:
+    """A rollout merge that reports every module applied and writes nothing (a second base
+    sync, an upgrade that binds the merge to nothing): the sync receipt must catch it."""
+    n = len(update.deltas)
+    return SyncReport(update.version, update.adapter, n, n, 0.0)

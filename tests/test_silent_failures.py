@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sync_faults import family_faults
+from sync_faults import family_faults, no_op_apply
 from tiny_runs import tiny_run
 
 from diffrl.build import build
@@ -23,7 +23,7 @@ from diffrl.controller.sync import train_sync
 from diffrl.errors import ContractError
 from diffrl.models.registry import FAMILIES
 from diffrl.sync.bound import BoundModuleError
-from diffrl.sync.weights import Slot, SlotMap, SyncError, SyncReport, WeightUpdate
+from diffrl.sync.weights import Slot, SlotMap, SyncError
 from diffrl.tasks.base import PromptSet
 from diffrl.types import PromptBatch, Trajectory
 
@@ -175,11 +175,6 @@ def _run(cfg, parts, trained: list[int]) -> None:
         parts.actor.train_step = step
 
 
-def _no_op_apply(update: WeightUpdate) -> SyncReport:
-    n = len(update.deltas)
-    return SyncReport(update.version, update.adapter, n, n, 0.0)
-
-
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_rollout_left_on_base_weights_stops_at_the_first_sync(preset, tmp_path):
     """The rollout's merge a no-op (its version moves, its weights do not): the sync after
@@ -189,7 +184,7 @@ def test_rollout_left_on_base_weights_stops_at_the_first_sync(preset, tmp_path):
         preset, tmp_path, "probe.mode=off", "run.steps=2", "actor.lr=1e-2", "algorithm.old_every=1"
     )
     parts = build(cfg)
-    parts.rollout.target.apply = _no_op_apply
+    parts.rollout.target.apply = no_op_apply
     trained: list[int] = []
     with pytest.raises(SyncError, match="still on its base weights"):
         _run(cfg, parts, trained)

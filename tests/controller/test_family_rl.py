@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from sync_faults import no_op_apply
 
 from diffrl.config import load_config
 from diffrl.controller.loop import train
@@ -132,13 +133,6 @@ def test_two_rl_steps(tiny_dir, algorithm, tmp_path):
     assert json.loads((ckpt / "controller.json").read_text())["step"] == 2
 
 
-def _no_op_apply(update):
-    from diffrl.sync.weights import SyncReport
-
-    n = len(update.deltas)
-    return SyncReport(update.version, update.adapter, n, n, 0.0)
-
-
 @pytest.mark.parametrize("fault", ["rollout_logprobs", "rollout_left_on_base"])
 def test_injected_faults_stop_the_first_step(tiny_dir, fault, tmp_path):
     """On every family: rollout log-probs off by 0.01 stop FlowGRPO's first step before its
@@ -162,7 +156,7 @@ def test_injected_faults_stop_the_first_step(tiny_dir, fault, tmp_path):
         parts.rollout._sample = perturbed
         error, match = FirstStepGap, r"differs from the rollout's by 0\.01"
     else:
-        parts.rollout.target.apply = _no_op_apply
+        parts.rollout.target.apply = no_op_apply
         error, match = SyncError, "after update v1: .* still on its base weights"
 
     async def run():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
+from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks, torchrun_train
 
 from diffrl.errors import ConfigError, ContractError
 
@@ -129,7 +129,6 @@ def test_a_family_without_encoder_plans_is_refused_naming_it():
     assert list(encoder_plans(model, family_spec("sd3"), 2)) == ["t5"]
 
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/shapes_sd3_nft.yaml"  # sd3-shapes: CLIP-L, CLIP-G and a 4-head T5
 TINY = [
     "run.steps=1", "data.prompts_per_step=2", "rollout.group_size=2", "rollout.num_steps=2",
@@ -141,20 +140,9 @@ TINY = [
 
 def _torchrun(out: Path, *extra: str) -> tuple[list[dict], str]:
     """``torchrun --nproc-per-node 2 -m diffrl.cli train`` as a user runs it (CPU, gloo)."""
-    import os
-    import subprocess
-    import sys
-
     from diffrl.controller.run_dir import read_metrics
 
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "diffrl.cli", "train", RECIPE, *TINY, f"run.out_dir={out}", *extra,
-    ]  # fmt: skip
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun_train(2, [RECIPE, *TINY, f"run.out_dir={out}", *extra], 300)
     return read_metrics(out / "shapes_sd3_nft"), done.stderr
 
 

@@ -8,16 +8,13 @@ the one-process run's samples and first step, and the checkpoint resumed at anot
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from gloo_ranks import torchrun_train
 
 pytest.importorskip("diffusers")
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/av_t2va_nft.yaml"
 
 
@@ -31,13 +28,7 @@ def _overrides(out: Path, steps: int) -> list[str]:
 
 
 def _torchrun(world: int, over: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={world}", "-m", "diffrl.cli", "train", RECIPE, *over,
-    ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = torchrun_train(world, [RECIPE, *over], 600)
     return done.stdout + done.stderr
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import free_port, init_gloo, leave_group, run_ranks
+from gloo_ranks import free_port, init_gloo, leave_group, run_ranks, torchrun_train
 
 from diffrl.errors import ConfigError
 
@@ -287,7 +287,6 @@ def test_plan_rewritten_for_lora_wrappers() -> None:
 
 # --- diffrl train from the command line, under torchrun -----------------------------------------
 
-ROOT = Path(__file__).resolve().parents[2]
 SD3_RECIPE = "recipes/shapes_sd3_nft.yaml"
 
 
@@ -302,19 +301,7 @@ def _cli_overrides(out: Path, steps: int) -> list[str]:
 
 
 def _torchrun(over: list[str]) -> str:
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={WORLD}", "-m", "diffrl.cli", "train", SD3_RECIPE, *over,
-    ]  # fmt: skip
-    done = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = torchrun_train(WORLD, [SD3_RECIPE, *over], DEADLINE_S)
     return done.stdout + done.stderr
 
 

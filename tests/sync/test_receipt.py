@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from sync_faults import no_op_apply
 from tiny_runs import tiny_run
 
 from diffrl.build import build
@@ -21,7 +22,6 @@ from diffrl.sync.weights import (
     LoraDelta,
     MergedLoraTarget,
     SyncError,
-    SyncReport,
     WeightUpdate,
 )
 
@@ -86,11 +86,6 @@ def test_receipt_sees_a_merge_and_a_rollout_left_on_base(dtype) -> None:
         check_receipt(3, want, receipt_of(target, 2))
 
 
-def _no_op_apply(update: WeightUpdate) -> SyncReport:
-    n = len(update.deltas)
-    return SyncReport(update.version, update.adapter, n, n, 0.0)
-
-
 @pytest.mark.parametrize("fault", ["apply", "load_weights"])
 def test_a_rollout_that_does_not_apply_stops_the_run_at_its_first_sync(
     fault, tiny_checkpoint, tmp_path
@@ -103,10 +98,10 @@ def test_a_rollout_that_does_not_apply_stops_the_run_at_its_first_sync(
     parts = build(cfg)
     rollout = parts.rollout
     if fault == "apply":
-        rollout.target.apply = _no_op_apply  # type: ignore[method-assign]
+        rollout.target.apply = no_op_apply  # type: ignore[method-assign]
         match = "still on its base weights"
     else:
-        rollout.load_weights = lambda update: _no_op_apply(update)  # type: ignore[method-assign]
+        rollout.load_weights = lambda update: no_op_apply(update)  # type: ignore[method-assign]
         match = "reports weights v0 after update v1.*stale version"
     trained = []
     train_step = parts.actor.train_step
