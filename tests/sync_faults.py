@@ -7,6 +7,16 @@ import dataclasses
 
 from diffrl.sync.weights import SlotMap, SyncReport, WeightUpdate
 
+# every diffusers family's tiny preset, as (family, preset)
+TINY_FAMILY_PRESETS = [
+    ("sd3", "sd35-tiny"),
+    ("flux", "flux1-tiny"),
+    ("qwen_image", "qwen-image-tiny"),
+    ("wan", "wan-tiny"),
+    ("ltx2", "ltx2-tiny"),
+    ("minimax_h3", "h3-tiny"),
+]
+
 
 def family_faults(slot_map: SlotMap) -> dict[str, SlotMap]:
     """The family's slot map with the first fused pair exchanged (two trained modules sharing

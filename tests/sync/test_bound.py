@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from sync_faults import TINY_FAMILY_PRESETS
 from tiny_runs import tiny_run
 
 import diffrl.build as build_mod
@@ -21,15 +22,7 @@ from diffrl.sync.bound import BoundModuleError, check_bound
 
 RECIPE = "recipes/shapes_nft.yaml"
 CPU = torch.device("cpu")
-FAMILY_PRESETS = [
-    ("tiny_dit", ""),
-    ("sd3", "sd35-tiny"),
-    ("flux", "flux1-tiny"),
-    ("qwen_image", "qwen-image-tiny"),
-    ("wan", "wan-tiny"),
-    ("ltx2", "ltx2-tiny"),
-    ("minimax_h3", "h3-tiny"),
-]
+FAMILY_PRESETS = [("tiny_dit", ""), *TINY_FAMILY_PRESETS]
 
 
 def _sides(base, targets):

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from sync_faults import family_faults
+from sync_faults import TINY_FAMILY_PRESETS, family_faults
 from torch import nn
 
 from diffrl.sync import layouts
@@ -285,14 +285,7 @@ def test_rollout_on_other_base_weights_raises(tiny_model, actor_factory, lora_na
 
 # --- every family's own serving layout ---------------------------------------------------------
 
-FAMILY_PRESETS = [
-    ("sd3", "sd35-tiny"),
-    ("flux", "flux1-tiny"),
-    ("qwen_image", "qwen-image-tiny"),
-    ("wan", "wan-tiny"),
-    ("ltx2", "ltx2-tiny"),
-    ("minimax_h3", "h3-tiny"),
-]
+FAMILY_PRESETS = TINY_FAMILY_PRESETS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
