@@ -114,6 +114,8 @@ def run_probe(cfg: Config, task: Task, model: FamilyModel) -> ProbeResult:
             note = str(e)
             contracts.info("pipeline parity: not applicable (%s); reconstruction decides", note)
         recon = reconstruction_probe(task, model)
+    if parity is not None and not (recon is not None and recon.conclusive):
+        contracts.info("time convention decided by pipeline parity alone")
     if parity is None and not (recon is not None and recon.conclusive):
         contracts.warning(
             "time convention unchecked: %s, and the reconstruction probe could not decide", note
@@ -145,7 +147,7 @@ def reconstruction_probe(task: Task, model: FamilyModel) -> ProbeReport | None:
             model.convention.name, report.cosine,
         )  # fmt: skip
     else:
-        contracts.info("reconstruction probe undecided (pipeline parity stands): %s", report.reason)
+        contracts.info("reconstruction probe undecided: %s", report.reason)
     return report
 
 
