@@ -425,7 +425,7 @@ def test_plans_live_in_the_family_records_and_encoder_plans_by_model_type():
         assert cfg.model_type in ENCODER_TP_PLANS
 
 
-# --- FLUX, Qwen-Image, LTX-2 DiTs (TP), through the family's own forward -----------------------
+# --- FLUX, Qwen-Image, LTX-2 DiTs (TP) through the family's own forward; their encoders (ETP) --
 
 # one process group for the three (each rank's spawn and imports are most of a small test's time)
 FAMILY_DITS = [("flux", "flux1-tiny"), ("qwen_image", "qwen-image-tiny"), ("ltx2", "ltx2-tiny")]
@@ -448,16 +448,57 @@ def _family_dit(family: str, preset: str):
     return model, dit, lambda _: model(x, sigma, ids)
 
 
+def _encoder(model):
+    """The family's one text encoder, as ETP finds it."""
+    from diffrl.parallel.etp import text_encoders
+
+    (encoder,) = text_encoders(model).values()
+    return encoder
+
+
+def _gemma3(model):
+    """A Gemma-3 of ltx2-tiny's shape but 2 key/value heads: the preset's one KV head does not
+    split over 2 ranks (ETP refuses it by name), and the plan's point is the sharded heads."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from diffrl.models.families._diffusers import random_component
+
+    cfg = _encoder(model).config.to_dict()
+    cfg["text_config"]["num_key_value_heads"] = 2
+    torch.manual_seed(0)
+    return random_component(Gemma3ForConditionalGeneration, cfg, torch.float32, "cpu")
+
+
 def _families_rank(rank: int, port: int, out: Path) -> None:
     from diffrl.models.registry import FAMILIES
 
-    tp_mesh, _ = _meshes(rank, port)
+    tp_mesh, etp_mesh = _meshes(rank, port)
     result = {}
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 40, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left-padded, as both pipelines pad
     for family, preset in FAMILY_DITS:
         model, dit, fwd = _family_dit(family, preset)
         result[family] = _parity(dit, tp_mesh, FAMILIES[family].tp_plan, fwd, grads=True)
         # every attention (a module with to_q) now sees its 2 heads / 2 ranks
         result[family]["heads"] = sorted({m.heads for m in dit.modules() if hasattr(m, "to_q")})
+        if family == "qwen_image":  # Qwen2.5-VL: the last hidden state, as the family reads it
+            enc = _encoder(model)
+            plan = FAMILIES[family].etp_plans["qwen2_5_vl"]
+            result["qwen2_5_vl"] = _parity(
+                enc, etp_mesh, plan, lambda m: m.model(input_ids=ids, attention_mask=mask)[0]
+            )
+        if family == "ltx2":  # Gemma-3: every layer's hidden state, as the family stacks them
+            enc, plan = _gemma3(model), FAMILIES[family].etp_plans["gemma3"]
+            preset_gemma = _encoder(model)
+            result["preset_gemma3"] = _error_of(lambda: tp.check_plan(preset_gemma, 2, plan))  # noqa: B023
+
+            def gemma_fwd(m):
+                out = m.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+                return torch.stack(out.hidden_states, -1)
+
+            result["gemma3"] = _parity(enc, etp_mesh, plan, gemma_fwd)
     finish_rank(out, rank, result)
 
 
@@ -465,7 +506,9 @@ def test_flux_qwen_image_ltx2_dits_sharded_match_unsharded(tmp_path):
     """Forward and every parameter's gradient at tp=2 against the unsharded model, for FLUX
     (single blocks' fused proj_out included), Qwen-Image and LTX-2 (all six attentions, RoPE
     cut per rank). Outputs atol 1e-5 (seen <= 1e-6); gradients within 2e-6 of the largest
-    gradient (reordered fp32 sums; magnitudes to ~60, seen <= 3.1e-7 of it, LTX-2's)."""
+    gradient (reordered fp32 sums; magnitudes to ~60, seen <= 3.1e-7 of it, LTX-2's). And the
+    text encoders' ETP plans on the same ranks: Qwen2.5-VL (Qwen-Image's) and Gemma-3 (LTX-2's)
+    give the unsharded hidden states."""
     _spawn(_families_rank, tmp_path)
     for r in _read(tmp_path):
         for family, _ in FAMILY_DITS:
@@ -474,3 +517,7 @@ def test_flux_qwen_image_ltx2_dits_sharded_match_unsharded(tmp_path):
             assert got["grad_diff"] <= 2e-6 * got["grad_scale"], (family, got)
             assert got["effect"] > 1000 * ATOL, (family, got)
             assert got["dtensors"] > 0 and got["heads"] == [1], (family, got)
+        for encoder in ("qwen2_5_vl", "gemma3"):  # their ETP plans
+            got = r[encoder]
+            assert got["diff"] <= ATOL and got["effect"] > 1000 * ATOL, (encoder, got)
+        assert "num_key_value_heads=1" in r["preset_gemma3"]  # ltx2-tiny's Gemma: refused

@@ -67,6 +67,7 @@ from diffrl.models.families._diffusers import (
     save_pipeline_dir,
     tokenize_padded,
 )
+from diffrl.models.families._encoder_plans import GEMMA3_ENCODER_PLAN
 from diffrl.models.family import FamilyModel, FamilySpec, HasMediaGeometry, TokenBatch, hash_rows
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalRope, Plan, ShardedRMSNorm, optional
@@ -710,5 +711,6 @@ FAMILY = FamilySpec(
     family_class=LTX2Family,
     presets=PRESETS,
     tp_plan=TP_PLAN,
+    etp_plans={"gemma3": GEMMA3_ENCODER_PLAN},
     sp_plan="diffusers",
 )

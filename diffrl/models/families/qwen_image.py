@@ -47,6 +47,7 @@ from diffrl.models.families._diffusers import (
     vae_lock,
     word_tokenizer,
 )
+from diffrl.models.families._encoder_plans import QWEN2_5_VL_ENCODER_PLAN
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalHeads, PerHeadNorm, Plan
@@ -533,5 +534,6 @@ FAMILY = FamilySpec(
     family_class=QwenImageFamily,
     presets=PRESETS,
     tp_plan=TP_PLAN,
+    etp_plans={"qwen2_5_vl": QWEN2_5_VL_ENCODER_PLAN},
     sp_plan="diffusers",
 )
