@@ -15,7 +15,7 @@ wildcards (``transformer_blocks.*.attn.to_q``), as ``parallelize_module`` reads 
 needs to match at least one module, not every block (SD3's last block has no ``to_add_out``,
 only its first 13 have ``attn2``).
 
-Besides torch's ``ColwiseParallel`` / ``RowwiseParallel``, four styles are defined here:
+Besides torch's ``ColwiseParallel`` / ``RowwiseParallel``, these styles are defined here:
 
 - ``LocalHeads``: after Q/K/V are column-sharded an attention module sees ``heads / tp`` heads,
   but diffusers' processors reshape with the count they read off the module
@@ -33,6 +33,14 @@ Besides torch's ``ColwiseParallel`` / ``RowwiseParallel``, four styles are defin
 - ``FusedColwiseParallel(chunks)``: a Linear that computes several projections side by side
   and is then ``chunk``-ed (the SwiGLU of H3's feed-forward: ``[up; gate]``); each rank gets its
   slice of every chunk, where a plain column shard would pair the wrong halves.
+- ``FusedRowwiseParallel(chunks)``: its row-sharded counterpart, a Linear whose input is several
+  column-sharded tensors concatenated (FLUX's single blocks: ``proj_out(cat([attn, mlp]))``).
+  Each rank's input is its slice of every chunk side by side, so the weight's input columns are
+  sharded the same strided way (equal chunks: FLUX's ``[attn; mlp]`` is 1 + 4 chunks of the
+  width, with ``proj_mlp`` a ``FusedColwiseParallel(4)`` so the MLP's slices come in that order).
+- ``LocalRope(attrs, kwargs)``: ``LocalHeads`` for an attention that applies RoPE to the whole
+  projected ``(B, S, heads * head_dim)`` before splitting heads (LTX-2): the (cos, sin) tables
+  it is passed are cut to this rank's heads' columns (last dim) or heads (dim 1 of a 4-D table).
 
 An entry wrapped in ``optional(...)`` may match nothing: modules only some checkpoints of a
 family have (SD3.5's qk-norm, absent from SD3.0; its dual attention, absent from SD3.0 and the
@@ -184,6 +192,70 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local()  # already strided over the chunks: no redistribute
 
 
+class FusedRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for a Linear whose input is ``chunks`` equal column-sharded tensors
+    concatenated (``cat([attn, mlp], -1)``): rank ``r``'s input holds slice ``r`` of every chunk
+    side by side, so its weight holds the same input columns (``_StridedShard(1, split_factor=
+    chunks)``; the bias, added after the all-reduce, replicated). The input arrives as a local
+    tensor and is read with that placement; the output is all-reduced as the plain style's. The
+    weight's global view stays the checkpoint's (``full_tensor()`` is exact on a 1-D mesh; the
+    ``FusedColwiseParallel`` caveat under FSDP2 holds here too)."""
+
+    def __init__(self, chunks: int) -> None:
+        placement = _StridedShard(-1, split_factor=chunks)
+        super().__init__(input_layouts=placement)
+        self.desired_input_layouts = (placement,)
+        self.chunks = chunks
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        strided = _StridedShard(1, split_factor=self.chunks)
+        for pname, p in list(module.named_parameters(recurse=False)):
+            placement = strided if pname == "weight" else Replicate()
+            dp = distribute_tensor(p, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dp, requires_grad=p.requires_grad))
+
+
+class LocalRope(LocalHeads):
+    """``LocalHeads`` for an attention whose RoPE runs on the projected ``(B, S, heads *
+    head_dim)`` before the heads are split (LTX-2): the ``(cos, sin)`` tables passed as the
+    keyword arguments ``kwargs`` cover every head, so a forward pre-hook cuts them to this rank's
+    heads: a 3-D table ``(B, S, heads * head_dim)`` (interleaved RoPE) by its last dimension, a
+    4-D one ``(B, heads, S, head_dim / 2)`` (split RoPE) by dim 1. Heads are column-contiguous
+    (head ``h`` owns columns ``h * head_dim ...``), so rank ``r``'s slice ``r`` of either is its
+    heads' part. The tables are computed from positions, so nothing flows back through the cut."""
+
+    def __init__(self, *attrs: str, kwargs: tuple[str, ...]) -> None:
+        super().__init__(*attrs)
+        self.kwargs = kwargs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+
+        def cut(table: Tensor) -> Tensor:
+            dim = 1 if table.ndim == 4 else table.ndim - 1
+            if table.shape[dim] % tp:
+                raise ConfigError(
+                    f"TP: a RoPE table of shape {tuple(table.shape)} for {type(module).__name__} "
+                    f"does not split over {tp} ranks along dim {dim}"
+                )
+            return table.chunk(tp, dim)[rank]
+
+        def hook(mod, args, kwargs):
+            if len(args) > 1:  # the tables come by keyword in every call diffusers makes
+                raise ConfigError(
+                    f"TP ({type(mod).__name__}): LocalRope expects its RoPE tables by keyword "
+                    f"{self.kwargs}, got {len(args)} positional arguments"
+                )
+            for name in self.kwargs:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = tuple(cut(t) for t in kwargs[name])
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
 def optional(style: ParallelStyle) -> ParallelStyle:
     """Mark a plan entry whose pattern may match nothing (a module only some checkpoints have)."""
     style.optional = True
@@ -222,6 +294,9 @@ def _problems(module: nn.Module, style: ParallelStyle, tp: int) -> list[str]:
     if isinstance(style, FusedColwiseParallel):
         out = module.out_features
         return [f".out_features={out} ({style.chunks} fused)"] if out % (style.chunks * tp) else []
+    if isinstance(style, FusedRowwiseParallel):
+        n = module.in_features
+        return [f".in_features={n} ({style.chunks} fused)"] if n % (style.chunks * tp) else []
     if isinstance(style, LocalHeads):
         try:
             counts = style.counts(module)

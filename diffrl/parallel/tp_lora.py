@@ -16,7 +16,9 @@ A plan entry on ``P`` becomes:
 - ``RowwiseParallel``: ``P.base_layer`` and every ``P.lora_A.*`` row-sharded (each reads this
   rank's ``in / tp`` input columns; the ``(.., r)`` output is all-reduced as the base's is);
   ``P.lora_B.*`` stays plain, on the whole ``(.., r)``, its output replicated like the base's.
-- ``FusedColwiseParallel(chunks)``: as Colwise, ``lora_B`` with the same chunked placement.
+- ``FusedColwiseParallel(chunks)``: as Colwise, ``lora_B`` with the same chunked placement;
+  ``FusedRowwiseParallel(chunks)`` as Rowwise, ``lora_A`` reading the same strided input columns
+  (no family's LoRA targets such a Linear today: FLUX leaves its single blocks' ``proj_out`` out).
 
 Other styles (``LocalHeads``, ``PerHeadNorm``, ...) and entries on modules LoRA does not wrap
 apply as in ``tp.apply_plan``, which applies the rewritten plan (every check first).

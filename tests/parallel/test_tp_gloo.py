@@ -89,13 +89,15 @@ def _parity(module, mesh, plan, forward, grads: bool = False) -> dict:
 
 
 def _grads(module, loss) -> dict:
-    """Each parameter's gradient of ``loss``, a sharded one gathered to its full shape."""
+    """Each parameter's gradient of ``loss``, a sharded one gathered to its full shape (none for
+    a parameter the forward does not reach, e.g. FLUX's guidance embedder when unused)."""
     module.zero_grad(set_to_none=True)
     loss.backward()
     full = {}
     for name, p in module.named_parameters():
         g = p.grad
-        full[name] = g.full_tensor() if isinstance(g, DTensor) else g.clone()
+        if g is not None:
+            full[name] = g.full_tensor() if isinstance(g, DTensor) else g.clone()
     module.zero_grad(set_to_none=True)
     return full
 
@@ -351,6 +353,46 @@ def test_fused_chunks_not_divisible_is_a_clear_error():
     tp.check_plan(dit, 2, minimax_h3.TP_PLAN)
 
 
+def test_fused_rowwise_chunks_not_divisible_is_a_clear_error():
+    # FLUX's single-block proj_out reads [attn; 4 x mlp]: 5 chunks of 32 columns in flux1-tiny
+    from diffrl.models.families import flux
+
+    torch.manual_seed(0)
+    dit = flux.tiny_components()["transformer"]
+    proj_out = "single_transformer_blocks.*.proj_out"
+    with pytest.raises(ConfigError, match=r"blocks\.0\.proj_out\.in_features=160 \(5 fused\)"):
+        tp.check_plan(dit, 3, {proj_out: flux.TP_PLAN[proj_out]})  # 32 columns over 3 ranks
+    with pytest.raises(ConfigError, match=r"proj_out\.in_features=160 \(3 fused\)"):
+        tp.check_plan(dit, 2, {proj_out: tp.FusedRowwiseParallel(3)})
+    tp.check_plan(dit, 2, flux.TP_PLAN)
+
+
+def test_local_rope_cuts_each_rank_s_heads_and_refuses_what_it_cannot_cut():
+    """LocalRope's pre-hook, on a stand-in mesh of 2 (rank 1): a 3-D table is cut by columns,
+    a 4-D one by heads; a table that does not split, or tables passed by position, refuse."""
+    mesh = types.SimpleNamespace(size=lambda: 2, get_local_rank=lambda: 1)
+    seen = {}
+
+    class Attn(torch.nn.Module):
+        heads = 4
+
+        def forward(self, x, query_rotary_emb=None, key_rotary_emb=None):
+            seen.update(q=query_rotary_emb, k=key_rotary_emb)
+            return x
+
+    attn = tp.LocalRope("heads", kwargs=("query_rotary_emb", "key_rotary_emb"))._apply(Attn(), mesh)
+    assert attn.heads == 2
+    cols = torch.arange(8.0).expand(1, 3, 8)  # (B, S, heads * head_dim)
+    per_head = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 3, 2)  # (B, H, S, D / 2)
+    attn(torch.zeros(1), query_rotary_emb=(cols, cols), key_rotary_emb=(per_head, per_head))
+    assert seen["q"][0][0, 0].tolist() == [4.0, 5.0, 6.0, 7.0]  # rank 1's two heads' columns
+    assert seen["k"][1][0, :, 0, 0].tolist() == [2.0, 3.0]
+    with pytest.raises(ConfigError, match=r"RoPE table of shape \(1, 3, 7\).*over 2 ranks"):
+        attn(torch.zeros(1), query_rotary_emb=(cols[..., :7], cols[..., :7]))
+    with pytest.raises(ConfigError, match=r"by keyword"):
+        attn(torch.zeros(1), (cols, cols))
+
+
 def test_qk_norm_entries_are_optional():
     # SD3.0 has no qk-norm: the SD3.5 plan's norm_q/norm_k entries match nothing, and that is fine
     from diffusers import SD3Transformer2DModel
@@ -372,7 +414,8 @@ def test_plans_live_in_the_family_records_and_encoder_plans_by_model_type():
     from diffrl.models.registry import FAMILIES
 
     with_tp = {name for name, f in FAMILIES.items() if f.tp_plan}
-    assert with_tp == {"sd3", "wan", "minimax_h3"}
+    assert with_tp == {"sd3", "flux", "qwen_image", "wan", "ltx2", "minimax_h3"}
+    assert FAMILIES["tiny_dit"].tp_plan is None  # the refusal's subject (test_tp_lora_gloo)
     for f in FAMILIES.values():  # an ETP plan is one of the shared encoder plans, by model_type
         assert all(ENCODER_TP_PLANS[k] is v for k, v in f.etp_plans.items()), f.name
     # the encoders' config.model_type, which is how a caller finds an encoder's plan
@@ -380,3 +423,101 @@ def test_plans_live_in_the_family_records_and_encoder_plans_by_model_type():
 
     for cfg in (T5Config, UMT5Config, Qwen3VLConfig):
         assert cfg.model_type in ENCODER_TP_PLANS
+
+
+# --- FLUX, Qwen-Image, LTX-2 DiTs (TP) through the family's own forward; their encoders (ETP) --
+
+# one process group for the three (each rank's spawn and imports are most of a small test's time)
+FAMILY_DITS = [("flux", "flux1-tiny"), ("qwen_image", "qwen-image-tiny"), ("ltx2", "ltx2-tiny")]
+
+
+def _family_dit(family: str, preset: str):
+    """The tiny preset's model (seed 0, the DiT at DIT_STD), its DiT, and a forward of the
+    whole family model (packing, RoPE tables, text states: the real call) on fixed inputs."""
+    from diffrl.models.family import transformer_root
+    from diffrl.models.registry import ModelConfig, load_model
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(family=family, preset=preset), "cpu")
+    dit = transformer_root(model)
+    init_weights(dit, std=DIT_STD)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((2, *model.family.latent_shape()), generator=g)
+    ids = model.family.tokenize(["a red square", "a blue circle"]).input_ids
+    sigma = torch.tensor([0.3, 0.8])
+    return model, dit, lambda _: model(x, sigma, ids)
+
+
+def _encoder(model):
+    """The family's one text encoder, as ETP finds it."""
+    from diffrl.parallel.etp import text_encoders
+
+    (encoder,) = text_encoders(model).values()
+    return encoder
+
+
+def _gemma3(model):
+    """A Gemma-3 of ltx2-tiny's shape but 2 key/value heads: the preset's one KV head does not
+    split over 2 ranks (ETP refuses it by name), and the plan's point is the sharded heads."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from diffrl.models.families._diffusers import random_component
+
+    cfg = _encoder(model).config.to_dict()
+    cfg["text_config"]["num_key_value_heads"] = 2
+    torch.manual_seed(0)
+    return random_component(Gemma3ForConditionalGeneration, cfg, torch.float32, "cpu")
+
+
+def _families_rank(rank: int, port: int, out: Path) -> None:
+    from diffrl.models.registry import FAMILIES
+
+    tp_mesh, etp_mesh = _meshes(rank, port)
+    result = {}
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 40, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left-padded, as both pipelines pad
+    for family, preset in FAMILY_DITS:
+        model, dit, fwd = _family_dit(family, preset)
+        result[family] = _parity(dit, tp_mesh, FAMILIES[family].tp_plan, fwd, grads=True)
+        # every attention (a module with to_q) now sees its 2 heads / 2 ranks
+        result[family]["heads"] = sorted({m.heads for m in dit.modules() if hasattr(m, "to_q")})
+        if family == "qwen_image":  # Qwen2.5-VL: the last hidden state, as the family reads it
+            enc = _encoder(model)
+            plan = FAMILIES[family].etp_plans["qwen2_5_vl"]
+            result["qwen2_5_vl"] = _parity(
+                enc, etp_mesh, plan, lambda m: m.model(input_ids=ids, attention_mask=mask)[0]
+            )
+        if family == "ltx2":  # Gemma-3: every layer's hidden state, as the family stacks them
+            enc, plan = _gemma3(model), FAMILIES[family].etp_plans["gemma3"]
+            preset_gemma = _encoder(model)
+            result["preset_gemma3"] = _error_of(lambda: tp.check_plan(preset_gemma, 2, plan))  # noqa: B023
+
+            def gemma_fwd(m):
+                out = m.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+                return torch.stack(out.hidden_states, -1)
+
+            result["gemma3"] = _parity(enc, etp_mesh, plan, gemma_fwd)
+    finish_rank(out, rank, result)
+
+
+def test_flux_qwen_image_ltx2_dits_sharded_match_unsharded(tmp_path):
+    """Forward and every parameter's gradient at tp=2 against the unsharded model, for FLUX
+    (single blocks' fused proj_out included), Qwen-Image and LTX-2 (all six attentions, RoPE
+    cut per rank). Outputs atol 1e-5 (seen <= 1e-6); gradients within 2e-6 of the largest
+    gradient (reordered fp32 sums; magnitudes to ~60, seen <= 3.1e-7 of it, LTX-2's). And the
+    text encoders' ETP plans on the same ranks: Qwen2.5-VL (Qwen-Image's) and Gemma-3 (LTX-2's)
+    give the unsharded hidden states."""
+    _spawn(_families_rank, tmp_path)
+    for r in _read(tmp_path):
+        for family, _ in FAMILY_DITS:
+            got = r[family]
+            assert got["diff"] <= ATOL, (family, got)
+            assert got["grad_diff"] <= 2e-6 * got["grad_scale"], (family, got)
+            assert got["effect"] > 1000 * ATOL, (family, got)
+            assert got["dtensors"] > 0 and got["heads"] == [1], (family, got)
+        for encoder in ("qwen2_5_vl", "gemma3"):  # their ETP plans
+            got = r[encoder]
+            assert got["diff"] <= ATOL and got["effect"] > 1000 * ATOL, (encoder, got)
+        assert "num_key_value_heads=1" in r["preset_gemma3"]  # ltx2-tiny's Gemma: refused

@@ -1,6 +1,7 @@
-"""The actor at tp=2 over 2 gloo ranks (``parallel/tp_lora.py``): LoRA on the sd35-tiny SD3
-transformer, its TP plan rewritten so each adapter is sharded with the Linear it wraps, trains
-as one process does.
+"""The actor at tp=2 over 2 gloo ranks (``parallel/tp_lora.py``): LoRA on each diffusers
+family's tiny transformer (sd35-tiny, flux1-tiny, qwen-image-tiny, wan-tiny, ltx2-tiny, h3-tiny:
+``TINY_FAMILY_PRESETS``), its TP plan rewritten so each adapter is sharded with the Linear it
+wraps, trains as one process does (one 2-rank process group per family).
 
 Each rank and the parent build the same model (``torch.manual_seed(0)``), the same actor, and
 the same lora_B (random, so lora_A has a gradient from the first step), then take 3 DiffusionNFT
@@ -8,12 +9,14 @@ steps on the same batch. Against the one-process run (the parent's): the losses 
 norms (rtol 1e-5), the adapters' gradients after the first step (lora_A's too: the all-reduce
 in lora_B's Colwise input hook must make them whole) and the gathered adapters after 3 steps
 (rtol 1e-5, atol 1e-6 x the tensor's largest value: the sharded matmuls only reorder sums), the
-exported LoRA deltas, and a forward with the trained adapter (atol 1e-5). A checkpoint taken at
+exported LoRA deltas, Adam's first moments (atol 1e-6 x the largest moment of any tensor), and
+a forward with the trained adapter (atol 1e-5). A checkpoint taken at
 tp=2 is the one-process format and loads back into the sharded actor exactly.
 
-Also: bf16 factors with fp32 masters at tp=2; dp_shard=2 x tp=2 on 4 ranks against dp_shard=2
-on 2; the plan rewrite itself; a family without a plan refused by name; and ``diffrl train``
-under torchrun at tp=2 against the one-process run, its checkpoint resumed at tp=1.
+Also, on SD3: bf16 factors with fp32 masters at tp=2; dp_shard=2 x tp=2 on 4 ranks against
+dp_shard=2 on 2 (on FLUX too, whose fused single-block styles sit under FSDP2 there); the plan
+rewrite itself; a family without a plan refused by name; and ``diffrl train`` under torchrun at
+tp=2 against the one-process run, its checkpoint resumed at tp=1.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import free_port, init_gloo, leave_group, run_ranks, torchrun_train
+from sync_faults import TINY_FAMILY_PRESETS
 
 from diffrl.errors import ConfigError
 
@@ -38,12 +42,16 @@ DEADLINE_S = 180.0
 RTOL = 1e-5
 
 
-def _model(dtype: str = "float32"):
+SD3 = ("sd3", "sd35-tiny")
+
+
+def _model(dtype: str = "float32", family: tuple[str, str] = SD3):
     from diffrl.models.registry import ModelConfig, load_model
 
     torch.manual_seed(0)
-    cfg = ModelConfig(family="sd3", preset="sd35-tiny", resolution=32, dtype=dtype)
-    return load_model(cfg, "cpu")
+    name, preset = family
+    size = dict(resolution=32) if name == "sd3" else {}  # the others' presets are small already
+    return load_model(ModelConfig(family=name, preset=preset, dtype=dtype, **size), "cpu")
 
 
 def _batch(model, n: int = 4):
@@ -60,17 +68,17 @@ def _batch(model, n: int = 4):
     )
 
 
-def _actor(model, tensor_parallel=None, shard=None, group=None):
+def _actor(model, tensor_parallel=None, shard=None, group=None, family: str = "sd3"):
     from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
     from diffrl.algorithms.diffusion_nft import NFTConfig
     from diffrl.algorithms.registry import get_algorithm
-    from diffrl.models.families.sd3 import LORA_TARGETS
+    from diffrl.models.registry import FAMILIES
     from diffrl.parallel.tp_lora import like
 
     cfg = ActorConfig(lr=1e-2, grad_clip=0.5, lora=AdapterConfig(rank=4, alpha=4.0))
     algo = NFTConfig(weighting="uniform", timesteps_per_sample=1)
     actor = ActorEngine(
-        model, cfg, list(LORA_TARGETS), get_algorithm("diffusion_nft"), algo,
+        model, cfg, list(FAMILIES[family].lora_targets), get_algorithm("diffusion_nft"), algo,
         torch.device("cpu"), tensor_parallel=tensor_parallel, shard=shard, dp_group=group,
     )  # fmt: skip
     g = torch.Generator().manual_seed(3)
@@ -82,13 +90,13 @@ def _actor(model, tensor_parallel=None, shard=None, group=None):
     return actor
 
 
-def _run(tensor_parallel=None, dtype: str = "float32") -> dict:
+def _run(tensor_parallel=None, dtype: str = "float32", family: tuple[str, str] = SD3) -> dict:
     """3 steps; everything the parent compares, as whole CPU tensors."""
     from diffrl.parallel.tp_lora import full
 
-    model = _model(dtype)
+    model = _model(dtype, family)
     batch = _batch(model)
-    actor = _actor(model, tensor_parallel)
+    actor = _actor(model, tensor_parallel, family=family[0])
     names = [n for n, p in actor.model.named_parameters() if ".default." in n]
     losses, norms, grads = [], [], {}
     for step in range(STEPS):
@@ -98,7 +106,8 @@ def _run(tensor_parallel=None, dtype: str = "float32") -> dict:
         if step == 0:
             params = dict(actor.model.named_parameters())
             held = {n: actor.masters.get(params[n], params[n]) for n in names}  # bf16: masters
-            grads = {n: full(p.grad).detach().clone() for n, p in held.items()}
+            # (a last block's text stream feeds nothing: Qwen-Image's gets no gradient)
+            grads = {n: full(p.grad).clone() for n, p in held.items() if p.grad is not None}
     update = actor.export_weights("default")
     x = torch.randn((2, *model.family.latent_shape()), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -113,7 +122,7 @@ def _run(tensor_parallel=None, dtype: str = "float32") -> dict:
     if (
         tensor_parallel is not None and dtype == "float32"
     ):  # the checkpoint loads back into a sharded actor
-        other = _actor(_model(), tensor_parallel)
+        other = _actor(_model(family=family), tensor_parallel, family=family[0])
         other.load_state(adapters, state)
         again = other.adapter_tensors()
         out["reloaded"] = all(torch.equal(again[k], adapters[k]) for k in adapters)
@@ -132,39 +141,53 @@ def _run(tensor_parallel=None, dtype: str = "float32") -> dict:
     return out
 
 
-def _rank(rank: int, port: int, out: str, dtype: str = "float32") -> None:
+def _rank(rank: int, port: int, out: str, dtype: str = "float32", family=SD3) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from diffrl.models.families.sd3 import TP_PLAN
+    from diffrl.models.registry import FAMILIES
     from diffrl.parallel.tp_lora import tp_hook
 
     init_gloo(rank, WORLD, port, DEADLINE_S)
     mesh = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
-    result = _run(tp_hook(mesh, TP_PLAN, "sd3"), dtype)
+    name = family[0]
+    result = _run(tp_hook(mesh, FAMILIES[name].tp_plan, name), dtype, tuple(family))
     torch.save(result, Path(out, f"rank{rank}.pt"))
     leave_group()
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    floor = 1e-6 * max(want.abs().max().item(), 1e-12)
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, scale: float = 0.0) -> None:
+    """rtol 1e-5, atol 1e-6 x the larger of the tensor's largest value and ``scale`` (the
+    largest of its kind: a tensor whose values are all tiny next to the others', e.g. a moment
+    of a gradient 1e-7 of the largest, carries the rounding of the sums it came out of)."""
+    floor = 1e-6 * max(want.abs().max().item(), scale, 1e-12)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=floor, msg=lambda m: f"{what}: {m}")
 
 
-def test_lora_on_a_tp_sharded_sd3_trains_as_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", TINY_FAMILY_PRESETS, ids=[f for f, _ in TINY_FAMILY_PRESETS])
+def test_lora_on_a_tp_sharded_family_trains_as_one_process(
+    tmp_path: Path, family: tuple[str, str]
+) -> None:
     torch.set_num_threads(1)
-    want = _run()
-    run_ranks(_rank, WORLD, (free_port(), str(tmp_path)), DEADLINE_S)
+    want = _run(family=family)
+    run_ranks(_rank, WORLD, (free_port(), str(tmp_path), "float32", family), DEADLINE_S)
     assert len(set(want["losses"])) == STEPS and all(n > 0 for n in want["norms"])
     assert any(g.abs().max() > 0 for k, g in want["grads"].items() if "lora_A" in k)
+    # the first block's first attention, as every family names it (LTX-2's is attn1, Wan's too)
+    attn = {"wan": "blocks.0.attn1", "ltx2": "transformer_blocks.0.attn1"}.get(
+        family[0], "transformer_blocks.0.attn"
+    )
+    moment_scale = max(m.abs().max().item() for m in want["moments"].values())
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         # the plan sharded B of column-sharded layers and A of row-sharded ones, per adapter
         sharded = got["sharded"]
-        assert "transformer_blocks.0.attn.to_q.lora_B.default.weight" in sharded
-        assert "transformer_blocks.0.attn.to_q.lora_B.old.weight" in sharded
-        assert "transformer_blocks.0.attn.to_out.0.lora_A.default.weight" in sharded
-        assert "transformer_blocks.0.ff.net.2.lora_A.old.weight" in sharded
-        assert not any("to_q.lora_A" in n or "ff.net.2.lora_B" in n for n in sharded)
+        assert f"{attn}.to_q.lora_B.default.weight" in sharded
+        assert f"{attn}.to_q.lora_B.old.weight" in sharded
+        assert f"{attn}.to_out.0.lora_A.default.weight" in sharded
+        assert not any("to_q.lora_A" in n or "to_out.0.lora_B" in n for n in sharded)
+        if family == SD3:
+            assert "transformer_blocks.0.ff.net.2.lora_A.old.weight" in sharded
+            assert not any("ff.net.2.lora_B" in n for n in sharded)
         torch.testing.assert_close(
             torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0
         )
@@ -182,16 +205,16 @@ def test_lora_on_a_tp_sharded_sd3_trains_as_one_process(tmp_path: Path) -> None:
             _close(got["deltas"][k][0], a, f"rank {rank} export A {k}")
             _close(got["deltas"][k][1], b, f"rank {rank} export B {k}")
         for i, m in want["moments"].items():
-            _close(got["moments"][i], m, f"rank {rank} exp_avg {i}")
+            _close(got["moments"][i], m, f"rank {rank} exp_avg {i}", moment_scale)
         torch.testing.assert_close(got["v"], want["v"], rtol=0, atol=1e-5)
         assert got["reloaded"] and got["reloaded_moments"]
         torch.testing.assert_close(got["v_again"], got["v"], rtol=0, atol=1e-6)
 
 
-def _dp_rank(rank: int, port: int, out: str, world: int, tp: int) -> None:
+def _dp_rank(rank: int, port: int, out: str, world: int, tp: int, family=SD3) -> None:
     """A data-parallel rank (dp_shard=2) of ``world`` ranks, its base under FSDP2 and, at
     ``tp`` > 1, under TP first; it trains its dp slice of the batch, 2 steps."""
-    from diffrl.models.families.sd3 import TP_PLAN
+    from diffrl.models.registry import FAMILIES
     from diffrl.parallel.dims import ParallelDims, build_meshes
     from diffrl.parallel.fsdp import shard_frozen_base
     from diffrl.parallel.launch import Ranks
@@ -200,23 +223,30 @@ def _dp_rank(rank: int, port: int, out: str, world: int, tp: int) -> None:
     init_gloo(rank, world, port, DEADLINE_S)
     meshes = build_meshes(ParallelDims(dp_shard=2, tp=tp, world_size=world), "cpu")
     ranks = Ranks(rank, world, meshes)
-    hook = tp_hook(meshes.main["tp"], TP_PLAN, "sd3") if tp > 1 else None
-    model = _model()
+    name = family[0]
+    hook = tp_hook(meshes.main["tp"], FAMILIES[name].tp_plan, name) if tp > 1 else None
+    model = _model(family=tuple(family))
     mine = _batch(model).select(torch.arange(2 * ranks.dp_rank, 2 * ranks.dp_rank + 2))
-    actor = _actor(model, hook, shard=shard_frozen_base(meshes.fsdp_mesh), group=ranks.dp_group)
+    shard = shard_frozen_base(meshes.fsdp_mesh)
+    actor = _actor(model, hook, shard=shard, group=ranks.dp_group, family=name)
     losses = [actor.train_step(mine)["actor/loss"] for _ in range(2)]
     result = {"losses": losses, "adapters": actor.adapter_tensors(), "dp_rank": ranks.dp_rank}
     torch.save(result, Path(out, f"dp{world}_{rank}.pt"))
     leave_group()
 
 
-def test_fsdp_over_a_tp_sharded_base_is_data_parallel_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", [SD3, ("flux", "flux1-tiny")], ids=["sd3", "flux"])
+def test_fsdp_over_a_tp_sharded_base_is_data_parallel_alone(
+    tmp_path: Path, family: tuple[str, str]
+) -> None:
     """dp_shard=2 x tp=2 on 4 ranks against dp_shard=2 on 2 (the same slices, the same
     per-row draws): the same losses and gathered adapters (rtol 1e-5), on every rank. The tp
     pairs average their gradients over their dp peers only (``Ranks.dp_group``): over the
-    world, shards of different columns would be mixed."""
-    run_ranks(_dp_rank, 2, (free_port(), str(tmp_path), 2, 1), DEADLINE_S)
-    run_ranks(_dp_rank, 4, (free_port(), str(tmp_path), 4, 2), DEADLINE_S)
+    world, shards of different columns would be mixed. FLUX: its single blocks' strided
+    (fused) shards under FSDP2 too; the forward is exact there (the full_tensor caveat in
+    ``FusedColwiseParallel`` concerns the frozen base's gathered view, which nothing reads)."""
+    run_ranks(_dp_rank, 2, (free_port(), str(tmp_path), 2, 1, family), DEADLINE_S)
+    run_ranks(_dp_rank, 4, (free_port(), str(tmp_path), 4, 2, family), DEADLINE_S)
     want = torch.load(tmp_path / "dp2_0.pt", weights_only=False)
     assert want["losses"][0] != want["losses"][1]
     for rank in range(4):

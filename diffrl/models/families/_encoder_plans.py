@@ -1,7 +1,8 @@
 """The text encoders' tensor-parallel plans, applied on the ETP mesh (``parallel.etp``), by
 encoder architecture: several families share an encoder (T5 in SD3, FLUX; UMT5 in Wan; Qwen3-VL
-in MiniMax-H3), and each family's record lists the ones it uses in ``etp_plans``, keyed by the
-encoder's ``config.model_type`` (how the planner and the launcher find an encoder's plan).
+in MiniMax-H3; Qwen2.5-VL in Qwen-Image; Gemma-3 in LTX-2), and each family's record lists the
+ones it uses in ``etp_plans``, keyed by the encoder's ``config.model_type`` (how the planner and
+the launcher find an encoder's plan).
 """
 
 from __future__ import annotations
@@ -45,9 +46,34 @@ QWEN3_VL_ENCODER_PLAN: Plan = {
 }
 QWEN3_ENCODER_PLAN: Plan = {f"model.layers.*.{k}": v for k, v in _QWEN3_LAYER.items()}
 
+# Qwen2.5-VL's text model (Qwen-Image's encoder): Qwen3's layer without the qk-norm (q, k, v
+# have biases, column-sharded with their rows); it too reshapes with -1 heads and reads its
+# counts off the attention module itself. The vision tower stays whole (Qwen-Image encodes text).
+QWEN2_5_VL_ENCODER_PLAN: Plan = {
+    f"model.language_model.layers.*.{k}": v
+    for k, v in {
+        **{k: v for k, v in _QWEN3_LAYER.items() if "norm" not in k},
+        "self_attn": LocalHeads(check=("num_heads", "num_key_value_heads")),
+    }.items()
+}
+
+# Gemma-3's text model (LTX-2's encoder, Gemma3ForConditionalGeneration): Qwen3's layer shape,
+# but its qk-norm runs after the transpose, on (B, H, S, D). LTX-2 reads every layer's hidden
+# state, each the replicated output of a row-sharded projection plus the residual.
+GEMMA3_ENCODER_PLAN: Plan = {
+    f"model.language_model.layers.*.{k}": v
+    for k, v in {
+        **_QWEN3_LAYER,
+        "self_attn.q_norm": PerHeadNorm(heads_dim=1),
+        "self_attn.k_norm": PerHeadNorm(heads_dim=1),
+    }.items()
+}
+
 ENCODER_TP_PLANS: dict[str, Plan] = {
     "t5": T5_ENCODER_PLAN,
     "umt5": T5_ENCODER_PLAN,
     "qwen3_vl": QWEN3_VL_ENCODER_PLAN,
     "qwen3": QWEN3_ENCODER_PLAN,
+    "qwen2_5_vl": QWEN2_5_VL_ENCODER_PLAN,
+    "gemma3": GEMMA3_ENCODER_PLAN,
 }

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
@@ -41,6 +42,13 @@ from diffrl.models.families._diffusers import (
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
+from diffrl.parallel.tp import (
+    FusedColwiseParallel,
+    FusedRowwiseParallel,
+    LocalHeads,
+    PerHeadNorm,
+    Plan,
+)
 from diffrl.sync import layouts
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -372,10 +380,51 @@ def save(parts: dict, path) -> None:
     save_pipeline_dir(path, parts, PIPELINE)
 
 
+# --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
+
+# FLUX.1 (FluxTransformer2DModel). Double-stream blocks: one joint attention over [text; image]
+# (image projections to_*, text add_*_proj, per-head RMSNorm qk-norms on (B, S, H, D)) and two
+# GELU MLPs, as SD3's joint blocks. Single-stream blocks run attention (pre_only: no to_out) and
+# an MLP side by side on the same input and project ``cat([attn, gelu(proj_mlp)])`` back with
+# one ``proj_out``: its input is two column-sharded tensors side by side, so a plain row shard
+# would pair rank 1's attention columns with rank 0's weights. FluxSingleTransformerBlock's
+# MLP is 4x the width (mlp_ratio 4.0, which FluxTransformer2DModel never changes), so the
+# concatenation is 5 chunks of the width: proj_mlp is FusedColwiseParallel(4) (each rank's MLP
+# slice of each quarter) and proj_out FusedRowwiseParallel(5), whose input columns are those
+# same slices (the attention's heads, then the four quarters). The processor reshapes by
+# head_dim (``unflatten(-1, (-1, head_dim))``); ``heads`` is divided to keep the module true.
+_FLUX_ATTENTION: Plan = {
+    "attn": LocalHeads("heads"),
+    "attn.to_q": ColwiseParallel(),
+    "attn.to_k": ColwiseParallel(),
+    "attn.to_v": ColwiseParallel(),
+    "attn.norm_q": PerHeadNorm(heads_dim=2),  # on (B, S, H, D)
+    "attn.norm_k": PerHeadNorm(heads_dim=2),
+}
+TP_PLAN: Plan = {
+    **{f"transformer_blocks.*.{k}": v for k, v in _FLUX_ATTENTION.items()},
+    "transformer_blocks.*.attn.add_q_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_k_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_v_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.norm_added_q": PerHeadNorm(heads_dim=2),
+    "transformer_blocks.*.attn.norm_added_k": PerHeadNorm(heads_dim=2),
+    "transformer_blocks.*.attn.to_out.0": RowwiseParallel(),
+    "transformer_blocks.*.attn.to_add_out": RowwiseParallel(),
+    "transformer_blocks.*.ff.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
+    "transformer_blocks.*.ff.net.2": RowwiseParallel(),
+    "transformer_blocks.*.ff_context.net.0.proj": ColwiseParallel(),
+    "transformer_blocks.*.ff_context.net.2": RowwiseParallel(),
+    **{f"single_transformer_blocks.*.{k}": v for k, v in _FLUX_ATTENTION.items()},
+    "single_transformer_blocks.*.proj_mlp": FusedColwiseParallel(chunks=4),
+    "single_transformer_blocks.*.proj_out": FusedRowwiseParallel(chunks=5),  # [attn; 4 x mlp]
+}
+
+
 FAMILY = FamilySpec(
     load=load,
     family_class=FluxFamily,
     presets=PRESETS,
+    tp_plan=TP_PLAN,
     etp_plans={"t5": T5_ENCODER_PLAN},
     sp_plan="diffusers",
 )

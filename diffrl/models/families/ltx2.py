@@ -53,6 +53,7 @@ from math import prod
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
@@ -66,8 +67,10 @@ from diffrl.models.families._diffusers import (
     save_pipeline_dir,
     tokenize_padded,
 )
+from diffrl.models.families._encoder_plans import GEMMA3_ENCODER_PLAN
 from diffrl.models.family import FamilyModel, FamilySpec, HasMediaGeometry, TokenBatch, hash_rows
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
+from diffrl.parallel.tp import LocalRope, Plan, ShardedRMSNorm, optional
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
 
@@ -669,9 +672,45 @@ def load(cfg, device: torch.device) -> FamilyModel:
     return build(**parts, **settings, convention=cfg.convention)
 
 
+# --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
+
+# LTX-2 (LTX2VideoTransformer3DModel): each block's six attentions (ATTENTIONS: video and audio
+# self-attention, their text cross-attentions, and the cross-modal a2v / v2a pair, whose queries
+# come from one stream and keys/values from the other; both sides' projections are column-
+# sharded by the attention's own heads) and the video and audio GELU MLPs. LTX2Attention
+# normalises q and k across all heads (RMSNorm over heads * head_dim, as Wan: ShardedRMSNorm)
+# and applies RoPE to the whole projection before splitting heads, so its (cos, sin) tables are
+# cut to this rank's heads (LocalRope). LTX-2.3's per-head gates (to_gate_logits, a Linear to
+# one logit per head) are column-sharded with the heads; LTX-2.0 has none. The AdaLN tables,
+# the time embeddings and the text connectors stay replicated.
+TP_PLAN: Plan = {
+    **{
+        f"transformer_blocks.*.{attn}{leaf}": style
+        for attn in ATTENTIONS
+        for leaf, style in (
+            ("", LocalRope("heads", kwargs=("query_rotary_emb", "key_rotary_emb"))),
+            (".to_q", ColwiseParallel()),
+            (".to_k", ColwiseParallel()),
+            (".to_v", ColwiseParallel()),
+            (".norm_q", ShardedRMSNorm()),
+            (".norm_k", ShardedRMSNorm()),
+            (".to_gate_logits", optional(ColwiseParallel())),
+            (".to_out.0", RowwiseParallel()),
+        )
+    },
+    **{
+        f"transformer_blocks.*.{ff}{leaf}": style
+        for ff in ("ff", "audio_ff")
+        for leaf, style in ((".net.0.proj", ColwiseParallel()), (".net.2", RowwiseParallel()))
+    },
+}
+
+
 FAMILY = FamilySpec(
     load=load,
     family_class=LTX2Family,
     presets=PRESETS,
+    tp_plan=TP_PLAN,
+    etp_plans={"gemma3": GEMMA3_ENCODER_PLAN},
     sp_plan="diffusers",
 )

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError
 from diffrl.models.families._diffusers import (
@@ -46,8 +47,10 @@ from diffrl.models.families._diffusers import (
     vae_lock,
     word_tokenizer,
 )
+from diffrl.models.families._encoder_plans import QWEN2_5_VL_ENCODER_PLAN
 from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
+from diffrl.parallel.tp import LocalHeads, PerHeadNorm, Plan
 from diffrl.sync.layouts import fuse_qkv, merge
 from diffrl.sync.weights import SlotMap
 from diffrl.types import images_to_uint8
@@ -497,9 +500,40 @@ def load(cfg, device: torch.device) -> FamilyModel:
     return build(**parts, **settings, convention=cfg.convention)
 
 
+# --- tensor parallelism: the DiT's plan (styles in diffrl/parallel/tp.py) ----------------------
+
+# Qwen-Image (QwenImageTransformer2DModel): dual-stream blocks, one joint attention over
+# [text; image] with the image projections (to_*) and the text ones (add_*_proj) and per-head
+# RMSNorm qk-norms on (B, S, H, D), then an image and a text GELU MLP. The processor reshapes
+# by ``head_dim = inner_dim // heads`` with -1 heads, so both are divided (the ratio, and so
+# head_dim, stays; a processor that reshapes by ``heads`` would see the local count too). The
+# AdaLN modulation (img_mod, txt_mod) stays replicated.
+TP_PLAN: Plan = {
+    "transformer_blocks.*.attn": LocalHeads("heads", "inner_dim"),
+    "transformer_blocks.*.attn.to_q": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_k": ColwiseParallel(),
+    "transformer_blocks.*.attn.to_v": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_q_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_k_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.add_v_proj": ColwiseParallel(),
+    "transformer_blocks.*.attn.norm_q": PerHeadNorm(heads_dim=2),  # on (B, S, H, D)
+    "transformer_blocks.*.attn.norm_k": PerHeadNorm(heads_dim=2),
+    "transformer_blocks.*.attn.norm_added_q": PerHeadNorm(heads_dim=2),
+    "transformer_blocks.*.attn.norm_added_k": PerHeadNorm(heads_dim=2),
+    "transformer_blocks.*.attn.to_out.0": RowwiseParallel(),
+    "transformer_blocks.*.attn.to_add_out": RowwiseParallel(),
+    "transformer_blocks.*.img_mlp.net.0.proj": ColwiseParallel(),  # GELU(proj): elementwise
+    "transformer_blocks.*.img_mlp.net.2": RowwiseParallel(),
+    "transformer_blocks.*.txt_mlp.net.0.proj": ColwiseParallel(),
+    "transformer_blocks.*.txt_mlp.net.2": RowwiseParallel(),
+}
+
+
 FAMILY = FamilySpec(
     load=load,
     family_class=QwenImageFamily,
     presets=PRESETS,
+    tp_plan=TP_PLAN,
+    etp_plans={"qwen2_5_vl": QWEN2_5_VL_ENCODER_PLAN},
     sp_plan="diffusers",
 )
