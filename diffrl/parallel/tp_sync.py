@@ -42,8 +42,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from diffrl.errors import ConfigError
+from diffrl.models.family import transformer_root
+from diffrl.parallel.tp import FusedColwiseParallel, Plan, apply_plan, resolve
+from diffrl.sync.receipt import SyncReceipt, receipt_rows
 from diffrl.sync.weights import (  # the single-process sync's base copies and dtype bound
     PROBES,
     BasePrints,
@@ -443,3 +448,123 @@ def _held(weight: DTensor, dim: int) -> Tensor | None:
     index = torch.arange(weight.shape[dim], device=weight.device).view(shape)
     local = distribute_tensor(index, weight.device_mesh, placements, src_data_rank=None)
     return local.to_local().flatten().cpu()
+
+
+# --- the rollout's copy sharded with the actor's plan (parallel.rollout=sharded) ----------------
+
+
+def planned_placement(style: object) -> Placement | None:
+    """The placement a TP style gives a Linear's weight (None: the style leaves it whole)."""
+    if isinstance(style, FusedColwiseParallel):
+        return _StridedShard(0, split_factor=style.chunks)
+    if isinstance(style, ColwiseParallel):
+        return Shard(0)
+    if isinstance(style, RowwiseParallel):
+        return Shard(1)
+    return None
+
+
+def check_layout(model: nn.Module, mesh: DeviceMesh, plan: Plan, targets: list[str]) -> None:
+    """At start-up: every trained module's weight in the sharded rollout ``model`` is held as
+    the family's ``plan`` shards it (the placement ``ShardedLoraTarget`` reads its rows and
+    columns from) over ``mesh``, the actor's tp group; else a ``SyncError`` naming the module,
+    what it holds and what the plan says. Rows the plan does not cover stay whole."""
+    root = transformer_root(model)
+    prefix = next(n for n, m in model.named_modules() if m is root)
+    styles = {
+        f"{prefix}.{path}" if prefix else path: style
+        for pattern, style in plan.items()
+        for path in resolve(root, plan)[pattern]
+    }
+    family = getattr(getattr(model, "family", None), "name", type(model).__name__)
+    for name in targets:
+        weight = getattr(model.get_submodule(name), "weight", None)
+        want = planned_placement(styles.get(name))
+        held = weight.placements if isinstance(weight, DTensor) else "whole"
+        on = weight.device_mesh if isinstance(weight, DTensor) else None
+        if want is None and on is None:
+            continue
+        if want is not None and on == mesh and tuple(held) == (want,):
+            continue
+        where = f"over ranks {on.mesh.tolist()} ({on.mesh_dim_names})" if on is not None else ""
+        raise SyncError(
+            f"rollout layout at start-up (family {family}, parallel.rollout=sharded): {name} "
+            f"is held {held} {where}, the sync expects "
+            f"{(want,) if want is not None else 'whole'} over the tp group {mesh.mesh.tolist()} "
+            f"({mesh.mesh_dim_names}; {type(styles.get(name)).__name__} in the family's TP "
+            "plan); a sync would write "
+            "its rows and columns in the wrong place"
+        )
+
+
+def shard_rollout(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan | None,
+    targets: list[str],
+    base_device: str = "",
+    base_prints: BasePrints | None = None,
+) -> ShardedLoraTarget:
+    """Shard a rollout's copy ``model`` (a plain FamilyModel, not peft-wrapped) in place with
+    the family's TP ``plan`` over the 1-D tp ``mesh``, check its layout against what the sync
+    expects, and return the target updates are written through. The plan's shards are its
+    serving layout: the one-process layouts (fused Q/K/V row views, swapped shards,
+    ``sync/layouts.py``) are not applied over them, so each trained module's rows stay in its
+    own weight (an empty slot map). ``base_prints``: the trained rows before the plan."""
+    family = getattr(getattr(model, "family", None), "name", type(model).__name__)
+    if plan is None:
+        raise ConfigError(
+            f"parallel.rollout=sharded: model family {family!r} declares no TP plan "
+            "(FamilySpec.tp_plan) to shard the rollout's copy with; set parallel.rollout="
+            "replicated or parallel.tp=1"
+        )
+    apply_plan(transformer_root(model), mesh, plan)
+    check_layout(model, mesh, plan, targets)
+    return ShardedLoraTarget(model, mesh, targets, SlotMap(), base_device, base_prints)
+
+
+@torch.no_grad()
+def receipt_of_sharded(target: ShardedLoraTarget, version: int) -> SyncReceipt:
+    """``sync/receipt.receipt_of`` for a sharded rollout: each rank reads its shards of the
+    receipt rows from the weights its model uses now (looked up by name), the partial row
+    prints are summed over the tp group in one all-reduce (a collective: every rank of the
+    group calls it), and every rank returns the same receipt."""
+    if target.verified is None:
+        raise SyncError("no base row prints: the receipt cannot size the trained modules")
+    picks = {n: receipt_rows(n, target.verified.rows[n].shape[0]) for n in target.expected}
+    offsets, n_rows = {}, 0
+    for name in target.expected:
+        offsets[name], n_rows = n_rows, n_rows + len(picks[name][0])
+    buf = torch.zeros(2, n_rows, PROBES, dtype=torch.float64)  # [partial print, its tol]
+    error = None
+    try:
+        live = slot_weights(target.model, target.slot_map, target.expected)
+        for name in target.expected:
+            rows, _ = picks[name]
+            out = target.verified.rows[name].shape[0]
+            width = target.shards[target.slot_map.slots_for(name)[0].module].param.shape[1]
+            for slab in target._slabs(name, out, width):
+                hit = torch.isin(slab.src_rows, rows)
+                if not hit.any():
+                    continue
+                w, base = _local(live[slab.module]), target.base[slab.module]
+                at = slab.local_rows[hit]
+                r = probe(name, width)
+                r = (r if slab.cols is None else r[slab.cols]).to(w.device)
+                eps = eps_of(w.dtype, torch.float32)
+                got, tol = slot_prints(
+                    w[at.to(w.device)], base[at.to(base.device)].to(w.device), r, eps
+                )
+                idx = offsets[name] + torch.searchsorted(rows, slab.src_rows[hit])
+                buf[0].index_add_(0, idx, got.cpu() / slab.copies)
+                buf[1].index_add_(0, idx, tol.cpu() / slab.copies)
+    except Exception as e:  # any failure, so that every rank still reaches the all-reduce
+        error = e
+    (buf,) = target._reduce([buf], error, f"the sync receipt of v{version}")
+    held, tol = {}, {}
+    for name in target.expected:
+        rows, u = picks[name]
+        part = slice(offsets[name], offsets[name] + len(rows))
+        held[name] = u @ buf[0, part]
+        tol[name] = (u.square() @ buf[1, part].square()).sqrt()
+    return SyncReceipt(version, held, tol)

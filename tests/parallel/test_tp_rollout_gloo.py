@@ -1,0 +1,179 @@
+"""The rollout at tp=2 (``parallel.rollout=sharded``): the rollout's DiT copy sharded with the
+family's TP plan over the tp group, updates landing through the verified sharded sync
+(``parallel/tp_sync.py``), against the replicated copy a rank holds otherwise.
+
+Two gloo ranks build the same sd35-tiny model (``torch.manual_seed(0)``) and the same actor (one
+process each, LoRA with random B so the first update already moves the forward), a replicated
+rollout (``RolloutEngine`` as in one process: the family's fused serving layout) and a sharded one
+(``tp_mesh``), then on every rank:
+
+- sync the actor's adapter into both (``load_verified``: the merge's checks, then the receipt)
+  and sample the same prompts and seeds: the sharded rollout's samples equal the replicated
+  one's to fp32 rounding (the sharded matmuls reorder sums; atol 1e-5 on samples in [-1, 1]);
+- take a training step, sync again (verified, receipt read across the ranks' shards), sample
+  again: equal again, and moved by the step;
+- a corrupted update (one rank's copy of a row-sharded delta has two rows swapped in transit,
+  so its own slice still matches the factors it got) raises ``SyncError`` on every rank and
+  commits nothing; a merge that writes nothing and says it did is caught by the receipt;
+- the layout checked at start-up: one trained weight sharded on the other dim than the plan
+  says, or the copy sharded over another mesh than the sync's tp group, fails building.
+
+``diffrl train`` under torchrun at tp=2 with the sharded rollout (the default) runs in
+``tests/parallel/test_tp_lora_gloo.py`` (SD3) and ``test_tp_etp_cli.py`` (MiniMax-H3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
+from sync_faults import no_op_apply
+
+from diffrl.sync.weights import LoraDelta, SyncError, WeightUpdate
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this torch build",
+)
+
+WORLD = 2
+DEADLINE_S = 120.0
+ATOL = 1e-5
+DIT_STD = 0.1  # as test_tp_gloo.py: the presets' 0.02 leaves a tiny DiT's blocks nearly silent
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except SyncError as e:
+        return str(e) or "SyncError"
+    return ""
+
+
+def _rank(rank: int, port: int, out: Path) -> None:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from diffrl.build import expanded_targets
+    from diffrl.models.families._diffusers import init_weights
+    from diffrl.models.families.sd3 import LORA_TARGETS, TP_PLAN
+    from diffrl.models.family import transformer_root
+    from diffrl.models.registry import ModelConfig, load_model
+    from diffrl.parallel import tp_sync
+    from diffrl.rollout.engine import RolloutConfig, RolloutEngine
+    from diffrl.sync.receipt import load_verified
+    from diffrl.tasks import Prompt, PromptSet
+    from diffrl.types import TrainBatch
+
+    init_gloo(rank, WORLD, port, DEADLINE_S)
+    mesh = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(family="sd3", preset="sd35-tiny", resolution=32), "cpu")
+    init_weights(transformer_root(model), std=DIT_STD)
+    targets = expanded_targets(model, list(LORA_TARGETS))
+    cfg = RolloutConfig(group_size=2, num_steps=3, max_batch=4)
+    cpu = torch.device("cpu")
+    whole = RolloutEngine(model, cfg, targets, cpu)
+    sharded = RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=TP_PLAN)
+    result: dict = dict(rank=rank)
+    w = sharded.model.get_submodule(targets[0]).weight
+    result["sharded"] = isinstance(w, DTensor) and w.to_local().shape[0] == w.shape[0] // WORLD
+
+    # the layout checked at start-up: a trained weight on the wrong dim, or another mesh
+    real_apply = tp_sync.apply_plan
+
+    def wrong_dim(root, on, plan):  # the plan applied, then one row-sharded weight re-split
+        real_apply(root, on, plan)
+        lin = root.get_submodule("transformer_blocks.0.attn.to_out.0")
+        lin.weight = nn.Parameter(lin.weight.redistribute(on, [Shard(0)]), requires_grad=False)
+
+    other = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("other",))
+    faults = dict(
+        wrong_dim=wrong_dim, other_mesh=lambda root, on, plan: real_apply(root, other, plan)
+    )
+    for key, fault in faults.items():
+        tp_sync.apply_plan = fault
+        try:
+            result[key] = _error_of(
+                lambda: RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=TP_PLAN)
+            )
+        finally:
+            tp_sync.apply_plan = real_apply
+
+    # the actor: one process on every rank (the same adapter everywhere)
+    from test_tp_lora_gloo import _actor, _batch
+
+    actor = _actor(model)
+    batch: TrainBatch = _batch(model)
+    prompts = PromptSet([Prompt("a red square"), Prompt("a blue circle")], model.family.tokenize)
+
+    def samples(engine) -> torch.Tensor:
+        return asyncio.run(engine.generate(prompts.batch([0, 1]), 5)).x0
+
+    before = None
+    for version in (0, 1):
+        if version:
+            actor.train_step(batch)
+        update = actor.export_weights("default")
+        m_whole = load_verified(whole, update)
+        m_sharded = load_verified(sharded, update)
+        x_whole, x_sharded = samples(whole), samples(sharded)
+        result[f"v{version}"] = dict(
+            diff=(x_sharded - x_whole).abs().max().item(),
+            scale=x_whole.abs().max().item(),
+            moved=0.0 if before is None else (x_sharded - before).abs().max().item(),
+            applied=m_sharded["sync/applied"],
+            whole_applied=m_whole["sync/applied"],
+            receipt_frac=m_sharded["sync/receipt_frac"],
+            version=sharded.version,
+        )
+        before = x_sharded
+
+    # a corrupted update: rank 1's copy of one delta has two rows swapped in transit
+    name = next(n for n in targets if n.endswith("ff.net.2"))  # row-sharded: half rows each
+    d = update.deltas[name]
+    rows = d.b.clone()
+    rows[[0, 1]] = rows[[1, 0]]
+    bad = dataclasses.replace(update, version=update.version + 1)
+    if rank == 1:
+        bad = dataclasses.replace(
+            bad, deltas={**update.deltas, name: LoraDelta(d.a, rows, d.scale)}
+        )
+    result["corrupt"] = _error_of(lambda: load_verified(sharded, bad))
+    result["corrupt_version"] = sharded.version
+    # a merge that writes nothing and says it did: the receipt across the shards sees it
+    sharded.target.apply = no_op_apply
+    doubled = {n: LoraDelta(d.a, 2 * d.b, d.scale) for n, d in update.deltas.items()}
+    later = WeightUpdate.build(update.version + 2, "default", doubled, update.base)
+    result["no_op"] = _error_of(lambda: load_verified(sharded, later))
+    finish_rank(out, rank, result)
+
+
+def test_sharded_rollout_samples_and_syncs_as_the_replicated_one(tmp_path: Path) -> None:
+    run_ranks(_rank, WORLD, (free_port(), tmp_path), DEADLINE_S)
+    for rank in range(WORLD):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["sharded"], r
+        for v in ("v0", "v1"):
+            s = r[v]
+            assert s["diff"] <= ATOL, (v, s)
+            assert s["applied"] == s["whole_applied"] > 0, s
+            assert s["receipt_frac"] < 1.0, s
+        assert r["v1"]["moved"] > 100 * ATOL, r["v1"]  # the step's update reached the samples
+        assert r["v1"]["version"] > r["v0"]["version"]
+        # rank 0's copy was fine and each rank's slice matches the factors it got: only the
+        # row prints summed over the ranks see it, on both
+        assert "row print of trained row" in r["corrupt"] and "ff.net.2" in r["corrupt"], r
+        assert r["corrupt_version"] == r["v1"]["version"]  # nothing committed
+        assert "holds other weights than the actor sent" in r["no_op"], r["no_op"]
+        assert "rollout layout at start-up" in r["wrong_dim"], r["wrong_dim"]
+        assert "attn.to_out.0" in r["wrong_dim"] and "Shard(dim=1)" in r["wrong_dim"]
+        assert "rollout layout at start-up" in r["other_mesh"], r["other_mesh"]
+        assert "'other'" in r["other_mesh"], r["other_mesh"]
