@@ -22,14 +22,18 @@ whole set (the same result on each).
 
 ``parallel.tp`` > 1 shards the actor's DiT and its LoRA adapters with the family's TP plan
 (``parallel/tp_lora.py``), then FSDP2 shards the result over ``dp_shard`` as above. The ranks
-of a tp group are one data-parallel rank: they see the same prompts and seeds, each holds a
-whole, replicated rollout copy that receives the gathered LoRA through the one-process sync,
-and the adapters' gradients are averaged over the dp peers of the same tp coordinate
-(``Ranks.dp_group``). ``parallel.etp`` above 1 shards the frozen text encoders over groups of
-``etp`` consecutive ranks (their own mesh), independently of the other degrees, and encodes
-every prompt at start-up (``parallel/etp.py``). tp with HSDP replicas (``dp_replicate`` > 1)
-and ``sp`` above 1 are planned by ``diffrl plan`` and tested on their own
-(``tests/parallel``); ``diffrl train`` refuses them, naming the keys.
+of a tp group are one data-parallel rank: they see the same prompts and seeds, and the
+adapters' gradients are averaged over the dp peers of the same tp coordinate
+(``Ranks.dp_group``). ``parallel.rollout`` places the rollout's and evaluator's DiT copies:
+"sharded" (the default) shards them with the same plan over the same tp group, so sampling is
+a collective of the group (its ranks sample the same rows, held-out eval shared out by
+data-parallel rank) and each update lands through the verified sharded sync
+(``parallel/tp_sync.py``); "replicated" keeps a whole copy on every rank that receives the
+gathered LoRA through the one-process sync. ``parallel.etp`` above 1 shards the frozen text
+encoders over groups of ``etp`` consecutive ranks (their own mesh), independently of the other
+degrees, and encodes every prompt at start-up (``parallel/etp.py``). tp with HSDP replicas
+(``dp_replicate`` > 1) and ``sp`` above 1 are planned by ``diffrl plan`` and tested on their
+own (``tests/parallel``); ``diffrl train`` refuses them, naming the keys.
 """
 
 from __future__ import annotations

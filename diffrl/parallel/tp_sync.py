@@ -1,7 +1,11 @@
 """Contract 2 across ranks: LoRA sync into a TP-sharded rollout, exact on every rank or nowhere.
 
-Parked: reached only from tests (``tests/parallel/test_tp_sync_gloo.py``); the parallel issue
-(38) wires it into `diffrl train`.
+``diffrl train`` reaches it under ``parallel.tp`` > 1 with ``parallel.rollout=sharded`` (the
+default): ``shard_rollout`` shards the rollout's and evaluator's DiT copies with the family's TP
+plan over the actor's tp group and checks their layout against what the sync expects
+(``check_layout``), ``RolloutEngine.load_weights`` applies each update through
+``ShardedLoraTarget`` and ``receipt_of_sharded`` reads the post-sync receipt across the shards
+(``tests/parallel/test_tp_sync_gloo.py``, ``test_tp_rollout_gloo.py``).
 
 The actor exports full LoRA factors per trained module (``WeightUpdate``: A (r, in), B (out, r),
 scale). A rollout sharded by ``tp.apply_plan`` holds each targeted weight as a DTensor: a

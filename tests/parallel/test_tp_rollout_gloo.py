@@ -177,3 +177,56 @@ def test_sharded_rollout_samples_and_syncs_as_the_replicated_one(tmp_path: Path)
         assert "attn.to_out.0" in r["wrong_dim"] and "Shard(dim=1)" in r["wrong_dim"]
         assert "rollout layout at start-up" in r["other_mesh"], r["other_mesh"]
         assert "'other'" in r["other_mesh"], r["other_mesh"]
+
+
+# --- the key, and what it refuses before any process group ------------------------------------
+
+
+def test_parallel_rollout_is_checked_at_load() -> None:
+    from diffrl.config import load_config
+    from diffrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'parallel.rollout' = 'whole'.*'sharded', 'replicated'"):
+        load_config("recipes/shapes_sd3_nft.yaml", ["parallel.rollout=whole"])
+    assert load_config("recipes/shapes_sd3_nft.yaml").parallel.rollout == "sharded"
+
+
+@pytest.mark.parametrize("key", ["rollout.compile", "rollout.cuda_graphs"])
+def test_a_sharded_rollout_refuses_compile_and_graphs_first(tmp_path, monkeypatch, key) -> None:
+    """Before any process group, naming the key and the way out; replicated, the same config
+    passes this check (and is refused later only for want of a CUDA device)."""
+    from diffrl.config import load_config
+    from diffrl.errors import ConfigError
+    from diffrl.parallel.launch import check_tp
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    over = ["parallel.tp=2", "probe.mode=off", f"run.out_dir={tmp_path}", f"{key}=true"]
+    cfg = load_config("recipes/shapes_sd3_nft.yaml", over)
+    with pytest.raises(ConfigError, match=rf"'{key}' = True with parallel.tp=2 and parallel.rollo"):
+        check_tp(cfg, cfg.parallel.dims())
+    assert not dist.is_initialized()
+    replicated = load_config("recipes/shapes_sd3_nft.yaml", [*over, "parallel.rollout=replicated"])
+    check_tp(replicated, replicated.parallel.dims())
+
+
+def test_a_sharded_rollouts_eval_shares_are_the_data_parallel_ranks() -> None:
+    """4 ranks, dp 2 x tp 2: the two ranks of a tp group sample the same held-out share (the
+    rows the one-process run gives that dp rank); replicated, every rank its own."""
+    from diffrl.parallel.launch import Ranks
+
+    class Mesh:  # the two numbers share() reads of a dp 2 x tp 2 layout
+        dp_size = 2
+
+        def __init__(self, rank: int) -> None:
+            self.dp_rank = rank // 2
+
+    def shares(sharded: bool) -> list:
+        out = []
+        for r in range(4):
+            ranks = Ranks(r, 4, Mesh(r), rollout_tp=sharded)  # type: ignore[arg-type]
+            first, idx = ranks.share(5)
+            out.append((first, idx.tolist()))
+        return out
+
+    assert shares(True) == [(0, [0, 1, 2]), (0, [0, 1, 2]), (3, [3, 4]), (3, [3, 4])]
+    assert shares(False) == [(0, [0, 1]), (2, [2, 3]), (4, [4]), (5, [])]
