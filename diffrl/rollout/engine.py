@@ -234,9 +234,16 @@ class RolloutEngine:
                 "copy (parallel.rollout=sharded) yet; set them to false"
             )
         self.shared = share_model
+        self.family = model.family
+        if tp_mesh is not None and serving_layout:
+            # The one-process serving layout makes its fused Linears (initialised, then
+            # overwritten) from the global RNG, and the actor's LoRA init draws after the
+            # rollout is built: the same draws are taken here, on a copy laid out and freed
+            # before the sharded one is made, so a sharded run's adapters start as one
+            # process's do
+            self.family.serving_layout(copy.deepcopy(model).to(device))
         self.model = model if share_model else copy.deepcopy(model).to(device)
         self.model.eval().requires_grad_(False)
-        self.family = model.family
         self.cfg = cfg
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
         self.device = device
