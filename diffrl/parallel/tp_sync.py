@@ -472,13 +472,14 @@ def check_layout(model: nn.Module, mesh: DeviceMesh, plan: Plan, targets: list[s
     """At start-up: every trained module's weight in the sharded rollout ``model`` is held as
     the family's ``plan`` shards it (the placement ``ShardedLoraTarget`` reads its rows and
     columns from) over ``mesh``, the actor's tp group; else a ``SyncError`` naming the module,
-    what it holds and what the plan says. Rows the plan does not cover stay whole."""
+    what it holds and what the plan says. A weight the plan leaves out must stay whole."""
     root = transformer_root(model)
     prefix = next(n for n, m in model.named_modules() if m is root)
+    paths = resolve(root, plan)
     styles = {
         f"{prefix}.{path}" if prefix else path: style
         for pattern, style in plan.items()
-        for path in resolve(root, plan)[pattern]
+        for path in paths[pattern]
     }
     family = getattr(getattr(model, "family", None), "name", type(model).__name__)
     for name in targets:

@@ -81,7 +81,9 @@ def _rank(rank: int, port: int, out: Path) -> None:
     cfg = RolloutConfig(group_size=2, num_steps=3, max_batch=4)
     cpu = torch.device("cpu")
     whole = RolloutEngine(model, cfg, targets, cpu)
-    sharded = RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=TP_PLAN)
+    # its sync base copies on the host (rollout.base_copy=cpu; the device is the host here)
+    host = dataclasses.replace(cfg, base_copy="cpu")
+    sharded = RolloutEngine(model, host, targets, cpu, tp_mesh=mesh, tp_plan=TP_PLAN)
     result: dict = dict(rank=rank)
     w = sharded.model.get_submodule(targets[0]).weight
     result["sharded"] = isinstance(w, DTensor) and w.to_local().shape[0] == w.shape[0] // WORLD
