@@ -18,6 +18,10 @@ rollout (``RolloutEngine`` as in one process: the family's fused serving layout)
 - the layout checked at start-up: one trained weight sharded on the other dim than the plan
   says, or the copy sharded over another mesh than the sync's tp group, fails building.
 
+Without gloo: ``parallel.rollout`` checked at load, ``rollout.compile`` / ``cuda_graphs``
+refused with a sharded rollout before any process group, held-out eval shared by data-parallel
+rank, and a family without a TP plan refused by name.
+
 ``diffrl train`` under torchrun at tp=2 with the sharded rollout (the default) runs in
 ``tests/parallel/test_tp_lora_gloo.py`` (SD3) and ``test_tp_etp_cli.py`` (MiniMax-H3).
 """
@@ -232,3 +236,13 @@ def test_a_sharded_rollouts_eval_shares_are_the_data_parallel_ranks() -> None:
 
     assert shares(True) == [(0, [0, 1, 2]), (0, [0, 1, 2]), (3, [3, 4]), (3, [3, 4])]
     assert shares(False) == [(0, [0, 1]), (2, [2, 3]), (4, [4]), (5, [])]
+
+
+def test_a_family_without_a_tp_plan_cannot_shard_its_rollout(tiny_model) -> None:
+    """The tiny DiT declares no TP plan: its rollout copy is refused before anything is
+    sharded, naming the family and the keys (``launch.check_tp`` refuses its tp first)."""
+    from diffrl.errors import ConfigError
+    from diffrl.parallel.tp_sync import shard_rollout
+
+    with pytest.raises(ConfigError, match=r"parallel.rollout=sharded: model family 'tiny_dit'"):
+        shard_rollout(tiny_model, None, None, [])  # type: ignore[arg-type]
