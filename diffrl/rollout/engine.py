@@ -222,8 +222,9 @@ class RolloutEngine:
         MiniMax-H3 benchmark, where the actor then trains the same weights.
 
         ``tp_mesh`` (``parallel.rollout=sharded``): the copy is sharded with the family's TP
-        ``tp_plan`` over that 1-D tp mesh instead (the plan's shards are its serving layout),
-        its layout checked against what the sync expects, and updates land through
+        ``tp_plan`` over that 1-D tp mesh, keeping the serving layout's fusions that TP can hold
+        (fused Q/K/V over column shards; ``tp_sync.shard_rollout``), its layout checked
+        against what the sync expects, and updates land through
         ``parallel/tp_sync.py``'s verified sharded sync; sampling, syncs and receipts are then
         collectives of the tp group, whose ranks sample the same rows."""
         if share_model and (serving_layout or lora_targets or tp_mesh is not None):
@@ -235,13 +236,14 @@ class RolloutEngine:
             )
         self.shared = share_model
         self.family = model.family
+        layout = SlotMap()
         if tp_mesh is not None and serving_layout:
-            # The one-process serving layout makes its fused Linears (initialised, then
-            # overwritten) from the global RNG, and the actor's LoRA init draws after the
-            # rollout is built: the same draws are taken here, on a copy laid out and freed
-            # before the sharded one is made, so a sharded run's adapters start as one
-            # process's do
-            self.family.serving_layout(copy.deepcopy(model).to(device))
+            # The family's one-process serving layout, on a copy freed before the sharded one
+            # is made: its slot map says which fusions the sharded copy keeps, and its fused
+            # Linears are made (then overwritten) from the global RNG, which the actor's LoRA
+            # init draws from after the rollout is built, so a sharded run's adapters start as
+            # one process's do
+            layout = self.family.serving_layout(copy.deepcopy(model).to(device))
         self.model = model if share_model else copy.deepcopy(model).to(device)
         self.model.eval().requires_grad_(False)
         self.cfg = cfg
@@ -257,7 +259,7 @@ class RolloutEngine:
         self.target: MergedLoraTarget | ShardedLoraTarget
         if tp_mesh is not None:
             self.target = shard_rollout(
-                self.model, tp_mesh, tp_plan, lora_targets, cfg.base_copy, base_prints
+                self.model, tp_mesh, tp_plan, lora_targets, cfg.base_copy, base_prints, layout
             )
         else:
             slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()

@@ -5,7 +5,8 @@ family's TP plan over the tp group, updates landing through the verified sharded
 Two gloo ranks build the same sd35-tiny model (``torch.manual_seed(0)``) and the same actor (one
 process each, LoRA with random B so the first update already moves the forward), a replicated
 rollout (``RolloutEngine`` as in one process: the family's fused serving layout) and a sharded one
-(``tp_mesh``), then on every rank:
+(``tp_mesh``: Q/K/V fused as in the serving layout, strided over the ranks), then on every
+rank:
 
 - sync the actor's adapter into both (``load_verified``: the merge's checks, then the receipt)
   and sample the same prompts and seeds: the sharded rollout's samples equal the replicated
@@ -16,7 +17,8 @@ rollout (``RolloutEngine`` as in one process: the family's fused serving layout)
   so its own slice still matches the factors it got) raises ``SyncError`` on every rank and
   commits nothing; a merge that writes nothing and says it did is caught by the receipt;
 - the layout checked at start-up: one trained weight sharded on the other dim than the plan
-  says, or the copy sharded over another mesh than the sync's tp group, fails building.
+  says, the fused Q/K/V split in plain halves instead of per part, or the copy sharded over
+  another mesh than the sync's tp group, fails building.
 
 Without gloo: ``parallel.rollout`` checked at load, ``rollout.compile`` / ``cuda_graphs``
 refused with a sharded rollout before any process group, held-out eval shared by data-parallel
@@ -63,7 +65,7 @@ def _error_of(fn) -> str:
 def _rank(rank: int, port: int, out: Path) -> None:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from diffrl.build import expanded_targets
     from diffrl.models.families._diffusers import init_weights
@@ -89,8 +91,14 @@ def _rank(rank: int, port: int, out: Path) -> None:
     host = dataclasses.replace(cfg, base_copy="cpu")
     sharded = RolloutEngine(model, host, targets, cpu, tp_mesh=mesh, tp_plan=TP_PLAN)
     result: dict = dict(rank=rank)
-    w = sharded.model.get_submodule(targets[0]).weight
-    result["sharded"] = isinstance(w, DTensor) and w.to_local().shape[0] == w.shape[0] // WORLD
+    # where the trained rows live: Q/K/V fused (as the replicated copy's serving layout has
+    # them) and strided over the ranks, the rest column or row shards
+    slots = sharded.target.slot_map
+    held = {s.module for n in targets for s in slots.slots_for(n)}
+    weights = [sharded.model.get_submodule(m).weight for m in held]
+    result["sharded"] = all(isinstance(w, DTensor) for w in weights)
+    result["placements"] = sorted({str(w.placements) for w in weights})
+    result["fused"] = sorted({m.rsplit(".", 1)[-1] for m in held if m.endswith("qkv")})
 
     # the layout checked at start-up: a trained weight on the wrong dim, or another mesh
     real_apply = tp_sync.apply_plan
@@ -100,9 +108,17 @@ def _rank(rank: int, port: int, out: Path) -> None:
         lin = root.get_submodule("transformer_blocks.0.attn.to_out.0")
         lin.weight = nn.Parameter(lin.weight.redistribute(on, [Shard(0)]), requires_grad=False)
 
+    def plain_qkv(root, on, plan):  # the fused Q/K/V split in plain halves, not per part
+        real_apply(root, on, plan)
+        lin = root.get_submodule("transformer_blocks.0.attn.to_qkv")
+        whole = lin.weight.full_tensor()
+        lin.weight = nn.Parameter(distribute_tensor(whole, on, [Shard(0)]), requires_grad=False)
+
     other = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("other",))
     faults = dict(
-        wrong_dim=wrong_dim, other_mesh=lambda root, on, plan: real_apply(root, other, plan)
+        plain_qkv=plain_qkv,
+        wrong_dim=wrong_dim,
+        other_mesh=lambda root, on, plan: real_apply(root, other, plan),
     )
     for key, fault in faults.items():
         tp_sync.apply_plan = fault
@@ -167,6 +183,10 @@ def test_sharded_rollout_samples_and_syncs_as_the_replicated_one(tmp_path: Path)
     for rank in range(WORLD):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["sharded"], r
+        assert r["placements"] == [
+            "(Shard(dim=0),)", "(Shard(dim=1),)", "(_StridedShard(dim=0, sf=3),)"
+        ], r["placements"]  # fmt: skip
+        assert r["fused"] == ["to_added_qkv", "to_qkv"], r["fused"]
         for v in ("v0", "v1"):
             s = r[v]
             assert s["diff"] <= ATOL, (v, s)
@@ -181,6 +201,8 @@ def test_sharded_rollout_samples_and_syncs_as_the_replicated_one(tmp_path: Path)
         assert "holds other weights than the actor sent" in r["no_op"], r["no_op"]
         assert "rollout layout at start-up" in r["wrong_dim"], r["wrong_dim"]
         assert "attn.to_out.0" in r["wrong_dim"] and "Shard(dim=1)" in r["wrong_dim"]
+        q = r["plain_qkv"]
+        assert "transformer_blocks.0.attn.to_qkv (trained" in q and "sf=3" in q, q
         assert "rollout layout at start-up" in r["other_mesh"], r["other_mesh"]
         assert "'other'" in r["other_mesh"], r["other_mesh"]
 
