@@ -14,6 +14,7 @@ prefixes and Linear names (``serving_layout`` in ``models/families/*.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -69,13 +70,16 @@ class RowView(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         f = self._fused[0]
-        weight, bias, rows = f.weight, f.bias, self.rows
+        weight: Tensor = f.weight
+        bias: Tensor | None = f.bias
+        rows = self.rows
         if isinstance(weight, DTensor):
             # the fused Linear under FusedColwiseParallel (parallel/tp_sync.shard_rollout): this
             # rank holds its slice of every equal part, in part order, so this part's rows here
             # are the local part at its index; x is the replicated input, the output this
             # rank's columns (its heads)
-            weight, bias = weight.to_local(), None if bias is None else bias.to_local()
+            weight = cast(DTensor, weight).to_local()
+            bias = None if bias is None else cast(DTensor, bias).to_local()
             size = rows.stop - rows.start
             local = weight.shape[0] // (f.out_features // size)
             part = rows.start // size
