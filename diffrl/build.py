@@ -266,7 +266,11 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
             f"{n} prompt rows encoded at start-up, the encode cache sealed"
         )
     rollout_targets = expanded_targets(base, actor_targets(cfg))
-    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device)
+    # parallel.rollout=sharded under tp: both copies sharded with the actor's plan and tp group
+    tp = {}
+    if ranks.rollout_tp:
+        tp = dict(tp_mesh=ranks.tp_mesh, tp_plan=family_spec(cfg.model.resolved_family).tp_plan)
+    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device, **tp)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent
     # initial noise for every sample even when the rollout shares it within a group (DanceGRPO)
     eval_rollout = dataclasses.replace(
@@ -277,7 +281,7 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
         tree_noise=False,
         ode_dtype="float32",
     )
-    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device)
+    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device, **tp)
     return RolloutSide(task, base, train, eval_set, probe, rollout, evaluator, etp)
 
 
@@ -297,7 +301,7 @@ def actor_side(
     if ranks.meshes is not None and ranks.meshes.size("tp") > 1:
         assert ranks.meshes.main is not None, "a tp axis > 1 has a main mesh"
         spec = family_spec(cfg.model.resolved_family)
-        tp = tp_hook(ranks.meshes.main["tp"], spec.tp_plan, spec.name)
+        tp = tp_hook(ranks.meshes.main["tp"], spec.tp_plan, spec.name, ranks.rollout_tp)
     return ActorEngine(
         base, actor_with_horizon(cfg), actor_targets(cfg), algorithm, cfg.algorithm, device,
         cfg.run.seed,

@@ -22,14 +22,18 @@ whole set (the same result on each).
 
 ``parallel.tp`` > 1 shards the actor's DiT and its LoRA adapters with the family's TP plan
 (``parallel/tp_lora.py``), then FSDP2 shards the result over ``dp_shard`` as above. The ranks
-of a tp group are one data-parallel rank: they see the same prompts and seeds, each holds a
-whole, replicated rollout copy that receives the gathered LoRA through the one-process sync,
-and the adapters' gradients are averaged over the dp peers of the same tp coordinate
-(``Ranks.dp_group``). ``parallel.etp`` above 1 shards the frozen text encoders over groups of
-``etp`` consecutive ranks (their own mesh), independently of the other degrees, and encodes
-every prompt at start-up (``parallel/etp.py``). tp with HSDP replicas (``dp_replicate`` > 1)
-and ``sp`` above 1 are planned by ``diffrl plan`` and tested on their own
-(``tests/parallel``); ``diffrl train`` refuses them, naming the keys.
+of a tp group are one data-parallel rank: they see the same prompts and seeds, and the
+adapters' gradients are averaged over the dp peers of the same tp coordinate
+(``Ranks.dp_group``). ``parallel.rollout`` places the rollout's and evaluator's DiT copies:
+"sharded" (the default) shards them with the same plan over the same tp group, so sampling is
+a collective of the group (its ranks sample the same rows, held-out eval shared out by
+data-parallel rank) and each update lands through the verified sharded sync
+(``parallel/tp_sync.py``); "replicated" keeps a whole copy on every rank that receives the
+gathered LoRA through the one-process sync. ``parallel.etp`` above 1 shards the frozen text
+encoders over groups of ``etp`` consecutive ranks (their own mesh), independently of the other
+degrees, and encodes every prompt at start-up (``parallel/etp.py``). tp with HSDP replicas
+(``dp_replicate`` > 1) and ``sp`` above 1 are planned by ``diffrl plan`` and tested on their
+own (``tests/parallel``); ``diffrl train`` refuses them, naming the keys.
 """
 
 from __future__ import annotations
@@ -42,10 +46,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from diffrl.errors import ConfigError, check
+from diffrl.errors import ConfigError, check, check_choice
 from diffrl.parallel.dims import KEY, Meshes, ParallelDims, build_meshes
 
 log = logging.getLogger(__name__)
+
+
+ROLLOUT_LAYOUTS = ("sharded", "replicated")  # parallel.rollout
 
 
 @dataclass(frozen=True)
@@ -56,13 +63,18 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
     sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
-    tp: int = 1  # tensor parallelism of the actor's DiT and LoRA (the rollout stays replicated)
+    tp: int = 1  # tensor parallelism of the actor's DiT and LoRA
     etp: int = 1  # tensor parallelism of the text encoders (parallel/etp.py)
+    # the rollout's and evaluator's DiT copies under tp > 1: "sharded" with the actor's TP plan
+    # over the same tp group (synced through parallel/tp_sync.py), or "replicated" (whole on
+    # every rank, synced with the gathered LoRA in one process); nothing at tp = 1
+    rollout: str = "sharded"
 
     def validate(self) -> None:
         for name in ("dp_replicate", "sp", "tp", "etp"):
             value = getattr(self, name)
             check(value >= 1, name, value, "must be an integer >= 1 (1 = off)")
+        check_choice("rollout", self.rollout, ROLLOUT_LAYOUTS)
         check(
             self.dp_shard >= 1 or self.dp_shard == -1,
             "dp_shard",
@@ -72,7 +84,9 @@ class ParallelConfig:
 
     def dims(self) -> ParallelDims:
         """These degrees over the launcher's world, validated (ConfigError naming the key)."""
-        return ParallelDims.from_env(**dataclasses.asdict(self)).validate()
+        degrees = dataclasses.asdict(self)
+        degrees.pop("rollout")  # a layout, not a degree
+        return ParallelDims.from_env(**degrees).validate()
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,9 @@ class Ranks:
     rank: int = 0
     world: int = 1
     meshes: Meshes | None = None
+    # the rollout and evaluator sharded over tp (tp > 1, parallel.rollout=sharded): the ranks
+    # of a tp group sample the same rows together, held-out eval included
+    rollout_tp: bool = False
 
     @property
     def primary(self) -> bool:
@@ -137,23 +154,36 @@ class Ranks:
         t = all_reduced(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
         return dict(zip(keys, (t / self.world).tolist(), strict=True))
 
+    @property
+    def tp_mesh(self):
+        """The 1-D tp mesh of this rank's tp group (the actor's, and a sharded rollout's);
+        None in one process."""
+        if self.meshes is None or self.meshes.main is None:
+            return None
+        return self.meshes.main["tp"]
+
     def share(self, n: int) -> tuple[int, torch.Tensor]:
         """This rank's contiguous share of ``n`` items (the first one's index, the indices):
-        all of them in one process."""
-        if self.world == 1:
+        all of them in one process. Under a sharded rollout a tp group samples one share
+        together, so the shares are the data-parallel ranks'."""
+        parts, mine = (self.dp_size, self.dp_rank) if self.rollout_tp else (self.world, self.rank)
+        if parts == 1:
             return 0, torch.arange(n)
-        per = -(-n // self.world)
-        first = min(n, self.rank * per)
+        per = -(-n // parts)
+        first = min(n, mine * per)
         return first, torch.arange(first, min(n, first + per))
 
     def join(self, traj, device: torch.device):
         """Every rank's share (``share``) of a trajectory, in rank order, as one, on
-        ``device``; ``traj`` itself in one process. A rank with no share passes None.
-        Collective."""
+        ``device``; ``traj`` itself in one process. A rank with no share passes None, and so
+        does every rank of a sharded rollout's tp group but the first (its peers sampled the
+        same rows). Collective."""
         if self.world == 1:
             return traj
         from diffrl.types import Trajectory, to_device
 
+        if self.rollout_tp and self.meshes is not None and self.meshes.rank_in("tp"):
+            traj = None
         cpu = None if traj is None else to_device(traj, torch.device("cpu"))
         shares: list = [None] * self.world
         dist.all_gather_object(shares, cpu)
@@ -207,6 +237,7 @@ def start(cfg) -> Ranks:
         )
     if dims.tp > 1:
         check_tp(cfg, dims)
+    rollout_tp = dims.tp > 1 and cfg.parallel.rollout == "sharded"
     if dims.etp > 1:
         from diffrl.models.registry import family
 
@@ -249,7 +280,7 @@ def start(cfg) -> Ranks:
     rank = dist.get_rank()
     if rank:  # one voice in the console: the others log warnings and errors only
         logging.getLogger("diffrl").setLevel(logging.WARNING)
-    return Ranks(rank, dims.world_size, meshes)
+    return Ranks(rank, dims.world_size, meshes, rollout_tp)
 
 
 def check_tp(cfg, dims: ParallelDims) -> None:
@@ -270,7 +301,8 @@ def check_tp(cfg, dims: ParallelDims) -> None:
         raise ConfigError(
             f"config key 'actor.compile' = True with {KEY}.tp={dims.tp}: the actor's regional "
             "compile is not run over a TP-sharded base yet (inductor fails tracing its DTensor "
-            "blocks); set actor.compile=false (the rollout, replicated, may still compile)"
+            "blocks); set actor.compile=false (a replicated rollout, parallel.rollout=replicated, "
+            "may still compile)"
         )
     if dims.dp_replicate > 1:
         raise ConfigError(
@@ -278,6 +310,17 @@ def check_tp(cfg, dims: ParallelDims) -> None:
             f"does not run HSDP replicas over a TP-sharded base yet; set {KEY}.dp_replicate=1 "
             f"(FSDP2 over {KEY}.dp_shard composes with tp)"
         )
+    if cfg.parallel.rollout == "sharded":
+        for key in ("compile", "cuda_graphs"):
+            if getattr(cfg.rollout, key):
+                # compile: inductor fails on DTensor blocks, as the actor's; CUDA graphs would
+                # capture the tp group's collectives, which nothing here has verified
+                raise ConfigError(
+                    f"config key 'rollout.{key}' = True with {KEY}.tp={dims.tp} and "
+                    f"{KEY}.rollout='sharded': the rollout's DiT copy is TP-sharded and not "
+                    f"run with rollout.{key} yet; set rollout.{key}=false, or "
+                    f"{KEY}.rollout=replicated (a whole copy on every rank)"
+                )
 
 
 def stop() -> None:

@@ -28,8 +28,11 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
 - *The rollout's copy*: ``RolloutEngine`` deep-copies the DiT, and the held-out evaluator
   (``build.build``) holds another; each keeps a frozen base copy of the
   LoRA-targeted weights for verified sync (``rollout.base_copy``: "" on the GPU, "cpu" on the
-  host). Copies are TP-sharded, never FSDP-sharded. ``--share-rollout`` samples with the
-  actor's own weights instead (``RolloutEngine(share_model=True)``: no copy, no sync).
+  host). Under tp the copies are TP-sharded with the actor's plan when ``parallel.rollout`` is
+  "sharded" (the default), whole on every rank when "replicated"; never FSDP-sharded (the
+  rollout's no-grad forward is counted at the actor's per-rank widths either way).
+  ``--share-rollout`` samples with the actor's own weights instead
+  (``RolloutEngine(share_model=True)``: no copy, no sync).
 - *Text encoders*: sharded by ``etp`` where the family's ``FamilySpec.etp_plans`` has a plan
   for the encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
   moves the whole encoder onto the GPU for each encode, which the encode phase counts.
@@ -428,11 +431,16 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
         )
         return rows
     host = cfg.rollout.base_copy == "cpu"
-    base = sum(v for k, v in sizes.items() if k.endswith(".weight") and _is_target(k[:-7], targets))
+    # parallel.rollout: the copies sharded with the actor's plan, or whole on every rank
+    sharded = dims.tp == 1 or rollout_layout(cfg) == "sharded"
+    held = sizes if sharded else _tensor_bytes(dit, {}, 1)
+    base = sum(v for k, v in held.items() if k.endswith(".weight") and _is_target(k[:-7], targets))
+    how = "TP-sharded" if dims.tp > 1 and sharded else "whole"
     for name in ("rollout", "eval") if opts.eval_copy else ("rollout",):
         rows.append(
-            Row(f"{name} copy of the DiT", "resident", local / GIB,
-                "RolloutEngine's deepcopy; TP-sharded, not FSDP")
+            Row(f"{name} copy of the DiT", "resident", sum(held.values()) / GIB,
+                f"RolloutEngine's deepcopy; {how} ({KEY}.rollout={rollout_layout(cfg)}), "
+                "not FSDP")
         )  # fmt: skip
         rows.append(
             Row(f"{name} sync base copy", "resident", 0.0 if host else base / GIB,
@@ -440,6 +448,11 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
                 base / GIB if host else 0.0)
         )  # fmt: skip
     return rows
+
+
+def rollout_layout(cfg) -> str:
+    """``parallel.rollout`` of ``cfg`` ("sharded" where the config predates the key)."""
+    return getattr(getattr(cfg, KEY, None), "rollout", "sharded")
 
 
 def _encoder_plan(facts: ModelFacts, m: nn.Module) -> dict | None:
@@ -551,6 +564,9 @@ def _knobs(cfg, opts: PlanOptions, dims: ParallelDims, facts: ModelFacts):
         cfg,
         rep(opts, world_size=world, dp_shard=2 * dims.dp_shard),
     )
+    if dims.tp > 1 and rollout_layout(cfg) != "sharded" and not opts.share_rollout:
+        parallel = rep(getattr(cfg, KEY), rollout="sharded")
+        yield f"shard the rollout copies ({KEY}.rollout=sharded)", rep(cfg, **{KEY: parallel}), opts
     if not opts.share_rollout:
         yield "share the rollout copy (plan: --share-rollout)", cfg, rep(opts, share_rollout=True)
         if cfg.rollout.base_copy != "cpu":

@@ -89,9 +89,12 @@ def apply_lora_tp(model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, Any]) -
     return model
 
 
-def tp_hook(mesh: DeviceMesh, plan: Mapping[str, Any] | None, family: str):
+def tp_hook(
+    mesh: DeviceMesh, plan: Mapping[str, Any] | None, family: str, rollout_sharded: bool = False
+):
     """The actor's ``tensor_parallel`` hook for ``mesh`` (the ``tp`` axis), or a ConfigError
-    naming the family when it declares no TP plan."""
+    naming the family when it declares no TP plan. ``rollout_sharded``: the rollout's copies
+    are sharded over the same mesh (``parallel.rollout``), which its console line says."""
     if plan is None:
         raise ConfigError(
             f"parallel.tp={mesh.size()}: model family {family!r} declares no TP plan "
@@ -104,11 +107,18 @@ def tp_hook(mesh: DeviceMesh, plan: Mapping[str, Any] | None, family: str):
         params = dict(model.named_parameters())
         lora = [p for n, p in params.items() if "lora_" in n]
         base_sharded = sum(isinstance(p, DTensor) for n, p in params.items() if "lora_" not in n)
+        rollout = (
+            "the rollout's and evaluator's DiT copies sharded with the same plan over the "
+            "same tp group, synced shard by shard (parallel.rollout=sharded)"
+            if rollout_sharded
+            else "the rollout's and evaluator's DiT copies whole on every rank, synced with "
+            "the gathered LoRA (parallel.rollout=replicated)"
+        )
         return (
             f"tensor parallel: {family}'s TP plan over tp={mesh.size()} (ranks "
             f"{mesh.mesh.tolist()}); {base_sharded} of {len(params) - len(lora)} base and "
             f"{sum(isinstance(p, DTensor) for p in lora)} of {len(lora)} LoRA tensors sharded, "
-            "the rest replicated; the rollout replicated"
+            f"the rest replicated; {rollout}"
         )
 
     return hook

@@ -1,7 +1,12 @@
 """Contract 2 across ranks: LoRA sync into a TP-sharded rollout, exact on every rank or nowhere.
 
-Parked: reached only from tests (``tests/parallel/test_tp_sync_gloo.py``); the parallel issue
-(38) wires it into `diffrl train`.
+``diffrl train`` reaches it under ``parallel.tp`` > 1 with ``parallel.rollout=sharded`` (the
+default): ``shard_rollout`` shards the rollout's and evaluator's DiT copies with the family's TP
+plan over the actor's tp group, keeping the serving layout's fusions TP can hold (fused Q/K/V
+under ``FusedColwiseParallel``), and checks their layout against what the sync expects
+(``check_layout``), ``RolloutEngine.load_weights`` applies each update through
+``ShardedLoraTarget`` and ``receipt_of_sharded`` reads the post-sync receipt across the shards
+(``tests/parallel/test_tp_sync_gloo.py``, ``test_tp_rollout_gloo.py``).
 
 The actor exports full LoRA factors per trained module (``WeightUpdate``: A (r, in), B (out, r),
 scale). A rollout sharded by ``tp.apply_plan`` holds each targeted weight as a DTensor: a
@@ -42,8 +47,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from diffrl.errors import ConfigError
+from diffrl.models.family import transformer_root
+from diffrl.parallel.tp import FusedColwiseParallel, Plan, apply_plan, resolve
+from diffrl.sync.layouts import fuse_parts, merge
+from diffrl.sync.receipt import SyncReceipt, receipt_rows
 from diffrl.sync.weights import (  # the single-process sync's base copies and dtype bound
     PROBES,
     BasePrints,
@@ -443,3 +454,182 @@ def _held(weight: DTensor, dim: int) -> Tensor | None:
     index = torch.arange(weight.shape[dim], device=weight.device).view(shape)
     local = distribute_tensor(index, weight.device_mesh, placements, src_data_rank=None)
     return local.to_local().flatten().cpu()
+
+
+# --- the rollout's copy sharded with the actor's plan (parallel.rollout=sharded) ----------------
+
+
+def planned_placement(style: object) -> Placement | None:
+    """The placement a TP style gives a Linear's weight (None: the style leaves it whole)."""
+    if isinstance(style, FusedColwiseParallel):
+        return _StridedShard(0, split_factor=style.chunks)
+    if isinstance(style, ColwiseParallel):
+        return Shard(0)
+    if isinstance(style, RowwiseParallel):
+        return Shard(1)
+    return None
+
+
+def check_layout(
+    model: nn.Module, mesh: DeviceMesh, plan: Plan, targets: list[str], slot_map: SlotMap
+) -> None:
+    """At start-up: every weight a trained module's rows land in (its slots in ``slot_map``)
+    is held in the sharded rollout ``model`` as ``plan`` shards it (the placement
+    ``ShardedLoraTarget`` reads its rows and columns from) over ``mesh``, the actor's tp group;
+    else a ``SyncError`` naming the weight, what it holds and what the plan says. A weight the
+    plan leaves out must stay whole."""
+    root = transformer_root(model)
+    prefix = next(n for n, m in model.named_modules() if m is root)
+    paths = resolve(root, plan)
+    styles = {
+        f"{prefix}.{path}" if prefix else path: style
+        for pattern, style in plan.items()
+        for path in paths[pattern]
+    }
+    family = getattr(getattr(model, "family", None), "name", type(model).__name__)
+    for name in targets:
+        for module in dict.fromkeys(s.module for s in slot_map.slots_for(name)):
+            weight = getattr(model.get_submodule(module), "weight", None)
+            want = planned_placement(styles.get(module))
+            held = weight.placements if isinstance(weight, DTensor) else "whole"
+            on = weight.device_mesh if isinstance(weight, DTensor) else None
+            if want is None and on is None:
+                continue
+            if want is not None and on == mesh and tuple(held) == (want,):
+                continue
+            where = f"over ranks {on.mesh.tolist()} ({on.mesh_dim_names})" if on else ""
+            raise SyncError(
+                f"rollout layout at start-up (family {family}, parallel.rollout=sharded): "
+                f"{module} (trained {name}) is held {held} {where}, the sync expects "
+                f"{(want,) if want is not None else 'whole'} over the tp group "
+                f"{mesh.mesh.tolist()} ({mesh.mesh_dim_names}; "
+                f"{type(styles.get(module)).__name__} in the rollout's TP plan); a sync would "
+                "write its rows and columns in the wrong place"
+            )
+
+
+def tp_fusions(layout: SlotMap, styles: dict[str, object], model: nn.Module) -> dict:
+    """The fusions of a family's one-process serving ``layout`` that a TP-sharded copy can hold:
+    fused module -> its parts (full names, in row order), for each fused weight whose parts
+    are equal Linears that the plan (``styles``: full module name -> style) column-shards
+    plainly, so ``FusedColwiseParallel(parts)`` gives each rank its slice of every part.
+    Layouts TP cannot hold (a module split over several weights: swapped shards) are left
+    out: the plan's shards are that module's layout."""
+    by_module: dict[str, list[tuple[int, str]]] = {}
+    for name, slots in layout.slots.items():
+        if len(slots) == 1 and slots[0].rows == slice(None):
+            dst = slots[0].dst_rows
+            by_module.setdefault(slots[0].module, []).append((dst.start or 0, name))
+    out = {}
+    for module, parts in by_module.items():
+        names = [n for _, n in sorted(parts)]
+        lins = [model.get_submodule(n) for n in names]
+        if (
+            len(names) > 1
+            and all(type(styles.get(n)) is ColwiseParallel for n in names)
+            and all(isinstance(m, nn.Linear) for m in lins)
+            and len({m.out_features for m in lins}) == 1
+        ):
+            out[module] = names
+    return out
+
+
+def shard_rollout(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan | None,
+    targets: list[str],
+    base_device: str = "",
+    base_prints: BasePrints | None = None,
+    layout: SlotMap | None = None,
+) -> ShardedLoraTarget:
+    """Shard a rollout's copy ``model`` (a plain FamilyModel, not peft-wrapped) in place with
+    the family's TP ``plan`` over the 1-D tp ``mesh``, check its layout against what the sync
+    expects, and return the target updates are written through.
+
+    ``layout``: the family's one-process serving layout's slot map (taken on another copy).
+    Its fusions of column-sharded parts (fused Q/K/V) are made here too, the fused weight held
+    by ``FusedColwiseParallel`` with ``RowView``s of it in the parts' place
+    (``tp_fusions``); what TP cannot hold (swapped shards) keeps the plan's shards as its
+    layout. ``base_prints``: the trained rows before any layout and the plan."""
+    family = getattr(getattr(model, "family", None), "name", type(model).__name__)
+    if plan is None:
+        raise ConfigError(
+            f"parallel.rollout=sharded: model family {family!r} declares no TP plan "
+            "(FamilySpec.tp_plan) to shard the rollout's copy with; set parallel.rollout="
+            "replicated or parallel.tp=1"
+        )
+    root = transformer_root(model)
+    prefix = next(n for n, m in model.named_modules() if m is root)
+    paths = resolve(root, plan)
+    full = {path: f"{prefix}.{path}" if prefix else path for p in paths.values() for path in p}
+    styles = {full[path]: style for pattern, style in plan.items() for path in paths[pattern]}
+    fusions = tp_fusions(layout or SlotMap(), styles, model)
+    fused_parts = {n for parts in fusions.values() for n in parts}
+    # the plan spelt out module by module, the fused parts' entries on their fused weight
+    explicit: Plan = {
+        path: style
+        for pattern, style in plan.items()
+        for path in paths[pattern]
+        if full[path] not in fused_parts
+    }
+    maps = []
+    device = next(model.parameters()).device
+    # the fused Linears are made from the global RNG and overwritten: keep the draws out of it
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for module, parts in fusions.items():
+            maps.append(fuse_parts(model, module, parts))
+            explicit[module[len(prefix) + 1 :] if prefix else module] = FusedColwiseParallel(
+                len(parts)
+            )
+    slot_map = merge(*maps)
+    apply_plan(root, mesh, explicit)
+    check_layout(model, mesh, explicit, targets, slot_map)
+    return ShardedLoraTarget(model, mesh, targets, slot_map, base_device, base_prints)
+
+
+@torch.no_grad()
+def receipt_of_sharded(target: ShardedLoraTarget, version: int) -> SyncReceipt:
+    """``sync/receipt.receipt_of`` for a sharded rollout: each rank reads its shards of the
+    receipt rows from the weights its model uses now (looked up by name), the partial row
+    prints are summed over the tp group in one all-reduce (a collective: every rank of the
+    group calls it), and every rank returns the same receipt."""
+    if target.verified is None:
+        raise SyncError("no base row prints: the receipt cannot size the trained modules")
+    picks = {n: receipt_rows(n, target.verified.rows[n].shape[0]) for n in target.expected}
+    offsets, n_rows = {}, 0
+    for name in target.expected:
+        offsets[name], n_rows = n_rows, n_rows + len(picks[name][0])
+    buf = torch.zeros(2, n_rows, PROBES, dtype=torch.float64)  # [partial print, its tol]
+    error = None
+    try:
+        live = slot_weights(target.model, target.slot_map, target.expected)
+        for name in target.expected:
+            rows, _ = picks[name]
+            out = target.verified.rows[name].shape[0]
+            width = target.shards[target.slot_map.slots_for(name)[0].module].param.shape[1]
+            for slab in target._slabs(name, out, width):
+                hit = torch.isin(slab.src_rows, rows)
+                if not hit.any():
+                    continue
+                w, base = _local(live[slab.module]), target.base[slab.module]
+                at = slab.local_rows[hit]
+                r = probe(name, width)
+                r = (r if slab.cols is None else r[slab.cols]).to(w.device)
+                eps = eps_of(w.dtype, torch.float32)
+                got, tol = slot_prints(
+                    w[at.to(w.device)], base[at.to(base.device)].to(w.device), r, eps
+                )
+                idx = offsets[name] + torch.searchsorted(rows, slab.src_rows[hit])
+                buf[0].index_add_(0, idx, got.cpu() / slab.copies)
+                buf[1].index_add_(0, idx, tol.cpu() / slab.copies)
+    except Exception as e:  # any failure, so that every rank still reaches the all-reduce
+        error = e
+    (buf,) = target._reduce([buf], error, f"the sync receipt of v{version}")
+    held, tol = {}, {}
+    for name in target.expected:
+        rows, u = picks[name]
+        part = slice(offsets[name], offsets[name] + len(rows))
+        held[name] = u @ buf[0, part]
+        tol[name] = (u.square() @ buf[1, part].square()).sqrt()
+    return SyncReceipt(version, held, tol)

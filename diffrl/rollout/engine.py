@@ -15,12 +15,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from diffrl.channel import Channel
 from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel
 from diffrl.models.graphs import graph_transformer
+from diffrl.parallel.tp import Plan
+from diffrl.parallel.tp_sync import ShardedLoraTarget, receipt_of_sharded, shard_rollout
 from diffrl.rollout.samplers import (
     STOCHASTIC_STEPS,
     coarse_tail,
@@ -208,19 +211,41 @@ class RolloutEngine:
         device: torch.device,
         serving_layout: bool = True,
         share_model: bool = False,
+        tp_mesh: DeviceMesh | None = None,
+        tp_plan: Plan | None = None,
     ) -> None:
         """Holds its own copy of ``model`` (the family's frozen encoders are shared, not
         copied), re-laid out for serving by the family (fused QKV, sharded FCs; contract 2)
         unless ``serving_layout`` is False; ``lora_targets`` are the actor's trained modules.
         ``share_model`` samples with ``model`` itself instead (no copy, no serving layout, no
         weight sync): for a GPU that holds one copy of a model only, e.g. the real-size
-        MiniMax-H3 benchmark, where the actor then trains the same weights."""
-        if share_model and (serving_layout or lora_targets):
+        MiniMax-H3 benchmark, where the actor then trains the same weights.
+
+        ``tp_mesh`` (``parallel.rollout=sharded``): the copy is sharded with the family's TP
+        ``tp_plan`` over that 1-D tp mesh, keeping the serving layout's fusions that TP can hold
+        (fused Q/K/V over column shards; ``tp_sync.shard_rollout``), its layout checked
+        against what the sync expects, and updates land through
+        ``parallel/tp_sync.py``'s verified sharded sync; sampling, syncs and receipts are then
+        collectives of the tp group, whose ranks sample the same rows."""
+        if share_model and (serving_layout or lora_targets or tp_mesh is not None):
             raise ValueError("share_model samples with the model as given: no layout, no sync")
+        if tp_mesh is not None and (cfg.compile or cfg.cuda_graphs):
+            raise ConfigError(
+                "rollout.compile and rollout.cuda_graphs are not run over a TP-sharded rollout "
+                "copy (parallel.rollout=sharded) yet; set them to false"
+            )
         self.shared = share_model
+        self.family = model.family
+        layout = SlotMap()
+        if tp_mesh is not None and serving_layout:
+            # The family's one-process serving layout, on a copy freed before the sharded one
+            # is made: its slot map says which fusions the sharded copy keeps, and its fused
+            # Linears are made (then overwritten) from the global RNG, which the actor's LoRA
+            # init draws from after the rollout is built, so a sharded run's adapters start as
+            # one process's do
+            layout = self.family.serving_layout(copy.deepcopy(model).to(device))
         self.model = model if share_model else copy.deepcopy(model).to(device)
         self.model.eval().requires_grad_(False)
-        self.family = model.family
         self.cfg = cfg
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
         self.device = device
@@ -231,10 +256,16 @@ class RolloutEngine:
         # what updates merge into, named and shaped before the serving layout: the rollout's
         # half of the bound-module gate (diffrl/sync/bound.py), compared with the actor's
         self.bound = bound_of(linear_weights(self.model, lora_targets))
-        slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
-        self.target = MergedLoraTarget(
-            self.model, lora_targets, slot_map, cfg.base_copy, base_prints
-        )
+        self.target: MergedLoraTarget | ShardedLoraTarget
+        if tp_mesh is not None:
+            self.target = shard_rollout(
+                self.model, tp_mesh, tp_plan, lora_targets, cfg.base_copy, base_prints, layout
+            )
+        else:
+            slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
+            self.target = MergedLoraTarget(
+                self.model, lora_targets, slot_map, cfg.base_copy, base_prints
+            )
         self.compiled = compile_blocks(self.model) if cfg.compile else 0
         self._decode_stream: torch.cuda.Stream | None = None  # overlap_decode, on a GPU
         self.graphs = None
@@ -266,6 +297,8 @@ class RolloutEngine:
         (``diffrl/sync/receipt.py``)."""
         if self.shared:
             raise SyncError("this rollout engine shares the actor's model: it has no copy to sync")
+        if isinstance(self.target, ShardedLoraTarget):  # a collective of the tp group
+            return receipt_of_sharded(self.target, self.version)
         return receipt_of(self.target, self.version)
 
     async def stream(

@@ -14,10 +14,12 @@ prefixes and Linear names (``serving_layout`` in ``models/families/*.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from diffrl.sync.weights import Slot, SlotMap, SyncError
 
@@ -68,8 +70,21 @@ class RowView(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         f = self._fused[0]
-        bias = None if f.bias is None else f.bias[self.rows]
-        return F.linear(x, f.weight[self.rows], bias)
+        weight: Tensor = f.weight
+        bias: Tensor | None = f.bias
+        rows = self.rows
+        if isinstance(weight, DTensor):
+            # the fused Linear under FusedColwiseParallel (parallel/tp_sync.shard_rollout): this
+            # rank holds its slice of every equal part, in part order, so this part's rows here
+            # are the local part at its index; x is the replicated input, the output this
+            # rank's columns (its heads)
+            weight = cast(DTensor, weight).to_local()
+            bias = None if bias is None else cast(DTensor, bias).to_local()
+            size = rows.stop - rows.start
+            local = weight.shape[0] // (f.out_features // size)
+            part = rows.start // size
+            rows = slice(part * local, (part + 1) * local)
+        return F.linear(x, weight[rows], None if bias is None else bias[rows])
 
 
 def fuse_qkv(
@@ -104,6 +119,22 @@ def fuse_qkv(
         if native:
             # nn.Module.__setattr__ is annotated for tensors and modules; it takes any value
             model.get_submodule(prefix).fused_projections = True  # type: ignore[assignment]
+    return SlotMap(slots)
+
+
+def fuse_parts(model: nn.Module, fused: str, parts: list[str]) -> SlotMap:
+    """Fuse the Linears ``parts`` (full names, one parent) into one Linear ``fused`` (rows in
+    the order given), leaving ``RowView``s in their place, as ``fuse_qkv(native=False)`` does
+    for one attention: the layout a TP-sharded rollout keeps of the family's fusions."""
+    lins = [_linear(model, n) for n in parts]
+    lin = _concat_linear(lins)
+    _replace(model, fused, lin)
+    slots, start = {}, 0
+    for name, part in zip(parts, lins, strict=True):
+        rows = slice(start, start + part.out_features)
+        slots[name] = [Slot(module=fused, rows=slice(None), dst_rows=rows)]
+        _replace(model, name, RowView(lin, rows))
+        start = rows.stop
     return SlotMap(slots)
 
 

@@ -97,6 +97,31 @@ def test_the_8gpu_recipe_fits(h3_8gpu) -> None:
     assert 0 < rows["text encoder text_encoder"].gib < 50.33 / 4 * 1.3  # ETP 4, norms replicated
 
 
+def test_rollout_copies_are_sharded_only_with_a_sharded_rollout(h3_8gpu) -> None:
+    """parallel.rollout: the rollout and eval copies (and their sync base copies) hold the
+    actor's per-rank TP share when "sharded", the whole DiT on every rank when "replicated"."""
+    import dataclasses
+
+    cfg, facts = h3_8gpu
+    rows = {}
+    for layout in ("sharded", "replicated"):
+        parallel = dataclasses.replace(cfg.parallel, rollout=layout)
+        p = plan(dataclasses.replace(cfg, parallel=parallel), LAYOUT_8, facts)
+        rows[layout] = {r.component: r for r in p.rows}
+    whole = sum(t.numel() * 2 for t in facts.model.net.transformer.parameters()) / 2**30
+    sharded, replicated = rows["sharded"], rows["replicated"]
+    for copy in ("rollout copy of the DiT", "eval copy of the DiT"):
+        assert abs(replicated[copy].gib / whole - 1) < 0.01, replicated[copy]
+        # the actor's TP share before FSDP's / 2 (the adaLN tables stay whole): under 0.6
+        actor = sharded["DiT weights (actor)"].gib * 2
+        assert sharded[copy].gib == pytest.approx(actor) and actor < 0.6 * whole, sharded[copy]
+        assert "TP-sharded" in sharded[copy].note and "whole" in replicated[copy].note
+    base = "rollout sync base copy"
+    held = {k: r[base].gib + r[base].host_gib for k, r in rows.items()}  # GPU or host
+    assert abs(held["replicated"] / held["sharded"] - 4) < 0.1  # the targets split by 4
+    assert rows["sharded"]["DiT weights (actor)"] == rows["replicated"]["DiT weights (actor)"]
+
+
 def test_an_over_budget_layout_names_the_knob(h3_8gpu) -> None:
     cfg, facts = h3_8gpu
     p = plan(cfg, PlanOptions(world_size=8, tp=1, etp=1, conditioned=True), facts)  # FSDP 8

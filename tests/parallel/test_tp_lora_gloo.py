@@ -337,10 +337,11 @@ def _torchrun(over: list[str]) -> str:
 
 def test_diffrl_train_under_torchrun_at_tp2_is_the_one_process_run(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node 2 -m diffrl.cli train recipes/shapes_sd3_nft.yaml ...
-    parallel.tp=2``: one run directory, the plan applied (said on the console), the same
-    samples and first steps as the one-process run (losses and grad norms rtol 1e-5), and its
-    checkpoint (the one-process format) resumes without TP into the one-process run's 3rd step
-    (rtol 1e-4: two steps of TP-reordered sums behind it)."""
+    parallel.tp=2``: one run directory, the plan applied to the actor and to the rollout's
+    copies (said on the console), the same samples and first steps as the one-process run
+    (losses and grad norms rtol 1e-5), and its checkpoint (the one-process format) resumes
+    without TP into the one-process run's 3rd step (rtol 1e-4: two steps of TP-reordered sums
+    behind it)."""
     import asyncio
 
     from diffrl.config import load_config
@@ -353,6 +354,8 @@ def test_diffrl_train_under_torchrun_at_tp2_is_the_one_process_run(tmp_path: Pat
     tp_dir = tmp_path / "tp"
     console = _torchrun([*_cli_overrides(tp_dir, 2), "parallel.tp=2"])
     assert "tensor parallel: sd3's TP plan over tp=2 (ranks [0, 1])" in console
+    # the default parallel.rollout: the samples below come from the TP-sharded rollout
+    assert "DiT copies sharded with the same plan over the same tp group" in console
     assert console.count("run directory:") == 1  # rank 0 alone
     rows = read_metrics(tp_dir / "shapes_sd3_nft")
     assert [r["step"] for r in rows] == [0, 1, 2]
