@@ -103,6 +103,7 @@ H200_GIB = 141.0  # nvidia-smi: 143,771 MiB
 # torch.cuda.max_memory_allocated reports; fragmentation, the CUDA context and NCCL take more
 HEADROOM = 0.08
 PHASES = ("resident", "encode", "rollout", "train")
+ROLLOUT_LAYOUTS = ("replicated", "sharded")
 WEIGHT_SHARDS = (ColwiseParallel, RowwiseParallel, ShardedRMSNorm)  # TP styles that split weights
 
 
@@ -120,6 +121,10 @@ class PlanOptions:
     sp: int | None = None
     gpu_gib: float = H200_GIB
     share_rollout: bool = False  # rollout and eval sample with the actor's own weights
+    # the rollout's and evaluator's copies under tp: "replicated" (whole on every rank, what
+    # diffrl train holds today) or "sharded" (the actor's TP layout); None: the config's
+    # parallel.rollout, else "replicated"
+    rollout: str | None = None
     offload_encoder: bool | None = None  # None: where the family puts its encoder
     train: str = "lora"  # lora (what ActorEngine trains) | full
     eval_copy: bool = True  # the factory's held-out evaluator holds its own copy of the DiT
@@ -127,6 +132,12 @@ class PlanOptions:
     # the task feeds conditions beyond the text (FL2VA keyframes: rows in H3's sequence); the
     # CLI reads it off the recipe's task
     conditioned: bool = False
+
+    def rollout_layout(self, cfg) -> str:
+        layout = self.rollout or getattr(getattr(cfg, KEY, None), "rollout", "replicated")
+        if layout not in ROLLOUT_LAYOUTS:
+            raise ConfigError(f"plan: {KEY}.rollout={layout!r}; one of {ROLLOUT_LAYOUTS}")
+        return layout
 
     def degrees(self, cfg) -> ParallelDims:
         section = getattr(cfg, KEY, None)
@@ -145,6 +156,46 @@ class Row:
     gib: float  # per GPU
     note: str
     host_gib: float = 0.0
+
+
+# --- what a run holds, measured ---------------------------------------------------------------
+
+
+def held_tensors(device_type: str) -> dict[str, int]:
+    """The bytes of every live tensor's storage on ``device_type`` in this process, each
+    storage once, by kind: "parameters" (``nn.Parameter``s: the DiT copies, the adapters, the
+    encoders), "other" (buffers, optimizer state, gradients, sync base copies, encode caches,
+    a step's data). A DTensor counts its local shard; a storage FSDP has freed (resized to 0)
+    counts nothing. What ``diffrl train`` reports after its first update, against the plan's
+    resident rows (``Plan.resident``).
+
+    Found through the garbage collector, which tracks every Python-visible tensor; tensors
+    only C++ holds (autograd's saved tensors, a collective's buffers) are not seen, which is
+    why this is read between steps, when none should be alive."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    with warnings.catch_warnings():  # isinstance on a deprecated torch object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    seen: dict[int, tuple[str, int]] = {}
+    for obj in tensors:
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if t.device.type != device_type or t.is_sparse:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass holds no storage
+            continue
+        kind = "parameters" if isinstance(obj, nn.Parameter) else "other"
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes and (ptr not in seen or kind == "parameters"):
+            seen[ptr] = (kind, nbytes)
+    out = dict.fromkeys(("parameters", "other"), 0)
+    for kind, nbytes in seen.values():
+        out[kind] += nbytes
+    return out
 
 
 # --- sizes on the meta device -----------------------------------------------------------------
@@ -299,10 +350,18 @@ class Plan:
     title: str
     gpu_gib: float
     advice: list[str] = dataclasses.field(default_factory=list)
+    device: str = "cuda"  # the run's: on the CPU the [host] rows are the device's memory too
 
     def phase(self, name: str) -> float:
         """GiB per GPU held in ``name``: what is resident plus that phase's own rows."""
         return sum(r.gib for r in self.rows if r.phase in ("resident", name))
+
+    @property
+    def resident(self) -> float:
+        """GiB per rank held between steps: the resident rows, and on the CPU their [host]
+        parts too. What ``diffrl train`` measures after its first update (``held_tensors``)."""
+        host = self.device == "cpu"
+        return sum(r.gib + (r.host_gib if host else 0.0) for r in self.rows if r.phase == "resident")
 
     @property
     def peak(self) -> tuple[str, float]:
@@ -337,12 +396,18 @@ class Plan:
             f"per-GPU totals (GiB): {totals}",
             f"peak {peak:.2f} GiB ({phase}) against {self.gpu_gib:g} GiB less "
             f"{HEADROOM:.0%} headroom ({self.budget:.1f} GiB): {verdict}",
+            f"held between steps: {_gib_or_mib(self.resident)} per rank (diffrl train prints "
+            "what its ranks hold after the first update)",
         ]
         host = sum(r.host_gib for r in self.rows)
         if host:
             lines.append(f"host memory per process: {host:.1f} GiB (the [host] rows)")
         lines += self.advice
         return "\n".join(lines)
+
+
+def _gib_or_mib(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"
 
 
 def _widths(dit: nn.Module, styles: dict, tp: int, rank: int, device: str) -> Widths:
@@ -386,7 +451,8 @@ def estimate(facts: ModelFacts, cfg, opts: PlanOptions) -> Plan:
         *_activation_rows(cfg, dims, geo, samples),
     ]
     name = cfg.model.preset or cfg.model.path
-    return Plan(rows, dims, f"diffrl plan: {facts.family} ({name}), {geo.tokens}", opts.gpu_gib)
+    title = f"diffrl plan: {facts.family} ({name}), {geo.tokens}"
+    return Plan(rows, dims, title, opts.gpu_gib, device=opts.device)
 
 
 def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes) -> list[Row]:
@@ -407,9 +473,10 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
         adapters = 3 if cfg.actor.ema_decay > 0 else 2  # default, old (, ema)
         per = 4 * adapters + 4 + 8  # bytes per adapter weight: fp32 adapters, grad, m and v
         rows.append(
-            Row("LoRA adapters + grad + AdamW", "resident", numel * per / fsdp / GIB,
+            Row("LoRA adapters + grad + AdamW", "resident", numel * per / GIB,
                 f"r={cfg.actor.lora.rank} on {n_mod} Linears ({numel / 1e6:.1f} M per adapter "
-                f"per rank); {adapters} adapters, a grad and 2 moments, fp32")
+                f"per rank); {adapters} adapters, a grad and 2 moments, fp32; FSDP leaves "
+                "them whole")
         )  # fmt: skip
     else:
         rows.append(
@@ -419,7 +486,7 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
         rows.append(Row("old policy (full copy)", "resident", local / fsdp / GIB, "frozen"))
     if fsdp > 1:
         rows.append(
-            Row("FSDP all-gather (2 blocks)", "resident", 2 * _largest_block(dit, sizes) / GIB,
+            Row("FSDP all-gather (2 blocks)", "train", 2 * _largest_block(dit, sizes) / GIB,
                 "the running block and the prefetched next, unsharded")
         )  # fmt: skip
     if opts.share_rollout or getattr(cfg.rollout, "share_model", False):
@@ -428,11 +495,16 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
         )
         return rows
     host = cfg.rollout.base_copy == "cpu"
+    # parallel.rollout: the copies in the actor's TP layout, or whole on every rank
+    sharded = opts.rollout_layout(cfg) == "sharded" or dims.tp == 1
+    if not sharded:
+        sizes, local = _tensor_bytes(dit, {}, 1), whole
+    how = "TP-sharded" if dims.tp > 1 and sharded else "whole"
     base = sum(v for k, v in sizes.items() if k.endswith(".weight") and _is_target(k[:-7], targets))
     for name in ("rollout", "eval") if opts.eval_copy else ("rollout",):
         rows.append(
             Row(f"{name} copy of the DiT", "resident", local / GIB,
-                "RolloutEngine's deepcopy; TP-sharded, not FSDP")
+                f"RolloutEngine's deepcopy; {how}, not FSDP")
         )  # fmt: skip
         rows.append(
             Row(f"{name} sync base copy", "resident", 0.0 if host else base / GIB,
@@ -551,6 +623,12 @@ def _knobs(cfg, opts: PlanOptions, dims: ParallelDims, facts: ModelFacts):
         cfg,
         rep(opts, world_size=world, dp_shard=2 * dims.dp_shard),
     )
+    if not opts.share_rollout and dims.tp > 1 and opts.rollout_layout(cfg) == "replicated":
+        yield (
+            f"shard the rollout copies with tp ({KEY}.rollout=sharded; plan: --rollout sharded)",
+            cfg,
+            rep(opts, rollout="sharded"),
+        )
     if not opts.share_rollout:
         yield "share the rollout copy (plan: --share-rollout)", cfg, rep(opts, share_rollout=True)
         if cfg.rollout.base_copy != "cpu":
