@@ -138,9 +138,12 @@ def tensor_memory(parts: Engines) -> dict[str, float]:
     the first update a process takes (what ``diffrl plan``'s resident rows describe: weights,
     adapters, optimizer state, the copies, the encoders). Rank 0 prints every rank's; the
     metrics are the largest and the smallest rank's, in GiB (the same on every rank, so the
-    ranks' mean keeps them). Collective under torchrun."""
+    ranks' mean keeps them). Collective under torchrun. Nothing on the Ray backend, whose
+    engines hold their tensors in other processes."""
     from diffrl.parallel.plan import held_tensors
 
+    if parts.cfg.run.backend != "local":
+        return {}
     held = held_tensors(parts.device.type)
     every: list = [sum(held.values())]
     if parts.ranks.world > 1:
@@ -151,7 +154,7 @@ def tensor_memory(parts: Engines) -> dict[str, float]:
         split = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in held.items())
         print(f"diffrl: tensors held after the first update, MiB per rank: {mib} "
               f"(rank 0: {split})", file=sys.stderr)  # fmt: skip
-    return {"mem/tensor_gib_max": max(every) / 2**30, "mem/tensor_gib_min": min(every) / 2**30}
+    return {"perf/tensor_gib_max": max(every) / 2**30, "perf/tensor_gib_min": min(every) / 2**30}
 
 
 def perf_metrics(samples: int, t_rate: float, t0: float) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """``diffrl plan``: a recipe's memory per GPU, by component, before any GPU is used, and the knob
 to turn when a layout does not fit.
 
-Parked: reached only from ``diffrl plan`` and tests; the parallel issue (38) wires the layouts it
-plans into ``diffrl train``.
+Reached from ``diffrl plan``; ``diffrl train`` uses ``held_tensors`` alone, to print what each
+rank holds after its first update, the figure the plan's resident rows are checked against
+(``Plan.resident``; tests/parallel/test_h3_8rank_cli.py: 8 gloo ranks at tp 4, etp 4).
 
 **Sizes are counted, never typed in.** The family's own ``load`` builds the model from the
 recipe (preset or directory) under ``components_on_meta``, where every weight-making call
@@ -17,8 +18,11 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
   shards holds 1/tp of its weight, and of its bias unless it is a row shard; the rest (norms,
   embeddings, H3's adaLN projections, whatever the plan leaves out) is replicated. FSDP
   (``dp_shard``) then shards the actor's share, and holds two blocks unsharded at a time (the
-  one running and the prefetched next).
-- *Training state*, sharded as the weights it belongs to. LoRA: peft keeps the adapters in
+  one running and the prefetched next) while it trains: a train-phase row, since FSDP frees
+  them after each block.
+- *Training state*, TP-sharded as the weights it belongs to. LoRA: FSDP leaves the adapters
+  whole (``parallel/fsdp.py``: ``ignored_params``), so dp_shard does not divide them; peft
+  keeps them in
   fp32 (``default``, ``old``, and ``ema`` when ``actor.ema_decay`` > 0), plus the default's
   fp32 gradient and AdamW's two fp32 moments: 4 bytes per adapter, + 4 + 8, per adapter
   weight. Full weights (``--train full``, plan-only: the actor trains LoRA): fp32 gradients
@@ -28,8 +32,11 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
 - *The rollout's copy*: ``RolloutEngine`` deep-copies the DiT, and the held-out evaluator
   (``build.build``) holds another; each keeps a frozen base copy of the
   LoRA-targeted weights for verified sync (``rollout.base_copy``: "" on the GPU, "cpu" on the
-  host). Copies are TP-sharded, never FSDP-sharded. ``--share-rollout`` samples with the
-  actor's own weights instead (``RolloutEngine(share_model=True)``: no copy, no sync).
+  host). Copies are never FSDP-sharded. Under tp they are whole on every rank when
+  ``parallel.rollout`` is "replicated" (the default, what ``diffrl train`` holds today) and
+  TP-sharded when it is "sharded" (``--rollout`` overrides the key). ``--share-rollout``
+  samples with the actor's own weights instead (``RolloutEngine(share_model=True)``: no copy,
+  no sync).
 - *Text encoders*: sharded by ``etp`` where the family's ``FamilySpec.etp_plans`` has a plan
   for the encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
   moves the whole encoder onto the GPU for each encode, which the encode phase counts.
@@ -73,7 +80,9 @@ offloaded, one copy, measured 75.75 GiB for the step. Planned: 50.0 (+2%) and 76
 
 Not modelled: a video VAE's decode (image VAEs: three tensors of the last upsampling's width
 per output pixel), the CUDA context, NCCL's buffers and the allocator's fragmentation, which
-``HEADROOM`` keeps free of the card.
+``HEADROOM`` keeps free of the card; and, between steps, the step's trajectories, the task's
+keyframe conditions, the encode cache and the verified sync's float64 probes (about 1.7 MiB
+of the tiny H3 runs' 29-38 MiB, the plan's 5% under what they hold).
 """
 
 from __future__ import annotations
@@ -176,20 +185,20 @@ def held_tensors(device_type: str) -> dict[str, int]:
 
     from torch.distributed.tensor import DTensor
 
-    with warnings.catch_warnings():  # isinstance on a deprecated torch object warns
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    # by type, not isinstance: isinstance reads __class__, which a dead weakref proxy raises
+    # on (ReferenceError) and a deprecated torch object warns on
+    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
     seen: dict[int, tuple[str, int]] = {}
     for obj in tensors:
         t = obj._local_tensor if isinstance(obj, DTensor) else obj
-        if t.device.type != device_type or t.is_sparse:
+        if t.device.type != device_type or t.is_sparse or t.is_meta:  # meta: no bytes
             continue
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a wrapper subclass holds no storage
-            continue
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper
+            continue  # subclass; compile's FakeTensors, left alive after tracing)
         kind = "parameters" if isinstance(obj, nn.Parameter) else "other"
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes and (ptr not in seen or kind == "parameters"):
             seen[ptr] = (kind, nbytes)
     out = dict.fromkeys(("parameters", "other"), 0)
@@ -361,7 +370,8 @@ class Plan:
         """GiB per rank held between steps: the resident rows, and on the CPU their [host]
         parts too. What ``diffrl train`` measures after its first update (``held_tensors``)."""
         host = self.device == "cpu"
-        return sum(r.gib + (r.host_gib if host else 0.0) for r in self.rows if r.phase == "resident")
+        rows = [r for r in self.rows if r.phase == "resident"]
+        return sum(r.gib + (r.host_gib if host else 0.0) for r in rows)
 
     @property
     def peak(self) -> tuple[str, float]:

@@ -2,7 +2,7 @@
 -m diffrl.cli train recipes/h3_fl2va_8gpu.yaml`` (its parallel.tp=4 and parallel.etp=4, so
 dp_shard 2) with the tiny preset whose heads and widths divide by 4 (h3-avbench-tp4) on the
 CPU, the overrides the recipe's comment gives. One run directory, the one-process run's
-samples, losses and grad norms, a resume at the same layout; and each rank's live tensors
+samples, losses and grad norms for 2 steps, a resume in one process; and each rank's live tensors
 after its first update (what ``diffrl train`` prints) within 15% of ``diffrl plan``'s
 per-rank resident estimate for the same recipe and overrides."""
 
@@ -33,11 +33,11 @@ def _overrides(out: Path, steps: int) -> list[str]:
             "run.tensorboard=false", "run.threads=1", "run.save_every=1"]  # fmt: skip
 
 
-def _planned_mib(capsys, world: int, over: list[str]) -> float:
+def _planned_mib(capsys, world: int, over: list[str], *flags: str) -> float:
     """``diffrl plan``'s "held between steps" for the recipe with these overrides."""
     from diffrl.cli import main
 
-    main(["plan", RECIPE, *over, "--world-size", str(world)])
+    main(["plan", RECIPE, *over, "--world-size", str(world), *flags])
     out = capsys.readouterr().out
     return float(re.search(r"held between steps: ([\d.]+) MiB per rank", out).group(1))
 
@@ -52,7 +52,7 @@ def test_the_8gpu_recipe_runs_at_8_ranks_and_matches_the_plan(tmp_path: Path, ca
     from diffrl.controller.loop import train
     from diffrl.controller.run_dir import read_metrics
 
-    over = [*_overrides(tmp_path / "one", 2), *ONE_PROCESS]
+    over = [*_overrides(tmp_path / "one", 3), *ONE_PROCESS]
     one = read_metrics(asyncio.run(train(load_config(RECIPE, over))))
     held_one = _measured_mib(capsys.readouterr().err)
     assert len(held_one) == 1
@@ -60,26 +60,32 @@ def test_the_8gpu_recipe_runs_at_8_ranks_and_matches_the_plan(tmp_path: Path, ca
     assert abs(held_one[0] / planned_one - 1) < PLAN_TOLERANCE, (held_one, planned_one)
 
     out = tmp_path / "par"
-    done = torchrun_train(8, [RECIPE, *_overrides(out, 1)], 600)
+    done = torchrun_train(8, [RECIPE, *_overrides(out, 2)], 600)
     console = done.stdout + done.stderr
     assert "tensor parallel: minimax_h3's TP plan over tp=4" in console
     assert "ETP: text encoder(s) text_encoder sharded over 4 ranks" in console
     assert console.count("run directory:") == 1  # rank 0 alone
     rows = read_metrics(out / "r")
-    assert [r["step"] for r in rows] == [0, 1]
-    for key in [k for k in one[1] if k.startswith("reward/")]:  # the same samples
-        assert rows[1][key] == pytest.approx(one[1][key], rel=1e-5, abs=1e-6), key
-    for key in ("actor/loss", "actor/grad_norm"):  # sums reordered by the shards
-        assert rows[1][key] == pytest.approx(one[1][key], rel=1e-4), key
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for step in (1, 2):
+        for key in [k for k in one[step] if k.startswith("reward/")]:  # the same samples
+            assert rows[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-6), key
+        for key in ("actor/loss", "actor/grad_norm"):  # sums reordered by the shards
+            assert rows[step][key] == pytest.approx(one[step][key], rel=1e-4), (step, key)
     held = _measured_mib(console)
-    planned = _planned_mib(capsys, 8, _overrides(out, 1))
+    planned = _planned_mib(capsys, 8, _overrides(out, 2))
     assert len(held) == 8
     for mib in held:  # every rank: the plan's per-rank figure
         assert abs(mib / planned - 1) < PLAN_TOLERANCE, (held, planned)
+    # the bar tells layouts apart: counted TP-sharded, the rollout's and evaluator's copies
+    # (whole on each rank here) put the plan far outside it
+    wrong = _planned_mib(capsys, 8, _overrides(out, 2), "--rollout", "sharded")
+    assert abs(held[0] / wrong - 1) > PLAN_TOLERANCE, (held, wrong)
 
-    # resumed at the same layout from the step-1 checkpoint, into the one-process run's step 2
-    torchrun_train(8, [RECIPE, *_overrides(out, 2)], 600)
+    # the step-2 checkpoint (the one-process format) resumes in one process (a third layout;
+    # cheaper than 8 more ranks) into the one-process run's step 3
+    asyncio.run(train(load_config(RECIPE, [*_overrides(out, 3), *ONE_PROCESS])))
     rows = read_metrics(out / "r")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for key in ("actor/loss", "actor/grad_norm"):
-        assert rows[2][key] == pytest.approx(one[2][key], rel=1e-3), key
+        assert rows[3][key] == pytest.approx(one[3][key], rel=1e-3), key
