@@ -59,9 +59,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sp=args.sp,
         gpu_gib=args.gpu_gb,
         share_rollout=args.share_rollout,
+        rollout=args.rollout,
         offload_encoder=args.offload_encoder,
         train=args.train,
         conditioned=isinstance(task, ConditionedTask) and task.needs_conditions,
+        device="cpu" if cfg.run.device == "cpu" else "cuda",  # whose kernels; auto: a GPU's
     )
     result = plan(cfg, opts)
     print(result.table())
@@ -207,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-gb", type=_positive(float), default=141.0, help="GiB per GPU (H200)")
     p.add_argument(
         "--share-rollout", action="store_true", help="rollout and eval sample the actor's weights"
+    )
+    p.add_argument(
+        "--rollout",
+        choices=("replicated", "sharded"),
+        help="under tp, the rollout's and evaluator's DiT copies whole on every rank or in the "
+        "actor's TP layout (default: the recipe's parallel.rollout, else replicated)",
     )
     p.add_argument(
         "--offload-encoder",

@@ -11,6 +11,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
+import torch.distributed as dist
+
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
 from diffrl.algorithms.advantage import tied_fraction
 from diffrl.build import Engines
@@ -129,6 +131,30 @@ def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
     parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
     run.truncate_after(ckpt.step)
     return ckpt.step, ckpt.wall_s
+
+
+def tensor_memory(parts: Engines) -> dict[str, float]:
+    """The bytes of live tensors on the run's device (``plan.held_tensors``), read once, after
+    the first update a process takes (what ``diffrl plan``'s resident rows describe: weights,
+    adapters, optimizer state, the copies, the encoders). Rank 0 prints every rank's; the
+    metrics are the largest and the smallest rank's, in GiB (the same on every rank, so the
+    ranks' mean keeps them). Collective under torchrun. Nothing on the Ray backend, whose
+    engines hold their tensors in other processes."""
+    from diffrl.parallel.plan import held_tensors
+
+    if parts.cfg.run.backend != "local":
+        return {}
+    held = held_tensors(parts.device.type)
+    every: list = [sum(held.values())]
+    if parts.ranks.world > 1:
+        every = [None] * parts.ranks.world
+        dist.all_gather_object(every, sum(held.values()))
+    if parts.ranks.primary:
+        mib = ", ".join(f"{b / 2**20:.2f}" for b in every)
+        split = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in held.items())
+        print(f"diffrl: tensors held after the first update, MiB per rank: {mib} "
+              f"(rank 0: {split})", file=sys.stderr)  # fmt: skip
+    return {"perf/tensor_gib_max": max(every) / 2**30, "perf/tensor_gib_min": min(every) / 2**30}
 
 
 def perf_metrics(samples: int, t_rate: float, t0: float) -> dict[str, float]:

@@ -37,6 +37,7 @@ from diffrl.controller.step import (
     resume,
     rollout_and_score,
     run_eval,
+    tensor_memory,
 )
 from diffrl.sync.receipt import load_verified
 from diffrl.types import ScoredBatch
@@ -140,6 +141,8 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
             prefetch = prefetch_next(parts, step, plan)  # runs while the update trains
             metrics = await update.finish(scored)
             metrics.update(apply_plan(parts, plan))
+            if step == start:  # what the run holds between steps, against diffrl plan
+                metrics.update(tensor_memory(parts))
             samples += len(scored) * parts.ranks.dp_size  # every rank's slice
             done = step + 1
             metrics.update(r_metrics)

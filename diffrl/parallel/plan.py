@@ -1,8 +1,9 @@
 """``diffrl plan``: a recipe's memory per GPU, by component, before any GPU is used, and the knob
 to turn when a layout does not fit.
 
-Parked: reached only from ``diffrl plan`` and tests; the parallel issue (38) wires the layouts it
-plans into ``diffrl train``.
+Reached from ``diffrl plan``; ``diffrl train`` uses ``held_tensors`` alone, to print what each
+rank holds after its first update, the figure the plan's resident rows are checked against
+(``Plan.resident``; tests/parallel/test_h3_8rank_cli.py: 8 gloo ranks at tp 4, etp 4).
 
 **Sizes are counted, never typed in.** The family's own ``load`` builds the model from the
 recipe (preset or directory) under ``components_on_meta``, where every weight-making call
@@ -17,8 +18,11 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
   shards holds 1/tp of its weight, and of its bias unless it is a row shard; the rest (norms,
   embeddings, H3's adaLN projections, whatever the plan leaves out) is replicated. FSDP
   (``dp_shard``) then shards the actor's share, and holds two blocks unsharded at a time (the
-  one running and the prefetched next).
-- *Training state*, sharded as the weights it belongs to. LoRA: peft keeps the adapters in
+  one running and the prefetched next) while it trains: a train-phase row, since FSDP frees
+  them after each block.
+- *Training state*, TP-sharded as the weights it belongs to. LoRA: FSDP leaves the adapters
+  whole (``parallel/fsdp.py``: ``ignored_params``), so dp_shard does not divide them; peft
+  keeps them in
   fp32 (``default``, ``old``, and ``ema`` when ``actor.ema_decay`` > 0), plus the default's
   fp32 gradient and AdamW's two fp32 moments: 4 bytes per adapter, + 4 + 8, per adapter
   weight. Full weights (``--train full``, plan-only: the actor trains LoRA): fp32 gradients
@@ -28,11 +32,11 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
 - *The rollout's copy*: ``RolloutEngine`` deep-copies the DiT, and the held-out evaluator
   (``build.build``) holds another; each keeps a frozen base copy of the
   LoRA-targeted weights for verified sync (``rollout.base_copy``: "" on the GPU, "cpu" on the
-  host). Under tp the copies are TP-sharded with the actor's plan when ``parallel.rollout`` is
-  "sharded" (the default), whole on every rank when "replicated"; never FSDP-sharded (the
-  rollout's no-grad forward is counted at the actor's per-rank widths either way).
-  ``--share-rollout`` samples with the actor's own weights instead
-  (``RolloutEngine(share_model=True)``: no copy, no sync).
+  host). Copies are never FSDP-sharded. Under tp they are TP-sharded with the actor's plan
+  when ``parallel.rollout`` is "sharded" (the default) and whole on every rank when
+  "replicated" (``--rollout`` overrides the key); the rollout's no-grad forward is counted at
+  the actor's per-rank widths either way. ``--share-rollout`` samples with the actor's own
+  weights instead (``RolloutEngine(share_model=True)``: no copy, no sync).
 - *Text encoders*: sharded by ``etp`` where the family's ``FamilySpec.etp_plans`` has a plan
   for the encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
   moves the whole encoder onto the GPU for each encode, which the encode phase counts.
@@ -76,7 +80,9 @@ offloaded, one copy, measured 75.75 GiB for the step. Planned: 50.0 (+2%) and 76
 
 Not modelled: a video VAE's decode (image VAEs: three tensors of the last upsampling's width
 per output pixel), the CUDA context, NCCL's buffers and the allocator's fragmentation, which
-``HEADROOM`` keeps free of the card.
+``HEADROOM`` keeps free of the card; and, between steps, the step's trajectories, the task's
+keyframe conditions, the encode cache and the verified sync's float64 probes (about 1.7 MiB
+of the tiny H3 runs' 29-38 MiB, the plan's 5% under what they hold).
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ H200_GIB = 141.0  # nvidia-smi: 143,771 MiB
 # torch.cuda.max_memory_allocated reports; fragmentation, the CUDA context and NCCL take more
 HEADROOM = 0.08
 PHASES = ("resident", "encode", "rollout", "train")
+ROLLOUT_LAYOUTS = ("replicated", "sharded")
 WEIGHT_SHARDS = (ColwiseParallel, RowwiseParallel, ShardedRMSNorm)  # TP styles that split weights
 
 
@@ -123,6 +130,9 @@ class PlanOptions:
     sp: int | None = None
     gpu_gib: float = H200_GIB
     share_rollout: bool = False  # rollout and eval sample with the actor's own weights
+    # the rollout's and evaluator's copies under tp: "sharded" (the actor's TP layout) or
+    # "replicated" (whole on every rank); None: the config's parallel.rollout, else "sharded"
+    rollout: str | None = None
     offload_encoder: bool | None = None  # None: where the family puts its encoder
     train: str = "lora"  # lora (what ActorEngine trains) | full
     eval_copy: bool = True  # the factory's held-out evaluator holds its own copy of the DiT
@@ -130,6 +140,12 @@ class PlanOptions:
     # the task feeds conditions beyond the text (FL2VA keyframes: rows in H3's sequence); the
     # CLI reads it off the recipe's task
     conditioned: bool = False
+
+    def rollout_layout(self, cfg) -> str:
+        layout = self.rollout or getattr(getattr(cfg, KEY, None), "rollout", "sharded")
+        if layout not in ROLLOUT_LAYOUTS:
+            raise ConfigError(f"plan: {KEY}.rollout={layout!r}; one of {ROLLOUT_LAYOUTS}")
+        return layout
 
     def degrees(self, cfg) -> ParallelDims:
         section = getattr(cfg, KEY, None)
@@ -148,6 +164,46 @@ class Row:
     gib: float  # per GPU
     note: str
     host_gib: float = 0.0
+
+
+# --- what a run holds, measured ---------------------------------------------------------------
+
+
+def held_tensors(device_type: str) -> dict[str, int]:
+    """The bytes of every live tensor's storage on ``device_type`` in this process, each
+    storage once, by kind: "parameters" (``nn.Parameter``s: the DiT copies, the adapters, the
+    encoders), "other" (buffers, optimizer state, gradients, sync base copies, encode caches,
+    a step's data). A DTensor counts its local shard; a storage FSDP has freed (resized to 0)
+    counts nothing. What ``diffrl train`` reports after its first update, against the plan's
+    resident rows (``Plan.resident``).
+
+    Found through the garbage collector, which tracks every Python-visible tensor; tensors
+    only C++ holds (autograd's saved tensors, a collective's buffers) are not seen, which is
+    why this is read between steps, when none should be alive."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    # by type, not isinstance: isinstance reads __class__, which a dead weakref proxy raises
+    # on (ReferenceError) and a deprecated torch object warns on
+    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+    seen: dict[int, tuple[str, int]] = {}
+    for obj in tensors:
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if t.device.type != device_type or t.is_sparse or t.is_meta:  # meta: no bytes
+            continue
+        try:
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper
+            continue  # subclass; compile's FakeTensors, left alive after tracing)
+        kind = "parameters" if isinstance(obj, nn.Parameter) else "other"
+        if nbytes and (ptr not in seen or kind == "parameters"):
+            seen[ptr] = (kind, nbytes)
+    out = dict.fromkeys(("parameters", "other"), 0)
+    for kind, nbytes in seen.values():
+        out[kind] += nbytes
+    return out
 
 
 # --- sizes on the meta device -----------------------------------------------------------------
@@ -302,10 +358,19 @@ class Plan:
     title: str
     gpu_gib: float
     advice: list[str] = dataclasses.field(default_factory=list)
+    device: str = "cuda"  # the run's: on the CPU the [host] rows are the device's memory too
 
     def phase(self, name: str) -> float:
         """GiB per GPU held in ``name``: what is resident plus that phase's own rows."""
         return sum(r.gib for r in self.rows if r.phase in ("resident", name))
+
+    @property
+    def resident(self) -> float:
+        """GiB per rank held between steps: the resident rows, and on the CPU their [host]
+        parts too. What ``diffrl train`` measures after its first update (``held_tensors``)."""
+        host = self.device == "cpu"
+        rows = [r for r in self.rows if r.phase == "resident"]
+        return sum(r.gib + (r.host_gib if host else 0.0) for r in rows)
 
     @property
     def peak(self) -> tuple[str, float]:
@@ -340,12 +405,18 @@ class Plan:
             f"per-GPU totals (GiB): {totals}",
             f"peak {peak:.2f} GiB ({phase}) against {self.gpu_gib:g} GiB less "
             f"{HEADROOM:.0%} headroom ({self.budget:.1f} GiB): {verdict}",
+            f"held between steps: {_gib_or_mib(self.resident)} per rank (diffrl train prints "
+            "what its ranks hold after the first update)",
         ]
         host = sum(r.host_gib for r in self.rows)
         if host:
             lines.append(f"host memory per process: {host:.1f} GiB (the [host] rows)")
         lines += self.advice
         return "\n".join(lines)
+
+
+def _gib_or_mib(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"
 
 
 def _widths(dit: nn.Module, styles: dict, tp: int, rank: int, device: str) -> Widths:
@@ -389,7 +460,8 @@ def estimate(facts: ModelFacts, cfg, opts: PlanOptions) -> Plan:
         *_activation_rows(cfg, dims, geo, samples),
     ]
     name = cfg.model.preset or cfg.model.path
-    return Plan(rows, dims, f"diffrl plan: {facts.family} ({name}), {geo.tokens}", opts.gpu_gib)
+    title = f"diffrl plan: {facts.family} ({name}), {geo.tokens}"
+    return Plan(rows, dims, title, opts.gpu_gib, device=opts.device)
 
 
 def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes) -> list[Row]:
@@ -410,9 +482,10 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
         adapters = 3 if cfg.actor.ema_decay > 0 else 2  # default, old (, ema)
         per = 4 * adapters + 4 + 8  # bytes per adapter weight: fp32 adapters, grad, m and v
         rows.append(
-            Row("LoRA adapters + grad + AdamW", "resident", numel * per / fsdp / GIB,
+            Row("LoRA adapters + grad + AdamW", "resident", numel * per / GIB,
                 f"r={cfg.actor.lora.rank} on {n_mod} Linears ({numel / 1e6:.1f} M per adapter "
-                f"per rank); {adapters} adapters, a grad and 2 moments, fp32")
+                f"per rank); {adapters} adapters, a grad and 2 moments, fp32; FSDP leaves "
+                "them whole")
         )  # fmt: skip
     else:
         rows.append(
@@ -422,7 +495,7 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
         rows.append(Row("old policy (full copy)", "resident", local / fsdp / GIB, "frozen"))
     if fsdp > 1:
         rows.append(
-            Row("FSDP all-gather (2 blocks)", "resident", 2 * _largest_block(dit, sizes) / GIB,
+            Row("FSDP all-gather (2 blocks)", "train", 2 * _largest_block(dit, sizes) / GIB,
                 "the running block and the prefetched next, unsharded")
         )  # fmt: skip
     if opts.share_rollout or getattr(cfg.rollout, "share_model", False):
@@ -431,16 +504,16 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
         )
         return rows
     host = cfg.rollout.base_copy == "cpu"
-    # parallel.rollout: the copies sharded with the actor's plan, or whole on every rank
-    sharded = dims.tp == 1 or rollout_layout(cfg) == "sharded"
-    held = sizes if sharded else _tensor_bytes(dit, {}, 1)
-    base = sum(v for k, v in held.items() if k.endswith(".weight") and _is_target(k[:-7], targets))
+    # parallel.rollout: the copies in the actor's TP layout, or whole on every rank
+    sharded = opts.rollout_layout(cfg) == "sharded" or dims.tp == 1
+    if not sharded:
+        sizes, local = _tensor_bytes(dit, {}, 1), whole
     how = "TP-sharded" if dims.tp > 1 and sharded else "whole"
+    base = sum(v for k, v in sizes.items() if k.endswith(".weight") and _is_target(k[:-7], targets))
     for name in ("rollout", "eval") if opts.eval_copy else ("rollout",):
         rows.append(
-            Row(f"{name} copy of the DiT", "resident", sum(held.values()) / GIB,
-                f"RolloutEngine's deepcopy; {how} ({KEY}.rollout={rollout_layout(cfg)}), "
-                "not FSDP")
+            Row(f"{name} copy of the DiT", "resident", local / GIB,
+                f"RolloutEngine's deepcopy; {how}, not FSDP")
         )  # fmt: skip
         rows.append(
             Row(f"{name} sync base copy", "resident", 0.0 if host else base / GIB,
@@ -448,11 +521,6 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
                 base / GIB if host else 0.0)
         )  # fmt: skip
     return rows
-
-
-def rollout_layout(cfg) -> str:
-    """``parallel.rollout`` of ``cfg`` ("sharded" where the config predates the key)."""
-    return getattr(getattr(cfg, KEY, None), "rollout", "sharded")
 
 
 def _encoder_plan(facts: ModelFacts, m: nn.Module) -> dict | None:
@@ -564,9 +632,12 @@ def _knobs(cfg, opts: PlanOptions, dims: ParallelDims, facts: ModelFacts):
         cfg,
         rep(opts, world_size=world, dp_shard=2 * dims.dp_shard),
     )
-    if dims.tp > 1 and rollout_layout(cfg) != "sharded" and not opts.share_rollout:
-        parallel = rep(getattr(cfg, KEY), rollout="sharded")
-        yield f"shard the rollout copies ({KEY}.rollout=sharded)", rep(cfg, **{KEY: parallel}), opts
+    if not opts.share_rollout and dims.tp > 1 and opts.rollout_layout(cfg) == "replicated":
+        yield (
+            f"shard the rollout copies with tp ({KEY}.rollout=sharded; plan: --rollout sharded)",
+            cfg,
+            rep(opts, rollout="sharded"),
+        )
     if not opts.share_rollout:
         yield "share the rollout copy (plan: --share-rollout)", cfg, rep(opts, share_rollout=True)
         if cfg.rollout.base_copy != "cpu":

@@ -33,8 +33,10 @@ def tiny_family_overrides(recipe: str) -> list[str]:
     or a preset with shipped weights) runs as it is."""
     cfg = load_config(recipe)
     model = cfg.model
+    # a recipe laid out over several ranks (h3_fl2va_8gpu: tp 4, etp 4) runs in one process
+    one = [f"parallel.{k}=1" for k in ("tp", "etp", "sp") if getattr(cfg.parallel, k) > 1]
     if model.resolved_family == "tiny_dit" or (model.preset and model.weights):
-        return []
+        return one
     pytest.importorskip("diffusers")
     family = model.resolved_family
     preset = next(p for p, f in PRESET_FAMILY.items() if f == family and p.endswith("-tiny"))
@@ -48,6 +50,7 @@ def tiny_family_overrides(recipe: str) -> list[str]:
         "model.dtype=float32",
         "data.eval_prompts=2",
         "reward.scorers=[{name: jpeg_incompressibility}]",
+        *one,
     ]
 
 

@@ -33,8 +33,10 @@ from diffrl.models.families.sd3 import sd3_image_token, sd3_text_token  # noqa: 
 from diffrl.models.memory import Widths  # noqa: E402
 from diffrl.parallel.plan import PlanOptions, model_facts, plan  # noqa: E402
 
-RECIPE = "recipes/h3_fl2va_8gpu.yaml"  # FL2VA: keyframe rows in every sequence
-LAYOUT_8 = PlanOptions(world_size=8, tp=4, etp=4, conditioned=True)
+RECIPE = "recipes/h3_fl2va_8gpu.yaml"  # FL2VA: keyframe rows in every sequence; tp 4, etp 4
+ONE_GPU = ["parallel.tp=1", "parallel.etp=1"]  # the recipe's layout is 8 ranks'
+# the layout the issue aims for: the rollout's and evaluator's copies TP-sharded too
+LAYOUT_8 = PlanOptions(world_size=8, tp=4, etp=4, conditioned=True, rollout="sharded")
 SD35_MEASURED_GIB, H3_MEASURED_GIB = 48.97, 75.75
 TOLERANCE = 0.15
 
@@ -50,6 +52,7 @@ SD35_CALIBRATION = [
     "reward.scorers=[{name: jpeg_incompressibility}]",
 ]
 H3_CALIBRATION = [
+    *ONE_GPU,
     "model.resolution=352",
     "model.max_text_len=16",
     "data.prompts_per_step=2",
@@ -94,6 +97,7 @@ def test_the_8gpu_recipe_fits(h3_8gpu) -> None:
     dit_gib = sum(t.numel() * 2 for t in whole.parameters()) / 2**30
     # FSDP halves the actor's share; TP splits the blocks' projections, not the adaLN tables
     assert dit_gib / 4 / 2 < rows["DiT weights (actor)"].gib < dit_gib / 2
+    assert dit_gib / 4 < rows["rollout copy of the DiT"].gib < dit_gib * 0.6  # TP, not FSDP
     assert 0 < rows["text encoder text_encoder"].gib < 50.33 / 4 * 1.3  # ETP 4, norms replicated
 
 
@@ -120,11 +124,24 @@ def test_rollout_copies_are_sharded_only_with_a_sharded_rollout(h3_8gpu) -> None
     held = {k: r[base].gib + r[base].host_gib for k, r in rows.items()}  # GPU or host
     assert abs(held["replicated"] / held["sharded"] - 4) < 0.1  # the targets split by 4
     assert rows["sharded"]["DiT weights (actor)"] == rows["replicated"]["DiT weights (actor)"]
+def test_replicated_rollout_copies_are_counted_whole(h3_8gpu) -> None:
+    """What diffrl train holds under tp today (parallel.rollout "replicated", the default): the
+    rollout's and evaluator's copies whole on every rank, which the recipe's layout cannot
+    hold; the plan says so and names the knob."""
+    cfg, facts = h3_8gpu
+    p = plan(cfg, PlanOptions(world_size=8, conditioned=True), facts)  # the recipe's tp and etp
+    assert (p.dims.tp, p.dims.etp) == (4, 4)
+    dit_gib = sum(t.numel() * 2 for t in facts.model.net.transformer.parameters()) / 2**30
+    rows = {r.component: r for r in p.rows}
+    for copy in ("rollout copy of the DiT", "eval copy of the DiT"):
+        assert rows[copy].gib == pytest.approx(dit_gib, rel=1e-3), p.table()
+    assert not p.fits and "--rollout sharded): peak" in p.table(), p.table()
 
 
 def test_an_over_budget_layout_names_the_knob(h3_8gpu) -> None:
     cfg, facts = h3_8gpu
-    p = plan(cfg, PlanOptions(world_size=8, tp=1, etp=1, conditioned=True), facts)  # FSDP 8
+    fsdp_8 = PlanOptions(world_size=8, tp=1, etp=1, conditioned=True, rollout="sharded")
+    p = plan(cfg, fsdp_8, facts)  # raising tp shards the copies too
     assert not p.fits
     text = p.table()
     assert "OVER by" in text and "raise parallel.tp to 2" in text, text
@@ -154,11 +171,12 @@ def test_sizes_come_from_meta_instantiation(h3_8gpu, monkeypatch) -> None:
 
 
 def test_cli_prints_the_table_and_fails_an_over_budget_layout(capsys) -> None:
-    assert main(["plan", RECIPE, "--world-size", "8", "--tp", "4", "--etp", "4"]) == 0
+    assert main(["plan", RECIPE, "--world-size", "8", "--rollout", "sharded"]) == 0
     out = capsys.readouterr().out
     assert "text encoder text_encoder" in out and "fits" in out
     assert " 0 keyframe" not in out and " keyframe" in out  # the CLI reads FL2VA off the task
-    assert main(["plan", RECIPE, "--world-size", "8", "--tp", "4", "--gpu-gb", "40"]) == 1
+    assert main(["plan", RECIPE, "--world-size", "8", "--tp", "4", "--etp", "4", "--gpu-gb", "40",
+                 "--rollout", "sharded"]) == 1  # fmt: skip
     assert "OVER by" in capsys.readouterr().out
     assert main(["plan", RECIPE, "--world-size", "8", "--tp", "3"]) == 2  # 3 does not divide 8
     assert "parallel." in capsys.readouterr().err
@@ -244,8 +262,27 @@ def test_a_pipeline_directory_is_sized_from_its_configs(tmp_path) -> None:
     for f in path.rglob("*.safetensors"):
         f.write_bytes(b"not weights")  # the plan must not need them
     cfg = load_config(RECIPE, ["model.preset=''", f"model.path={path}", "model.resolution=0",
-                               "model.frames=0"])  # fmt: skip
+                               "model.frames=0", *ONE_GPU])  # fmt: skip
     p = plan(cfg, PlanOptions(conditioned=True))
     assert p.fits and "h3" in p.title
     dit = next(r for r in p.rows if r.component == "DiT weights (actor)")
     assert 0 < dit.gib < 0.01
+
+
+def test_held_tensors_counts_each_storage_once() -> None:
+    """``held_tensors`` (what diffrl train prints after its first update): a storage once
+    however many views share it, parameters apart, nothing for a storage freed in place (as
+    FSDP frees its unsharded weights)."""
+    from diffrl.parallel.plan import held_tensors
+
+    before = held_tensors("cpu")
+    x = torch.zeros(2**18)  # 1 MiB
+    views = [x[:10], x.view(2, -1)]
+    w = nn.Parameter(torch.zeros(2**17))  # 0.5 MiB
+    after = held_tensors("cpu")
+    assert after["other"] - before["other"] == 2**20
+    assert after["parameters"] - before["parameters"] == 2**19
+    assert held_tensors("meta") == {"parameters": 0, "other": 0}
+    x.untyped_storage().resize_(0)
+    assert held_tensors("cpu")["other"] == before["other"]
+    del views, w

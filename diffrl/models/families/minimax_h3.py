@@ -154,15 +154,15 @@ _QWEN3_VL_32B = dict(
 )
 
 
-def tiny_qwen3_vl(hidden: int, head_dim: int, mrope: list[int]) -> dict:
-    """A 2-layer Qwen3-VL config (4 heads, 2 KV heads, a 1-block vision tower)."""
+def tiny_qwen3_vl(hidden: int, head_dim: int, mrope: list[int], kv_heads: int = 2) -> dict:
+    """A 2-layer Qwen3-VL config (4 heads, ``kv_heads`` KV heads, a 1-block vision tower)."""
     return dict(
         text_config=dict(
             hidden_size=hidden,
             intermediate_size=2 * hidden,
             num_hidden_layers=2,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rope_scaling={"rope_type": "default", "mrope_section": mrope},
             tie_word_embeddings=False,
@@ -300,6 +300,15 @@ PRESETS: dict[str, dict] = {
         max_text_len=12,
         offload_text_encoder=False,
     ),
+}
+# h3-avbench's geometry (AVBench's clips and words) with every width the 8-GPU layout splits
+# (recipes/h3_fl2va_8gpu.yaml: tp 4, etp 4) divisible by 4: the DiT's 4 heads and FFN 384 as
+# there, the encoder's 4 query heads over 4 KV heads (h3-avbench's 2 do not divide over etp 4)
+# and its MLP of 128. Random weights (builtin:avbench_h3 is h3-avbench's); the 8-GPU recipe's
+# CPU counterpart, run at 8 gloo ranks (tests/parallel/test_h3_8rank_cli.py)
+PRESETS["h3-avbench-tp4"] = {
+    **PRESETS["h3-avbench"],
+    "text_encoder": tiny_qwen3_vl(64, 16, [2, 2, 4], kv_heads=4),
 }
 DEFAULT_RESOLUTION, DEFAULT_FRAMES, DEFAULT_MAX_TEXT_LEN = 768, 124, 512
 
