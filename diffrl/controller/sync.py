@@ -105,8 +105,12 @@ def apply_plan(parts: Engines, plan: WeightPlan) -> dict[str, float]:
 def prefetch_next(parts: Engines, step: int, plan: WeightPlan) -> asyncio.Task | None:
     """Step+1's rollout and scoring, started now when this step's update cannot change the
     weights it samples with (``plan`` syncs nothing) and waits for the whole step (not
-    streamed): the same samples, earlier."""
+    streamed): the same samples, earlier. Not with a TP-sharded rollout, whose sampling is a
+    collective over the tp group: run beside the actor's own collectives (another thread),
+    the ranks could meet them in different orders."""
     run = parts.cfg.run
+    if getattr(parts.rollout, "collective", False):
+        return None
     if run.prefetch and not run.stream_train and not plan.sync and step + 1 < run.steps:
         return asyncio.create_task(rollout_and_score(parts, step + 1))
     return None

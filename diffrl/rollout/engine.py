@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from diffrl.channel import Channel
 from diffrl.errors import ConfigError, check, check_choice
@@ -267,6 +268,9 @@ class RolloutEngine:
                 self.model, lora_targets, slot_map, cfg.base_copy, base_prints
             )
         self.compiled = compile_blocks(self.model) if cfg.compile else 0
+        # a sharded copy (or a shared, sharded actor) samples through collectives: the
+        # controller must not run it beside the actor's (controller/sync.py prefetch_next)
+        self.collective = any(isinstance(p, DTensor) for p in self.model.parameters())
         self._decode_stream: torch.cuda.Stream | None = None  # overlap_decode, on a GPU
         self.graphs = None
         if cfg.cuda_graphs:

@@ -110,7 +110,8 @@ def test_rollout_copies_are_sharded_only_with_a_sharded_rollout(h3_8gpu) -> None
     rows = {}
     for layout in ("sharded", "replicated"):
         parallel = dataclasses.replace(cfg.parallel, rollout=layout)
-        p = plan(dataclasses.replace(cfg, parallel=parallel), LAYOUT_8, facts)
+        opts = dataclasses.replace(LAYOUT_8, rollout=None)  # the config's key decides
+        p = plan(dataclasses.replace(cfg, parallel=parallel), opts, facts)
         rows[layout] = {r.component: r for r in p.rows}
     whole = sum(t.numel() * 2 for t in facts.model.net.transformer.parameters()) / 2**30
     sharded, replicated = rows["sharded"], rows["replicated"]
@@ -124,12 +125,15 @@ def test_rollout_copies_are_sharded_only_with_a_sharded_rollout(h3_8gpu) -> None
     held = {k: r[base].gib + r[base].host_gib for k, r in rows.items()}  # GPU or host
     assert abs(held["replicated"] / held["sharded"] - 4) < 0.1  # the targets split by 4
     assert rows["sharded"]["DiT weights (actor)"] == rows["replicated"]["DiT weights (actor)"]
+
+
 def test_replicated_rollout_copies_are_counted_whole(h3_8gpu) -> None:
-    """What diffrl train holds under tp today (parallel.rollout "replicated", the default): the
-    rollout's and evaluator's copies whole on every rank, which the recipe's layout cannot
-    hold; the plan says so and names the knob."""
+    """parallel.rollout "replicated" (here through the plan's --rollout): the rollout's and
+    evaluator's copies whole on every rank, which the recipe's layout cannot hold; the plan
+    says so and names the knob."""
     cfg, facts = h3_8gpu
-    p = plan(cfg, PlanOptions(world_size=8, conditioned=True), facts)  # the recipe's tp and etp
+    whole = PlanOptions(world_size=8, conditioned=True, rollout="replicated")
+    p = plan(cfg, whole, facts)  # the recipe's tp and etp
     assert (p.dims.tp, p.dims.etp) == (4, 4)
     dit_gib = sum(t.numel() * 2 for t in facts.model.net.transformer.parameters()) / 2**30
     rows = {r.component: r for r in p.rows}
