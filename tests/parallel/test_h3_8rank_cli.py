@@ -77,9 +77,9 @@ def test_the_8gpu_recipe_runs_at_8_ranks_and_matches_the_plan(tmp_path: Path, ca
     assert len(held) == 8
     for mib in held:  # every rank: the plan's per-rank figure
         assert abs(mib / planned - 1) < PLAN_TOLERANCE, (held, planned)
-    # the bar tells layouts apart: counted TP-sharded, the rollout's and evaluator's copies
-    # (whole on each rank here) put the plan far outside it
-    wrong = _planned_mib(capsys, 8, _overrides(out, 2), "--rollout", "sharded")
+    # the bar tells layouts apart: counted whole, the rollout's and evaluator's copies
+    # (TP-sharded on each rank here, parallel.rollout=sharded) put the plan far outside it
+    wrong = _planned_mib(capsys, 8, _overrides(out, 2), "--rollout", "replicated")
     assert abs(held[0] / wrong - 1) > PLAN_TOLERANCE, (held, wrong)
 
     # the step-2 checkpoint (the one-process format) resumes in one process (a third layout;
