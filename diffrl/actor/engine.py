@@ -552,7 +552,9 @@ class ActorEngine:
         if st.diagnose and len(part) and st.rows == 0:  # under the rollout's weights
             st.diagnostics = self._diagnostics(part)
         passes = self.reduction.passes(part, self.cfg.micro_batch, st.expected)
-        for rows, index, w in passes or ():
+        if passes is None:  # every rank skips this part: its rows are not in the step's mean
+            return
+        for rows, index, w in passes:
             mb = self._on_device(rows, index)
             st.total = self._backward(mb, w, st.total, st.metrics, st.maxima)
             st.passes += 1

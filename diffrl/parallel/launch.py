@@ -216,16 +216,12 @@ def start(cfg) -> Ranks:
                 f"{KEY}.etp={dims.etp}: model family {spec.name!r} declares no ETP plan for "
                 f"its text encoder(s) (FamilySpec.etp_plans is empty); set {KEY}.etp=1"
             )
-    if cfg.run.mode != "sync" or cfg.run.backend != "local":
+    if cfg.run.backend != "local":
         raise ConfigError(
-            f"config keys 'run.mode' = {cfg.run.mode!r}, 'run.backend' = {cfg.run.backend!r}: "
-            "under torchrun diffrl train runs the sync loop on the local backend"
+            f"config key 'run.backend' = {cfg.run.backend!r}: under torchrun diffrl train runs "
+            "its engines in each rank's process; set run.backend=local"
         )
-    if cfg.run.stream_train:
-        raise ConfigError(
-            "config key 'run.stream_train' = True: not under torchrun yet (the ranks' parts "
-            "would need the lockstep of a whole update); set run.stream_train=false"
-        )
+    check_overlap(cfg)
     if cfg.actor.minibatches != 1:
         raise ConfigError(
             f"config key 'actor.minibatches' = {cfg.actor.minibatches}: under torchrun the "
@@ -250,6 +246,29 @@ def start(cfg) -> Ranks:
     if rank:  # one voice in the console: the others log warnings and errors only
         logging.getLogger("diffrl").setLevel(logging.WARNING)
     return Ranks(rank, dims.world_size, meshes)
+
+
+def check_overlap(cfg) -> None:
+    """The loops that train while the rollout samples (async, ``run.stream_train``) run under
+    torchrun when the rollout issues no collective (each rank's rollout copy is whole, the
+    text encoders' ETP collectives ran at start-up): the actor's collectives are then the
+    only ones of a step, made in the same order on every rank. Async also needs every rank to
+    roll out iteration i with the same weights, whatever its timing (``async_weights``)."""
+    layout = getattr(cfg.parallel, "rollout", "replicated")
+    overlap = "run.mode=async" if cfg.run.mode == "async" else ""
+    overlap = overlap or ("run.stream_train=true" if cfg.run.stream_train else "")
+    if overlap and layout != "replicated":
+        raise ConfigError(
+            f"config key '{KEY}.rollout' = {layout!r} with {overlap}: a sharded rollout "
+            "makes collectives while the actor makes its own (the update overlaps the rollout), "
+            f"which the ranks could reach in different orders; set {KEY}.rollout=replicated"
+        )
+    if cfg.run.mode == "async" and cfg.run.async_weights == "latest":
+        raise ConfigError(
+            "config key 'run.async_weights' = 'latest' under torchrun: each rank's rollout "
+            "would take whatever update its own actor had published (timing decides), so the "
+            "ranks would sample and drop differently; set run.async_weights=fixed (or auto)"
+        )
 
 
 def check_tp(cfg, dims: ParallelDims) -> None:
