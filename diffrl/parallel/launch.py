@@ -15,10 +15,24 @@ What a run splits today is the data. Each data-parallel rank:
   before clipping (``ActorEngine``'s ``dp_group``).
 
 Every rank runs the same controller loop. Rank 0 writes the run directory. The step's metrics
-are means over the ranks, and a stop signal seen by any rank stops all of them at the same
-step (``Ranks``). Held-out eval is shared out: each rank samples a contiguous share of the
-held-out prompts with the one-process seeds, the shares are gathered, and every rank scores the
-whole set (the same result on each).
+are means over the ranks, and a stop signal or ``run.max_minutes`` seen by any rank stops all
+of them at the same step (``Ranks``). Held-out eval is shared out: each rank samples a
+contiguous share of the held-out prompts with the one-process seeds, the shares are gathered,
+and every rank scores the whole set (the same result on each). After every optimizer step the
+ranks that must hold the same adapters compare checksums of them (``parallel/drift.py``): a
+rank that drifted fails the step on every rank, naming itself, the tensor and the axis.
+
+Both loops run, and so does ``run.stream_train``: the update overlaps the rollout (async; or
+each scored part trains while the next rolls out), and that is safe because the rollout makes
+no collective (its copy is whole on each rank; ETP encodes at start-up): the actor's
+collectives, in its worker thread one part or update at a time, and the loop's (metrics, stop
+flags, eval, checkpoints, on the event loop's thread between updates) are each step's only
+ones, made in the same order on every rank (``check_overlap`` refuses a sharded rollout with
+them). Async needs more: each rank's rollout would otherwise take whatever update its own actor
+had published, so under torchrun ``run.async_weights`` is ``fixed``: iteration i samples with
+exactly update i - max_staleness's weights, and every rank samples, drops and trains the same
+iterations whatever its timing (the one-process run with ``async_weights=fixed`` is the
+reference, ``tests/parallel/test_overlap_cli.py``).
 
 ``parallel.tp`` > 1 shards the actor's DiT and its LoRA adapters with the family's TP plan
 (``parallel/tp_lora.py``), then FSDP2 shards the result over ``dp_shard`` as above. The ranks

@@ -6,7 +6,8 @@ diffrl.cli train`` (CPU, gloo, 2 data-parallel ranks; ``parallel/launch.py``'s
   ``fixed``, so rollout iteration i samples with exactly update i-1's weights on every rank,
   whatever the timing. Iterations 0 and 1 sample with the initial weights: the same samples as
   one process (rewards to 1e-6), the same losses up to the ranks' summation order (1e-4). The
-  run stops at 2 steps and resumes to 3 (the resumed rollouts start again from the checkpoint's
+  run stops at 2 steps and resumes for 4 with ``run.max_minutes`` spent at once, so every rank
+  stops after step 3 with a checkpoint (the resumed rollouts start again from the checkpoint's
   weights, as in one process), and the staleness columns are the schedule's; after an update the
   weights agree with one process's to ~1e-5 only, so later samples are not compared.
 - ``run.stream_train=true`` (sync): each rank trains its scored micro-batches as they come and
@@ -73,7 +74,9 @@ def test_async_under_torchrun_is_the_fixed_schedule_of_one_process(tiny_checkpoi
     done = torchrun_train(2, [RECIPE, *_over(tiny_checkpoint, par_dir, 2, *mode)], TIMEOUT_S)
     assert (done.stdout + done.stderr).count("run directory:") == 1  # rank 0 alone
     before = read_metrics(par_dir / "r")
-    torchrun_train(2, [RECIPE, *_over(tiny_checkpoint, par_dir, 3, *mode)], TIMEOUT_S)
+    # resumed for 4 steps with a wall budget spent at once: every rank stops after step 3
+    out_of_time = _over(tiny_checkpoint, par_dir, 4, *mode, "run.max_minutes=1e-4")
+    torchrun_train(2, [RECIPE, *out_of_time], TIMEOUT_S)
     rows = read_metrics(par_dir / "r")
     assert rows[:3] == before  # the resumed run continued from rank 0's step-2 checkpoint
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and [r["step"] for r in one] == [0, 1, 2]
@@ -86,7 +89,7 @@ def test_async_under_torchrun_is_the_fixed_schedule_of_one_process(tiny_checkpoi
     # step 3 samples with weights two updates old, equal to ~1e-5: the partial reward of a
     # sample may flip, so its numbers are the run's own (the ranks still agree: the adapter
     # check passed on every step)
-    assert rows[3]["actor/grad_norm"] > 0
+    assert rows[3]["actor/grad_norm"] > 0 and "eval/overall" in rows[3]  # the stop's eval
     # iteration i sampled with update i-1's weights; the resumed one with the checkpoint's
     assert [x["async/policy_version"] for x in rows[1:]] == [0, 0, 2]
     assert [x["async/staleness"] for x in rows[1:]] == [0, 1, 0]
