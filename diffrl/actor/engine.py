@@ -335,8 +335,8 @@ class ActorEngine:
         # how each optimizer step's micro-batches are weighted and reduced: one process, or
         # every data-parallel rank in lockstep
         self.reduction: StepReduction = OneProcess() if dp_group is None else Lockstep(dp_group)
-        # axis -> the group whose ranks must hold the same adapters after every step (the dp
-        # peers: all of them, shards included; tp/sp peers: the factors they replicate)
+        # axis -> the group whose ranks must hold the same adapters after every step (dp and sp
+        # peers: all of them, shards included; tp peers: the factors they replicate)
         self.peers = {**({"dp": dp_group} if dp_group is not None else {}), **self.rows_groups}
         lora = LoraConfig(
             r=cfg.lora.rank,
@@ -584,8 +584,10 @@ class ActorEngine:
             for n, p in self.model.named_parameters()
             if "lora_" in n
         }
+        # the ranks of a tp group hold different shards of the sharded factors; dp and sp
+        # peers share a tp coordinate, so the same shards
         groups = {
-            axis: (group, {n: local(t) for n, t in held.items() if axis == "dp" or whole(t)})
+            axis: (group, {n: local(t) for n, t in held.items() if axis != "tp" or whole(t)})
             for axis, group in self.peers.items()
         }
         check_adapters_across(groups, f"after optimizer step {self.version}")

@@ -17,8 +17,8 @@ so no rank is left waiting in the next collective. Ranks of other groups (anothe
 slice) raise only through their own findings.
 
 The adapters likewise (``check_adapters_across``, the actor's ``_check_peers`` after every
-optimizer step): the data-parallel peers of one tp coordinate take the same step from the same
-averaged gradients, and the tp (sp) ranks hold the LoRA factors their plan leaves whole as
+optimizer step): the data-parallel (and sp) peers of one tp coordinate take the same step from
+the same averaged gradients, and the tp ranks hold the LoRA factors their plan leaves whole as
 replicas, so those tensors must stay bit-identical. Each rank all-gathers two float64 sums per
 tensor (plain and position-weighted: order-sensitive) over each group, and every rank of a group
 where one differs from the group's first rank raises the same error, naming the rank, the tensor
@@ -144,7 +144,7 @@ def check_adapters_across(
     if problems:
         raise ContractError(
             f"adapter drift {where}, seen by rank {me}: {'; '.join(problems)}. The ranks of a "
-            "data-parallel group (and the tp/sp ranks, for the LoRA factors they replicate) "
+            "data-parallel (or sp) group, and the tp ranks for the LoRA factors they replicate, "
             "take the same optimizer step from the same averaged gradients, so their adapters "
             "must stay identical"
         )
