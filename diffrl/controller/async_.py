@@ -29,6 +29,15 @@ batches the actor applies it at once (as sync does), otherwise it is left pendin
 rollout applies the latest pending update before it starts its next batch. The actor never
 waits for the rollout to finish a batch.
 
+That schedule is timing's: which update a batch samples with depends on how fast each loop
+ran. ``run.async_weights=fixed`` (``auto`` under torchrun) makes it the bound's instead: the
+actor only records each update's weights (``Clock.published``), and before iteration i the
+rollout loads exactly those of update i - max_staleness (the one the gate waited for), so a
+record's weights, version and staleness, and whether it is dropped, follow from i alone. The
+ranks of a torchrun launch, each with its own timing, then roll out and train the same
+iterations with the same weights (``parallel/launch.py``); the load's ``sync/*`` travel with
+the record.
+
 With ``max_staleness=0`` this is sync by construction: iteration i starts only after update
 i is published, when the rollout is idle, so the actor applies the sync itself right after
 the update and every rollout samples with the weights, seeds and prompts of sync's step i;
