@@ -8,6 +8,7 @@ factors are bit-identical across the tp ranks), and the checksum sees order, not
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -26,16 +27,14 @@ DEADLINE_S = 180.0
 NUDGED = "transformer_blocks.0.attn.to_q.lora_A.default.weight"  # whole on every tp rank
 
 
-def _actor(tensor_parallel=None, dp_group=None, rows_groups=None):
+def _actor(model, tensor_parallel=None, dp_group=None, rows_groups=None):
     from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
     from diffrl.algorithms.diffusion_nft import NFTConfig
     from diffrl.algorithms.registry import get_algorithm
     from diffrl.models.families.sd3 import LORA_TARGETS
-    from diffrl.models.registry import ModelConfig, load_model
     from diffrl.types import TrainBatch
 
-    torch.manual_seed(0)
-    model = load_model(ModelConfig(family="sd3", preset="sd35-tiny", resolution=32), "cpu")
+    torch.manual_seed(1)  # peft draws lora_A from the global generator: the same on each rank
     actor = ActorEngine(
         model, ActorConfig(lr=1e-2, lora=AdapterConfig(rank=4, alpha=4.0)), list(LORA_TARGETS),
         get_algorithm("diffusion_nft"), NFTConfig(weighting="uniform", timesteps_per_sample=1),
@@ -74,12 +73,16 @@ def _worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from diffrl.models.families.sd3 import TP_PLAN
+    from diffrl.models.registry import ModelConfig, load_model
     from diffrl.parallel.tp_lora import tp_hook
 
     init_gloo(rank, WORLD, port, DEADLINE_S)
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(family="sd3", preset="sd35-tiny", resolution=32), "cpu")
+    spare = copy.deepcopy(model)  # for the tp actor: loading costs seconds, a copy nothing
     seen: dict = {}
     # data parallel: every rank trains the same rows here (what is compared is the adapters)
-    actor, batch = _actor(dp_group=dist.group.WORLD)
+    actor, batch = _actor(model, dp_group=dist.group.WORLD)
     seen["dp_clean"] = _step(actor, batch)
     if rank == 1:
         _nudge(actor, NUDGED)
@@ -87,7 +90,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     # tp=2: the same rows on both ranks; to_q's lora_A is replicated, its lora_B sharded
     mesh = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
     hook = tp_hook(mesh, TP_PLAN, "sd3")
-    actor, batch = _actor(tensor_parallel=hook, rows_groups={"tp": mesh.get_group()})
+    actor, batch = _actor(spare, tensor_parallel=hook, rows_groups={"tp": mesh.get_group()})
     seen["tp_clean"] = _step(actor, batch)  # a real TP step: the replicated parts agree
     if rank == 1:
         _nudge(actor, NUDGED)
