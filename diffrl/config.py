@@ -62,6 +62,11 @@ class RunConfig:
     # trained with the loss's importance ratio against its recorded rollout log-probs (FlowGRPO's
     # clipped ratio, which keep uses too; refused for an algorithm without one, such as NFT)
     stale: str = "drop"  # drop | keep | correct
+    # async: the weights rollout iteration i samples with. latest: whatever update the actor
+    # has published when the iteration starts (timing decides). fixed: exactly those of update
+    # i - max_staleness (deterministic: what a torchrun launch's ranks must agree on). auto:
+    # fixed under torchrun, latest in one process
+    async_weights: str = "auto"  # auto | latest | fixed
     # where the engines run: this process (local), or Ray actors on their own resource pools
     # (ray; settings in the `ray` section). Same loop, same results at the same seed
     backend: str = "local"  # local | ray
@@ -97,6 +102,7 @@ class RunConfig:
             "must be >= 0 (policy versions a trained batch may lag the actor; 0 = on-policy)",
         )
         check_choice("stale", self.stale, ("drop", "keep", "correct"))
+        check_choice("async_weights", self.async_weights, ("auto", "latest", "fixed"))
         check_choice("backend", self.backend, ("local", "ray"))
 
     def check_streaming(self, minibatches: int) -> None:

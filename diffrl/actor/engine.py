@@ -27,7 +27,7 @@ from diffrl.errors import DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel
-from diffrl.parallel.drift import check_tokens_across
+from diffrl.parallel.drift import check_adapters_across, check_tokens_across
 from diffrl.parallel.launch import all_reduced
 from diffrl.parallel.tp_lora import clip_grads, full, like, local
 from diffrl.sync.bound import bound_of
@@ -335,6 +335,9 @@ class ActorEngine:
         # how each optimizer step's micro-batches are weighted and reduced: one process, or
         # every data-parallel rank in lockstep
         self.reduction: StepReduction = OneProcess() if dp_group is None else Lockstep(dp_group)
+        # axis -> the group whose ranks must hold the same adapters after every step (dp and sp
+        # peers: all of them, shards included; tp peers: the factors they replicate)
+        self.peers = {**({"dp": dp_group} if dp_group is not None else {}), **self.rows_groups}
         lora = LoraConfig(
             r=cfg.lora.rank,
             # peft annotates lora_alpha as int; it only divides it by r, so a float is fine
@@ -549,7 +552,9 @@ class ActorEngine:
         if st.diagnose and len(part) and st.rows == 0:  # under the rollout's weights
             st.diagnostics = self._diagnostics(part)
         passes = self.reduction.passes(part, self.cfg.micro_batch, st.expected)
-        for rows, index, w in passes or ():
+        if passes is None:  # every rank skips this part: its rows are not in the step's mean
+            return
+        for rows, index, w in passes:
             mb = self._on_device(rows, index)
             st.total = self._backward(mb, w, st.total, st.metrics, st.maxima)
             st.passes += 1
@@ -563,9 +568,29 @@ class ActorEngine:
             return {"actor/skipped_empty": 1.0}
         total, metrics = self.reduction.combine(self.params, st)
         out = {**st.diagnostics, **self._update(total, {**metrics, **st.maxima})}
+        self._check_peers()
         if self.device.type == "cpu":  # the step's activations were host memory
             release_host_memory()
         return out
+
+    def _check_peers(self) -> None:
+        """After an optimizer step: the ranks that must hold the same adapters do (a checksum
+        of every LoRA tensor all-gathered over each of ``peers``; ``parallel/drift.py``), else
+        ``ContractError`` on every rank naming the rank, the tensor and the axis. Collective."""
+        if not self.peers:
+            return
+        held = {
+            n.removeprefix(PEFT_PREFIX): self.masters.get(p, p)
+            for n, p in self.model.named_parameters()
+            if "lora_" in n
+        }
+        # the ranks of a tp group hold different shards of the sharded factors; dp and sp
+        # peers share a tp coordinate, so the same shards
+        groups = {
+            axis: (group, {n: local(t) for n, t in held.items() if axis != "tp" or whole(t)})
+            for axis, group in self.peers.items()
+        }
+        check_adapters_across(groups, f"after optimizer step {self.version}")
 
     def _on_device(self, batch: TrainBatch, index: Tensor) -> TrainBatch:
         """Rows ``index`` on the actor's device, the ids where the model wants them
@@ -742,6 +767,12 @@ def _whole_state(state: dict) -> dict:
     """An optimizer state dict with every TP-sharded tensor gathered (a collective)."""
     per_param = {i: {k: full(v) for k, v in s.items()} for i, s in state["state"].items()}
     return {**state, "state": per_param}
+
+
+def whole(t: Tensor) -> bool:
+    """Whether every rank of ``t``'s mesh holds all of it (a plain tensor, or a DTensor
+    replicated on every mesh dimension), not a shard."""
+    return not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)
 
 
 def _weight(module: torch.nn.Module) -> Tensor:

@@ -29,6 +29,15 @@ batches the actor applies it at once (as sync does), otherwise it is left pendin
 rollout applies the latest pending update before it starts its next batch. The actor never
 waits for the rollout to finish a batch.
 
+That schedule is timing's: which update a batch samples with depends on how fast each loop
+ran. ``run.async_weights=fixed`` (``auto`` under torchrun) makes it the bound's instead: the
+actor only records each update's weights (``Clock.published``), and before iteration i the
+rollout loads exactly those of update i - max_staleness (the one the gate waited for), so a
+record's weights, version and staleness, and whether it is dropped, follow from i alone. The
+ranks of a torchrun launch, each with its own timing, then roll out and train the same
+iterations with the same weights (``parallel/launch.py``); the load's ``sync/*`` travel with
+the record.
+
 With ``max_staleness=0`` this is sync by construction: iteration i starts only after update
 i is published, when the rollout is idle, so the actor applies the sync itself right after
 the update and every rollout samples with the weights, seeds and prompts of sync's step i;
@@ -49,7 +58,7 @@ from tqdm import tqdm
 from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.run_dir import RunDir
+from diffrl.controller.run_dir import open_run_dir
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (
     close_step,
@@ -87,6 +96,11 @@ class Clock:
     rollout_busy: bool = False  # True while the rollout samples (weights must not change)
     synced: dict[str, float] = field(default_factory=dict)  # sync/* the rollout applied itself
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # run.async_weights=fixed: update -> (the actor's version after it, its plan's weights or
+    # None), kept until the rollout iteration that samples with them starts
+    fixed: bool = False
+    published: dict[int, tuple[int, WeightUpdate | None]] = field(default_factory=dict)
+    held: int = 0  # fixed: the version of the update whose weights the rollout holds
 
     def may_start(self, i: int) -> bool:
         """Iteration i trains update i - dropped + 1: start it when that is within the bound
@@ -100,6 +114,21 @@ class Clock:
             return {}
         update, self.pending = self.pending, None
         return load_verified(parts.rollout, update)
+
+    def apply_fixed(self, parts: Engines, i: int) -> tuple[int, dict[str, float]]:
+        """``run.async_weights=fixed``: iteration i samples with the weights of exactly update
+        i - dropped - max_staleness (the one ``may_start`` waited for; the run's first weights
+        before that), whatever the actor has done since. Loads them if they changed; returns
+        their version and the sync/* of the load (the record carries them). Deterministic: the
+        same on every rank of a torchrun launch, whichever loop runs ahead."""
+        wanted = i - self.dropped - self.max_staleness
+        due = sorted(u for u in self.published if u <= wanted)
+        if not due:
+            return self.held, {}
+        plans = [self.published.pop(u) for u in due]
+        self.held = plans[-1][0]
+        update = next((w for _, w in reversed(plans) if w is not None), None)  # whole weights
+        return self.held, {} if update is None else load_verified(parts.rollout, update)
 
     async def notify(self) -> None:
         async with self.changed:
@@ -116,13 +145,17 @@ async def produce(parts: Engines, clock: Clock, channel: Channel, start: int) ->
     while True:
         async with clock.changed:
             await clock.changed.wait_for(functools.partial(clock.may_start, i))
-        clock.synced.update(clock.apply_pending(parts))  # the latest plan, before this batch
-        version = clock.version
+        if clock.fixed:  # the record carries the sync/* of its own weights
+            version, synced = clock.apply_fixed(parts, i)
+        else:
+            clock.synced.update(clock.apply_pending(parts))  # the latest plan, before this batch
+            version, synced = clock.version, {}
         clock.rollout_busy = True
         try:
             scored, metrics = await rollout_and_score(parts, i)
         finally:
             clock.rollout_busy = False
+        metrics = {**metrics, **synced}
         await channel.put(Rollout(i, scored, metrics, version), version)
         i += 1
 
@@ -135,6 +168,12 @@ async def publish(parts: Engines, clock: Clock, step: int) -> dict[str, float]:
     plan = parts.algorithm.weight_plan(step, parts.cfg.algorithm)
     if plan.refresh_old is not None:
         parts.actor.update_old(plan.refresh_old)
+    if clock.fixed:  # the rollout iteration that samples with them loads them
+        update = parts.actor.export_weights(plan.rollout_adapter) if plan.sync else None
+        clock.published[step] = (parts.actor.version, update)
+        clock.updates, clock.version = step, parts.actor.version
+        await clock.notify()
+        return {}
     if plan.sync:
         clock.pending = parts.actor.export_weights(plan.rollout_adapter)  # a copy
     metrics, clock.synced = clock.synced, {}
@@ -192,17 +231,30 @@ async def take(
         await clock.notify()
 
 
+def fixed_weights(cfg: Config, world: int) -> bool:
+    """Whether rollout iteration i samples with exactly update i - max_staleness's weights
+    (``run.async_weights``; ``auto``: under torchrun, where every rank must roll out an
+    iteration with the same weights and drop the same records, whatever its timing)."""
+    if cfg.run.async_weights == "auto":
+        return world > 1
+    return cfg.run.async_weights == "fixed"
+
+
 async def train_async(cfg: Config, parts: Engines) -> Path:
     """The actor loop. Consumes one ``Rollout`` per update (``take``); waits on the rollout
     loop's records, the update (in a worker thread, while the rollout runs) and eval; unblocks
     the rollout loop by publishing each update's weight plan. The caller owns ``parts``
     (``controller/loop.py`` builds and closes them)."""
-    run = RunDir(Path(cfg.run.out_dir) / cfg.run.name, tensorboard=cfg.run.tensorboard)
+    ranks = parts.ranks
+    root = Path(cfg.run.out_dir) / cfg.run.name
+    run = open_run_dir(root, cfg.run.tensorboard, ranks.primary)  # rank 0 writes it
     run.write_config(to_yaml(cfg))
     start, wall0 = resume(parts, run)  # in-flight rollouts are not saved: they are redone
     first_plan = parts.algorithm.weight_plan(start + 1, cfg.algorithm)
     load_verified(parts.rollout, parts.actor.export_weights(first_plan.rollout_adapter))
     clock = Clock(start, parts.actor.version, cfg.run.max_staleness, cfg.run.steps)
+    clock.fixed = fixed_weights(cfg, ranks.world)
+    clock.held = parts.actor.version
     bound = Staleness(cfg.run.max_staleness, keep=cfg.run.stale in ("keep", "correct"))
     channel = Channel()  # unbounded: the gate bounds how far the rollout runs ahead
     producer = asyncio.create_task(produce(parts, clock, channel, start))
@@ -213,7 +265,10 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
             lora = parts.bound.as_metrics() if parts.bound else {}  # what the adapter is on
             run.log(0, {**eval_m, **parts.probe.metrics(), **lora})
         steps = range(start, cfg.run.steps)
-        bar = tqdm(steps, initial=start, total=cfg.run.steps, desc="diffrl train (async)")
+        bar = tqdm(
+            steps, initial=start, total=cfg.run.steps, desc="diffrl train (async)",
+            disable=not ranks.primary,
+        )  # fmt: skip
         t_rate = time.time()
         with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
             for step in bar:
@@ -222,11 +277,12 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
                 # the loop drives the rollout while the update runs in a worker thread
                 metrics = await asyncio.to_thread(parts.actor.train_step, batch)
                 metrics.update(await publish(parts, clock, step + 1))
-                samples += len(record.scored)
+                samples += len(record.scored) * ranks.dp_size  # every rank's slice
                 done = step + 1
                 metrics.update(record.metrics)
                 metrics.update(perf_metrics(samples, t_rate, t0))
                 metrics.update({"async/policy_version": record.version, **bound.metrics()})
+                metrics = ranks.mean(metrics)  # the whole batch's, under torchrun
                 last, eval_m = await close_step(
                     parts, run, stop, bar, done, metrics, t0, eval_m,
                     staleness=metrics["async/staleness"],

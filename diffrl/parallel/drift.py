@@ -15,14 +15,25 @@ collectives would mix the two without an error. ``check_tokens_across`` therefor
 Every rank of a group sees the same gathered findings and raises the same ``ContractError``,
 so no rank is left waiting in the next collective. Ranks of other groups (another data-parallel
 slice) raise only through their own findings.
+
+The adapters likewise (``check_adapters_across``, the actor's ``_check_peers`` after every
+optimizer step): the data-parallel (and sp) peers of one tp coordinate take the same step from
+the same averaged gradients, and the tp ranks hold the LoRA factors their plan leaves whole as
+replicas, so those tensors must stay bit-identical. Each rank all-gathers two float64 sums per
+tensor (plain and position-weighted: order-sensitive) over each group, and every rank of a group
+where one differs from the group's first rank raises the same error, naming the rank, the tensor
+and the axis. A rank that drifted (a missed all-reduce, a partial load, a hardware fault) would
+otherwise train on silently, its samples and exports no longer the run's policy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 
+from diffrl.errors import ContractError
 from diffrl.types import PromptBatch, TrainBatch, drift_error, drifted_rows
 
 
@@ -75,3 +86,65 @@ def _against(rank: int, first: int, axis: str, name: str, got: tuple, ref: tuple
         return []
     shown = str(bad[:8]) + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")
     return [f"rank {rank} holds other {name} than rank {first} in rows {shown} ({axis} group)"]
+
+
+# --- adapters: the ranks that should hold the same LoRA tensors do ---------------------------
+
+
+def adapter_checksums(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """(len(tensors), 2) float64 on the host: per tensor, in the mapping's order, the sum of
+    its elements and their sum weighted by position (1 + j / n for the j-th of n), so two
+    tensors holding the same values in another order differ. Identical tensors give identical
+    sums: the same ops on the same device over the same values."""
+    rows = []
+    for t in tensors.values():
+        flat = t.detach().reshape(-1).double()
+        ramp = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
+        ramp = ramp.div_(max(1, flat.numel())).add_(1.0)
+        rows.append(torch.stack([flat.sum(), (flat * ramp).sum()]))
+    if not rows:
+        return torch.zeros((0, 2), dtype=torch.float64)
+    return torch.stack(rows).cpu()
+
+
+def check_adapters_across(
+    groups: Mapping[str, tuple[dist.ProcessGroup | None, Mapping[str, torch.Tensor]]],
+    where: str,
+) -> None:
+    """Every rank of each group holds the same tensors: axis -> (its process group, the
+    tensors this rank should share with the group's other ranks, by name, in an order every
+    rank shares). Collective over every group given (an all-gather of two floats a tensor);
+    a group of one is skipped. Raises ``ContractError`` on every rank of a group where some
+    rank's checksums differ from the group's first rank's, naming the rank, the tensors and
+    the axis, so no rank is left waiting in the next collective."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    problems: list[str] = []
+    for axis, (group, tensors) in groups.items():
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        names = list(tensors)
+        mine = adapter_checksums(tensors)
+        dev = mine.device
+        if dist.get_backend(group) == "nccl":  # nccl gathers CUDA tensors only
+            dev = torch.device("cuda", torch.cuda.current_device())
+        held = [torch.empty_like(mine, device=dev) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(held, mine.to(dev), group=group)
+        members = dist.get_process_group_ranks(group)
+        ref = held[0].cpu()
+        for rank, sums in zip(members[1:], held[1:], strict=True):
+            sums = sums.cpu()
+            same = (sums == ref) | (sums.isnan() & ref.isnan())  # a NaN on both is no drift
+            bad = [names[i] for i in range(len(names)) if not bool(same[i].all())]
+            if bad:
+                shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+                problems.append(
+                    f"rank {rank} holds other values than rank {members[0]} in {shown} "
+                    f"({axis} group of ranks {members})"
+                )
+    if problems:
+        raise ContractError(
+            f"adapter drift {where}, seen by rank {me}: {'; '.join(problems)}. The ranks of a "
+            "data-parallel (or sp) group, and the tp ranks for the LoRA factors they replicate, "
+            "take the same optimizer step from the same averaged gradients, so their adapters "
+            "must stay identical"
+        )

@@ -15,10 +15,24 @@ What a run splits today is the data. Each data-parallel rank:
   before clipping (``ActorEngine``'s ``dp_group``).
 
 Every rank runs the same controller loop. Rank 0 writes the run directory. The step's metrics
-are means over the ranks, and a stop signal seen by any rank stops all of them at the same
-step (``Ranks``). Held-out eval is shared out: each rank samples a contiguous share of the
-held-out prompts with the one-process seeds, the shares are gathered, and every rank scores the
-whole set (the same result on each).
+are means over the ranks, and a stop signal or ``run.max_minutes`` seen by any rank stops all
+of them at the same step (``Ranks``). Held-out eval is shared out: each rank samples a
+contiguous share of the held-out prompts with the one-process seeds, the shares are gathered,
+and every rank scores the whole set (the same result on each). After every optimizer step the
+ranks that must hold the same adapters compare checksums of them (``parallel/drift.py``): a
+rank that drifted fails the step on every rank, naming itself, the tensor and the axis.
+
+Both loops run, and so does ``run.stream_train``: the update overlaps the rollout (async; or
+each scored part trains while the next rolls out), and that is safe because the rollout makes
+no collective (its copy is whole on each rank; ETP encodes at start-up): the actor's
+collectives, in its worker thread one part or update at a time, and the loop's (metrics, stop
+flags, eval, checkpoints, on the event loop's thread between updates) are each step's only
+ones, made in the same order on every rank (``check_overlap`` refuses a sharded rollout with
+them). Async needs more: each rank's rollout would otherwise take whatever update its own actor
+had published, so under torchrun ``run.async_weights`` is ``fixed``: iteration i samples with
+exactly update i - max_staleness's weights, and every rank samples, drops and trains the same
+iterations whatever its timing (the one-process run with ``async_weights=fixed`` is the
+reference, ``tests/parallel/test_overlap_cli.py``).
 
 ``parallel.tp`` > 1 shards the actor's DiT and its LoRA adapters with the family's TP plan
 (``parallel/tp_lora.py``), then FSDP2 shards the result over ``dp_shard`` as above. The ranks
@@ -247,16 +261,12 @@ def start(cfg) -> Ranks:
                 f"{KEY}.etp={dims.etp}: model family {spec.name!r} declares no ETP plan for "
                 f"its text encoder(s) (FamilySpec.etp_plans is empty); set {KEY}.etp=1"
             )
-    if cfg.run.mode != "sync" or cfg.run.backend != "local":
+    if cfg.run.backend != "local":
         raise ConfigError(
-            f"config keys 'run.mode' = {cfg.run.mode!r}, 'run.backend' = {cfg.run.backend!r}: "
-            "under torchrun diffrl train runs the sync loop on the local backend"
+            f"config key 'run.backend' = {cfg.run.backend!r}: under torchrun diffrl train runs "
+            "its engines in each rank's process; set run.backend=local"
         )
-    if cfg.run.stream_train:
-        raise ConfigError(
-            "config key 'run.stream_train' = True: not under torchrun yet (the ranks' parts "
-            "would need the lockstep of a whole update); set run.stream_train=false"
-        )
+    check_overlap(cfg)
     if cfg.actor.minibatches != 1:
         raise ConfigError(
             f"config key 'actor.minibatches' = {cfg.actor.minibatches}: under torchrun the "
@@ -281,6 +291,29 @@ def start(cfg) -> Ranks:
     if rank:  # one voice in the console: the others log warnings and errors only
         logging.getLogger("diffrl").setLevel(logging.WARNING)
     return Ranks(rank, dims.world_size, meshes, rollout_tp)
+
+
+def check_overlap(cfg) -> None:
+    """The loops that train while the rollout samples (async, ``run.stream_train``) run under
+    torchrun when the rollout issues no collective (each rank's rollout copy is whole, the
+    text encoders' ETP collectives ran at start-up): the actor's collectives are then the
+    only ones of a step, made in the same order on every rank. Async also needs every rank to
+    roll out iteration i with the same weights, whatever its timing (``async_weights``)."""
+    layout = getattr(cfg.parallel, "rollout", "replicated")
+    overlap = "run.mode=async" if cfg.run.mode == "async" else ""
+    overlap = overlap or ("run.stream_train=true" if cfg.run.stream_train else "")
+    if overlap and layout != "replicated":
+        raise ConfigError(
+            f"config key '{KEY}.rollout' = {layout!r} with {overlap}: a sharded rollout "
+            "makes collectives while the actor makes its own (the update overlaps the rollout), "
+            f"which the ranks could reach in different orders; set {KEY}.rollout=replicated"
+        )
+    if cfg.run.mode == "async" and cfg.run.async_weights == "latest":
+        raise ConfigError(
+            "config key 'run.async_weights' = 'latest' under torchrun: each rank's rollout "
+            "would take whatever update its own actor had published (timing decides), so the "
+            "ranks would sample and drop differently; set run.async_weights=fixed (or auto)"
+        )
 
 
 def check_tp(cfg, dims: ParallelDims) -> None:

@@ -107,6 +107,35 @@ def test_rollout_runs_ahead_within_the_bound(tiny_checkpoint, tmp_path):
     )
 
 
+def test_fixed_weights_do_not_depend_on_which_loop_runs_ahead(tiny_checkpoint, tmp_path):
+    """``run.async_weights=fixed``: iteration i samples with update i-1's weights whether the
+    actor or the rollout is the slow one, so the two runs' rows are the same, bit for bit
+    (what ranks of a torchrun launch, each with its own timing, rely on)."""
+    rows = []
+    for slow in ("actor", "rollout"):
+        over = [*FAST, "run.mode=async", "run.max_staleness=1", "run.async_weights=fixed"]
+        cfg = load_config(RECIPE, tiny_run(tiny_checkpoint, tmp_path / slow, 3, *over))
+        parts = build(cfg)
+        actor, rollout = parts.actor, parts.rollout
+
+        def slow_train_step(batch, _inner=actor.train_step, _slow=slow == "actor"):
+            time.sleep(0.4 if _slow else 0.0)
+            return _inner(batch)
+
+        async def stream(*args, _inner=rollout.stream, _slow=slow == "rollout", **kw):
+            await asyncio.sleep(0.4 if _slow else 0.0)
+            await _inner(*args, **kw)
+
+        actor.train_step, rollout.stream = slow_train_step, stream
+        rows.append(read_metrics(asyncio.run(owned(train_async(cfg, parts), parts))))
+    drop = lambda k: k.startswith("perf/") or k == "time"  # noqa: E731
+    a, b = ([{k: v for k, v in r.items() if not drop(k)} for r in run] for run in rows)
+    assert a == b
+    assert [r["async/policy_version"] for r in a[1:]] == [0, 0, 1]
+    assert [r["async/staleness"] for r in a[1:]] == [0, 1, 1]
+    assert any(k.startswith("sync/") for k in a[3])  # update 1's load, carried by its record
+
+
 def record(version: int) -> Rollout:
     return Rollout(index=0, scored=None, metrics={}, version=version)
 

@@ -2,7 +2,8 @@
 ranks' rollouts are the one-process run's samples, the frozen base is sharded and the adapters
 stay identical on every rank, rank 0 alone writes the run directory, and a resumed run
 continues; the actor's FSDP2 forward with adapters averaged over ranks gives the one-process
-gradient; and the layouts diffrl train cannot run yet are refused before any work."""
+gradient; and the layouts diffrl train cannot run yet are refused before any work (async
+mode with each rank's rollout on its own latest weights among them)."""
 
 from __future__ import annotations
 
@@ -259,7 +260,10 @@ def test_sharded_base_with_averaged_adapters_is_the_one_process_gradient(
             r"data .*, the DiT \(tp\) and the text encoders \(etp\); sequence",
         ),
         (["parallel.etp=2"], r"parallel.etp=2: model family 'tiny_dit' declares no ETP plan"),
-        (["run.mode=async"], r"under torchrun diffrl train runs the sync loop"),
+        (
+            ["run.mode=async", "run.async_weights=latest"],
+            r"'run.async_weights' = 'latest' under torchrun: each rank's rollout",
+        ),
         (["data.prompts_per_step=3"], r"'data.prompts_per_step' = 3.*multiple of 2"),
         (["parallel.dp_shard=3"], r"parallel: dp_replicate\*dp_shard\*sp\*tp = 1\*3\*1\*1 = 3"),
     ],
