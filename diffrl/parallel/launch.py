@@ -299,10 +299,10 @@ def check_overlap(cfg) -> None:
     text encoders' ETP collectives ran at start-up): the actor's collectives are then the
     only ones of a step, made in the same order on every rank. Async also needs every rank to
     roll out iteration i with the same weights, whatever its timing (``async_weights``)."""
-    layout = getattr(cfg.parallel, "rollout", "replicated")
+    layout = cfg.parallel.rollout
     overlap = "run.mode=async" if cfg.run.mode == "async" else ""
     overlap = overlap or ("run.stream_train=true" if cfg.run.stream_train else "")
-    if overlap and layout != "replicated":
+    if overlap and layout != "replicated" and cfg.parallel.tp > 1:  # tp=1: nothing to shard
         raise ConfigError(
             f"config key '{KEY}.rollout' = {layout!r} with {overlap}: a sharded rollout "
             "makes collectives while the actor makes its own (the update overlaps the rollout), "

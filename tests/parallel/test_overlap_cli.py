@@ -126,7 +126,9 @@ def test_a_sharded_rollout_does_not_overlap_the_update(over, says):
     from diffrl.parallel.launch import check_overlap
 
     cfg = load_config(RECIPE, over)
-    check_overlap(cfg)  # the replicated rollout (today's) runs
-    sharded = SimpleNamespace(run=cfg.run, parallel=SimpleNamespace(rollout="sharded"))
+    check_overlap(cfg)  # tp=1: the rollout is whole whatever parallel.rollout says
+    replicated = SimpleNamespace(run=cfg.run, parallel=SimpleNamespace(rollout="replicated", tp=2))
+    check_overlap(replicated)  # whole copies under tp: no collective in the rollout
+    sharded = SimpleNamespace(run=cfg.run, parallel=SimpleNamespace(rollout="sharded", tp=2))
     with pytest.raises(ConfigError, match=says):
         check_overlap(sharded)
