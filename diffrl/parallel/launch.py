@@ -27,9 +27,16 @@ whole, replicated rollout copy that receives the gathered LoRA through the one-p
 and the adapters' gradients are averaged over the dp peers of the same tp coordinate
 (``Ranks.dp_group``). ``parallel.etp`` above 1 shards the frozen text encoders over groups of
 ``etp`` consecutive ranks (their own mesh), independently of the other degrees, and encodes
-every prompt at start-up (``parallel/etp.py``). tp with HSDP replicas (``dp_replicate`` > 1)
-and ``sp`` above 1 are planned by ``diffrl plan`` and tested on their own
-(``tests/parallel``); ``diffrl train`` refuses them, naming the keys.
+every prompt at start-up (``parallel/etp.py``).
+
+``parallel.sp`` > 1 shards the actor's DiT forward over the sequence with Ulysses, through the
+family's diffusers ``_cp_plan`` on the main mesh's ``sp`` axis (``parallel/sp.py``), then
+FSDP2 over ``dp_shard`` as above. Like a tp group, the ranks of an sp group are one
+data-parallel rank (same prompts and seeds) and each holds a whole, replicated (unsharded)
+rollout; each rank's adapter gradients are its tokens' share, summed over the sp group before
+the dp average and the clipping. Families without a plan diffrl train runs (SD3, the tiny DiT,
+LTX-2), sp beside tp, and the actor's compile under sp are refused at start-up, naming the
+keys; so is tp with HSDP replicas (``dp_replicate`` > 1), which ``diffrl plan`` still plans.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ class ParallelConfig:
 
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
-    sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
+    sp: int = 1  # Ulysses sequence parallelism of the actor's DiT (parallel/sp.py)
     tp: int = 1  # tensor parallelism of the actor's DiT and LoRA (the rollout stays replicated)
     etp: int = 1  # tensor parallelism of the text encoders (parallel/etp.py)
 
@@ -200,11 +207,7 @@ def start(cfg) -> Ranks:
     if dims.world_size == 1:
         return SOLO
     if dims.sp > 1:
-        raise ConfigError(
-            f"{KEY}.sp={dims.sp}: diffrl train shards the data (FSDP2 over dp_shard and "
-            "dp_replicate), the DiT (tp) and the text encoders (etp); sequence parallelism is "
-            f"planned by diffrl plan and tested on its own. Set {KEY}.sp to 1"
-        )
+        check_sp(cfg, dims)
     if dims.tp > 1:
         check_tp(cfg, dims)
     if dims.etp > 1:
@@ -277,6 +280,29 @@ def check_tp(cfg, dims: ParallelDims) -> None:
             f"{KEY}.tp={dims.tp} with {KEY}.dp_replicate={dims.dp_replicate}: diffrl train "
             f"does not run HSDP replicas over a TP-sharded base yet; set {KEY}.dp_replicate=1 "
             f"(FSDP2 over {KEY}.dp_shard composes with tp)"
+        )
+
+
+def check_sp(cfg, dims: ParallelDims) -> None:
+    """``parallel.sp`` > 1 before any process group: the family must have a context-parallel
+    plan diffrl train runs (``parallel/sp.py``); tp beside sp and the actor's compile are not
+    run yet."""
+    from diffrl.models.registry import family  # the records import diffusers lazily
+    from diffrl.parallel.sp import check_family
+
+    spec = family(cfg.model.resolved_family)
+    check_family(spec.name, spec.sp_plan, dims.sp)
+    if dims.tp > 1:
+        raise ConfigError(
+            f"{KEY}.sp={dims.sp} with {KEY}.tp={dims.tp}: diffrl train does not compose "
+            f"sequence and tensor parallelism in the actor yet; set {KEY}.tp=1 (sp composes "
+            f"with {KEY}.dp_shard) or {KEY}.sp=1"
+        )
+    if cfg.actor.compile:
+        raise ConfigError(
+            f"config key 'actor.compile' = True with {KEY}.sp={dims.sp}: the actor's regional "
+            "compile is not run over diffusers' context-parallel hooks yet; set "
+            "actor.compile=false (the rollout, unsharded, may still compile)"
         )
 
 

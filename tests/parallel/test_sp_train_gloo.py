@@ -1,0 +1,174 @@
+"""The actor at sp=2 over 2 gloo ranks (``parallel/sp.py``): LoRA on a diffusers transformer
+whose forward is sharded over the sequence with the class's own ``_cp_plan`` (Ulysses), trains
+as one process does.
+
+Each rank and the parent build the same model (``torch.manual_seed(0)``), the same actor and the
+same random lora_B, then take 3 DiffusionNFT steps on the same batch (an sp group is one
+data-parallel rank: same rows, same draws). Against the one-process run (the parent's):
+
+- a forward with the adapter (atol 1e-5: the all-to-alls only move numbers, the attention is
+  SDPA over the same rows, so fp32 rounding alone differs);
+- the adapters' gradients after the first step, summed over sp, and the same gradients before
+  the sum, which must *not* match (each rank holds its tokens' share: measured here, it is why
+  the actor sums; rtol 1e-5, atol 1e-6 x the tensor's largest value);
+- the 3 losses and gradient norms (rtol 1e-5) and the adapters after 3 steps (as the gradients).
+
+The H3 batch's prompts have different text lengths, so its packed sequences (text + video +
+audio rows) come in odd lengths, cut 1 row unevenly over the 2 ranks. Also: families without a
+plan diffrl train runs, sp beside tp and the actor's compile under sp are refused at start-up,
+naming the family and the keys; and ``diffrl train`` under torchrun at sp=2 (the AV recipe)
+gives the one-process run's first steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import free_port, init_gloo, leave_group, run_ranks, torchrun_train
+
+from diffrl.errors import ConfigError
+
+pytest.importorskip("diffusers")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this torch build",
+)
+
+WORLD = 2
+STEPS = 3
+DEADLINE_S = 180.0
+RTOL = 1e-5
+# (family, preset, prompts): the H3 prompts differ in length (odd and even packed sequences)
+CASES = [
+    ("minimax_h3", "h3-tiny", ["a red ball", "a blue ball bounces twice on the floor"]),
+    ("wan", "wan-tiny", ["a red ball", "a blue ball bounces"]),
+]
+
+
+def _model(family: str, preset: str):
+    from diffrl.models.registry import ModelConfig, load_model
+
+    torch.manual_seed(0)
+    return load_model(ModelConfig(family=family, preset=preset), "cpu")
+
+
+def _batch(model, prompts: list[str]):
+    from diffrl.types import TrainBatch
+
+    n = 2 * len(prompts)
+    g = torch.Generator().manual_seed(5)
+    tokens = model.family.tokenize([p for p in prompts for _ in range(2)])
+    return TrainBatch(
+        input_ids=tokens.input_ids,
+        ids_hash=tuple(tokens.hashes),
+        x0=torch.randn((n, *model.family.latent_shape()), generator=g),
+        optimality=torch.rand(n, generator=g),
+        seeds=torch.arange(n),
+    )
+
+
+def _actor(model, sequence_parallel=None, sp_group=None):
+    from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
+    from diffrl.algorithms.diffusion_nft import NFTConfig
+    from diffrl.algorithms.registry import get_algorithm
+
+    cfg = ActorConfig(lr=1e-2, grad_clip=0.5, lora=AdapterConfig(rank=4, alpha=4.0))
+    algo = NFTConfig(weighting="uniform", timesteps_per_sample=1)
+    actor = ActorEngine(
+        model, cfg, list(model.family.lora_targets), get_algorithm("diffusion_nft"), algo,
+        torch.device("cpu"), sequence_parallel=sequence_parallel, sp_group=sp_group,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # B = 0 at init would give A no gradient
+        for n, p in sorted(actor.model.named_parameters()):
+            if "lora_B.default" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    actor.update_old(0.0)
+    return actor
+
+
+def _run(family: str, preset: str, prompts: list[str], sequence_parallel=None, group=None):
+    """A forward, then 3 steps; everything the parent compares, as CPU tensors."""
+    model = _model(family, preset)
+    batch = _batch(model, prompts)
+    actor = _actor(model, sequence_parallel, group)
+    x = torch.randn((2, *model.family.latent_shape()), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        v = actor.velocity(x, torch.tensor([0.3, 0.8]), batch.input_ids[1:3])
+    shares: dict = {}
+    if group is not None:  # the gradients as each rank holds them, before the sum over sp
+        summed = actor._sum_over_sp
+
+        def record() -> None:
+            if not shares:
+                shares.update({id(p): p.grad.clone() for p in actor.params})
+            summed()
+
+        actor._sum_over_sp = record  # type: ignore[method-assign]
+    names = {id(p): n for n, p in actor.model.named_parameters() if ".default." in n}
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        m = actor.train_step(batch)
+        losses.append(m["actor/loss"])
+        norms.append(m["actor/grad_norm"])
+        if step == 0:
+            grads = {names[id(p)]: p.grad.detach().clone() for p in actor.params}
+    return {
+        "v": v, "losses": losses, "norms": norms, "grads": grads,
+        "shares": {names[i]: g for i, g in shares.items()},
+        "adapters": actor.adapter_tensors(), "layout": actor.layout,
+    }  # fmt: skip
+
+
+def _rank(rank: int, port: int, out: str, family: str, preset: str, prompts: list[str]) -> None:
+    from diffrl.models.registry import family as family_spec
+    from diffrl.parallel.dims import ParallelDims, build_meshes
+    from diffrl.parallel.sp import sp_hook
+
+    init_gloo(rank, WORLD, port, DEADLINE_S)
+    meshes = build_meshes(ParallelDims(sp=WORLD, world_size=WORLD), "cpu")
+    spec = family_spec(family)
+    hook = sp_hook(meshes.main["sp"], spec.name, spec.sp_plan)
+    result = _run(family, preset, prompts, hook, meshes.group("sp"))
+    result["count_restored"] = torch.accelerator.device_count() == 0
+    torch.save(result, Path(out, f"rank{rank}.pt"))
+    leave_group()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    floor = 1e-6 * max(want.abs().max().item(), 1e-12)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=floor, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize(("family", "preset", "prompts"), CASES, ids=[c[0] for c in CASES])
+def test_sp_sharded_actor_trains_as_one_process(tmp_path: Path, family, preset, prompts) -> None:
+    torch.set_num_threads(1)
+    want = _run(family, preset, prompts)
+    args = (free_port(), str(tmp_path), family, preset, prompts)
+    run_ranks(_rank, WORLD, args, DEADLINE_S)
+    assert len(set(want["losses"])) == STEPS and all(n > 0 for n in want["norms"])
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["layout"].startswith(f"sequence parallel: Ulysses over sp={WORLD}"), got
+        assert "the rollout replicated" in got["layout"]
+        assert got["count_restored"] or torch.accelerator.device_count() > 0
+        torch.testing.assert_close(got["v"], want["v"], rtol=0, atol=1e-5)
+        assert got["grads"].keys() == want["grads"].keys()
+        partial = 0
+        for n, w in want["grads"].items():
+            _close(got["grads"][n], w, f"rank {rank} grad {n}")
+            partial += not torch.allclose(got["shares"][n], w, rtol=1e-3, atol=0)
+        # a rank's own gradients are shares, not the whole: the sum over sp is needed
+        assert partial > len(want["grads"]) // 2, (partial, len(want["grads"]))
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=RTOL, atol=0
+        )
+        for n, w in want["adapters"].items():
+            _close(got["adapters"][n], w, f"rank {rank} adapter {n}")
