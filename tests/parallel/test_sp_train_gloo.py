@@ -71,7 +71,7 @@ def _batch(model, prompts: list[str]):
     )
 
 
-def _actor(model, sequence_parallel=None, sp_group=None):
+def _actor(model, sequence_parallel=None, sp_group=None, shard=None, dp_group=None):
     from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
     from diffrl.algorithms.diffusion_nft import NFTConfig
     from diffrl.algorithms.registry import get_algorithm
@@ -81,6 +81,7 @@ def _actor(model, sequence_parallel=None, sp_group=None):
     actor = ActorEngine(
         model, cfg, list(model.family.lora_targets), get_algorithm("diffusion_nft"), algo,
         torch.device("cpu"), sequence_parallel=sequence_parallel, sp_group=sp_group,
+        shard=shard, dp_group=dp_group,
     )  # fmt: skip
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # B = 0 at init would give A no gradient
@@ -109,6 +110,20 @@ def _run(family: str, preset: str, prompts: list[str], sequence_parallel=None, g
             summed()
 
         actor._sum_over_sp = record  # type: ignore[method-assign]
+    lengths: set[int] = set()  # the sequence lengths the plan split, as the forwards saw them
+    if group is not None:
+        import inspect
+
+        from diffrl.models.family import transformer_root
+        from diffrl.parallel.sp import _lengths
+
+        root = transformer_root(actor.model)
+        sig = inspect.signature(root.forward)
+
+        def seen(module, args, kwargs) -> None:
+            lengths.update(_lengths(module, sig.bind_partial(*args, **kwargs).arguments).values())
+
+        root.register_forward_pre_hook(seen, with_kwargs=True)
     names = {id(p): n for n, p in actor.model.named_parameters() if ".default." in n}
     losses, norms, grads = [], [], {}
     for step in range(STEPS):
@@ -120,7 +135,7 @@ def _run(family: str, preset: str, prompts: list[str], sequence_parallel=None, g
     return {
         "v": v, "losses": losses, "norms": norms, "grads": grads,
         "shares": {names[i]: g for i, g in shares.items()},
-        "adapters": actor.adapter_tensors(), "layout": actor.layout,
+        "adapters": actor.adapter_tensors(), "layout": actor.layout, "lengths": sorted(lengths),
     }  # fmt: skip
 
 
@@ -156,6 +171,9 @@ def test_sp_sharded_actor_trains_as_one_process(tmp_path: Path, family, preset, 
         assert got["layout"].startswith(f"sequence parallel: Ulysses over sp={WORLD}"), got
         assert "the rollout replicated" in got["layout"]
         assert got["count_restored"] or torch.accelerator.device_count() > 0
+        assert got["lengths"], got["lengths"]
+        if family == "minimax_h3":  # an odd packed sequence, cut unevenly, and an even one
+            assert {n % 2 for n in got["lengths"]} == {0, 1}, got["lengths"]
         torch.testing.assert_close(got["v"], want["v"], rtol=0, atol=1e-5)
         assert got["grads"].keys() == want["grads"].keys()
         partial = 0
@@ -169,6 +187,50 @@ def test_sp_sharded_actor_trains_as_one_process(tmp_path: Path, family, preset, 
         )
         torch.testing.assert_close(
             torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=RTOL, atol=0
+        )
+        for n, w in want["adapters"].items():
+            _close(got["adapters"][n], w, f"rank {rank} adapter {n}")
+
+
+def _dp_rank(rank: int, port: int, out: str, world: int, sp: int) -> None:
+    """A data-parallel rank (dp_shard=2) of ``world`` ranks, its base under FSDP2 and, at
+    ``sp`` > 1, its sequence sharded first; it trains its dp slice of the batch, 2 steps."""
+    from diffrl.models.registry import family as family_spec
+    from diffrl.parallel.dims import ParallelDims, build_meshes
+    from diffrl.parallel.fsdp import shard_frozen_base
+    from diffrl.parallel.launch import Ranks
+    from diffrl.parallel.sp import sp_hook
+
+    family, preset, prompts = CASES[0]
+    init_gloo(rank, world, port, DEADLINE_S)
+    meshes = build_meshes(ParallelDims(dp_shard=2, sp=sp, world_size=world), "cpu")
+    ranks = Ranks(rank, world, meshes)
+    spec = family_spec(family)
+    hook = sp_hook(meshes.main["sp"], spec.name, spec.sp_plan) if sp > 1 else None
+    model = _model(family, preset)
+    mine = _batch(model, prompts).select(torch.arange(2 * ranks.dp_rank, 2 * ranks.dp_rank + 2))
+    sp_group = meshes.group("sp") if sp > 1 else None
+    shard = shard_frozen_base(meshes.fsdp_mesh)
+    actor = _actor(model, hook, sp_group, shard=shard, dp_group=ranks.dp_group)
+    losses = [actor.train_step(mine)["actor/loss"] for _ in range(2)]
+    result = {"losses": losses, "adapters": actor.adapter_tensors(), "dp_rank": ranks.dp_rank}
+    torch.save(result, Path(out, f"dp{world}_{rank}.pt"))
+    leave_group()
+
+
+def test_fsdp_over_an_sp_sharded_base_is_data_parallel_alone(tmp_path: Path) -> None:
+    """dp_shard=2 x sp=2 on 4 ranks against dp_shard=2 on 2 (the same slices, the same
+    per-row draws), H3: the same losses and adapters (rtol 1e-5), on every rank. The sp pairs
+    average over their dp peers (``Ranks.dp_group``) and sum over their sp group."""
+    run_ranks(_dp_rank, 2, (free_port(), str(tmp_path), 2, 1), DEADLINE_S)
+    run_ranks(_dp_rank, 4, (free_port(), str(tmp_path), 4, 2), DEADLINE_S)
+    want = torch.load(tmp_path / "dp2_0.pt", weights_only=False)
+    assert want["losses"][0] != want["losses"][1]
+    for rank in range(4):
+        got = torch.load(tmp_path / f"dp4_{rank}.pt", weights_only=False)
+        assert got["dp_rank"] == rank // 2  # sp groups are consecutive ranks
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0
         )
         for n, w in want["adapters"].items():
             _close(got["adapters"][n], w, f"rank {rank} adapter {n}")
