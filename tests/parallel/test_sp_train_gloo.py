@@ -234,3 +234,81 @@ def test_fsdp_over_an_sp_sharded_base_is_data_parallel_alone(tmp_path: Path) -> 
         )
         for n, w in want["adapters"].items():
             _close(got["adapters"][n], w, f"rank {rank} adapter {n}")
+
+
+# --- diffrl train: what is refused at start-up, and the command line ----------------------------
+
+AV = "recipes/av_t2va_nft.yaml"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "world", "extra", "says"),
+    [
+        (
+            "recipes/shapes_sd3_nft.yaml", 2, [],
+            r"parallel.sp=2: model family 'sd3' has no context-parallel plan for the sp axis",
+        ),
+        (
+            AV, 4, ["parallel.tp=2", "actor.compile=false"],
+            r"parallel.sp=2 with parallel.tp=2: diffrl train does not compose",
+        ),
+        (AV, 2, [], r"'actor.compile' = True with parallel.sp=2"),
+    ],
+    ids=["sd3", "with-tp", "compiled-actor"],
+)  # fmt: skip
+def test_layouts_sp_cannot_run_are_refused_first(tmp_path, monkeypatch, recipe, world, extra, says):
+    """Under a torchrun launch, before any process group or model: the family and the axis,
+    or the keys to change."""
+    from diffrl.build import build
+    from diffrl.config import load_config
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    over = ["parallel.sp=2", "probe.mode=off", f"run.out_dir={tmp_path}", *extra]
+    with pytest.raises(ConfigError, match=says):
+        build(load_config(recipe, over))
+    assert not dist.is_initialized()
+
+
+def test_ltx2_plan_is_refused_by_name() -> None:
+    """LTX-2 declares a _cp_plan (its record says so) whose audio stream is not split: refused,
+    naming the family and the axis; the families diffrl train runs pass."""
+    from diffrl.models.registry import family
+    from diffrl.parallel.sp import check_family
+
+    assert family("ltx2").sp_plan == "diffusers"
+    with pytest.raises(ConfigError, match=r"parallel.sp=2: model family 'ltx2' on the sp axis"):
+        check_family("ltx2", family("ltx2").sp_plan, 2)
+    for name in ("minimax_h3", "wan", "flux", "qwen_image"):
+        check_family(name, family(name).sp_plan, 2)
+
+
+def _cli_overrides(out: Path) -> list[str]:
+    return [
+        "run.steps=1", "data.prompts_per_step=2", "rollout.group_size=2",
+        "data.eval_prompts=2", "data.eval_samples_per_prompt=1", "probe.mode=off",
+        f"run.out_dir={out}", "run.name=r", "run.tensorboard=false", "rollout.compile=false",
+        "actor.compile=false", "run.threads=1", "run.eval_every=2", "run.save_every=1",
+    ]  # fmt: skip
+
+
+def test_sp_from_the_command_line(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m diffrl.cli train recipes/av_t2va_nft.yaml
+    parallel.sp=2``: one sp group (one data-parallel rank), so the same samples as one process
+    and its first step's loss and gradient norm (rel 1e-4: sums reordered by the shards)."""
+    from diffrl.config import load_config
+    from diffrl.controller.loop import train
+    from diffrl.controller.run_dir import read_metrics
+
+    one = read_metrics(asyncio.run(train(load_config(AV, _cli_overrides(tmp_path / "one")))))
+    out = tmp_path / "sp"
+    done = torchrun_train(WORLD, [AV, *_cli_overrides(out), "parallel.sp=2"], 600)
+    console = done.stdout + done.stderr
+    assert "sequence parallel: Ulysses over sp=2" in console
+    assert "the rollout replicated" in console
+    assert console.count("run directory:") == 1  # rank 0 alone
+    rows = read_metrics(out / "r")
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in [k for k in one[1] if k.startswith("reward/")]:  # the same samples
+        assert rows[1][key] == pytest.approx(one[1][key], rel=1e-5, abs=1e-6), key
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert rows[1][key] == pytest.approx(one[1][key], rel=1e-4), key
