@@ -144,6 +144,7 @@ def ulysses_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    key_mask: Tensor | None = None,  # (B, 1, 1, S_kv) over the *gathered* keys, or None
 ) -> Tensor:  # (B, S_q_r, H, D): attention over the whole sequence, this rank's slice
     """Full-sequence attention on sequence shards: equal to SDPA on the gathered q, k, v, sliced.
 
@@ -164,6 +165,7 @@ def ulysses_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
+        attn_mask=key_mask,
         dropout_p=dropout_p,
         is_causal=is_causal,
         scale=scale,
@@ -184,16 +186,25 @@ class _UlyssesAnything:
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
         forward_op, backward_op, _parallel_config=None,
     ):  # fmt: skip
-        if attn_mask is not None or return_lse:
+        local_keys = attn_mask is None or (
+            attn_mask.dim() == 4 and attn_mask.shape[1:3] == (1, 1)
+            and attn_mask.shape[-1] == key.shape[1]
+        )  # fmt: skip
+        if return_lse or not local_keys:
             raise NotImplementedError(
-                f"{KEY}: diffrl's Ulysses attention takes no attention mask and returns no "
-                "log-sum-exp; this transformer's attention asked for one (set parallel.sp=1)"
+                f"{KEY}: diffrl's Ulysses attention takes a mask over this rank's keys only "
+                "(B, 1, 1, S_kv_r), and returns no log-sum-exp; this transformer's attention "
+                f"asked for more (mask {None if attn_mask is None else tuple(attn_mask.shape)}); "
+                f"set {KEY}=1"
             )
         assert _parallel_config is not None, "diffusers passes the context-parallel config"
         group = _parallel_config.context_parallel_config._ulysses_mesh.get_group()
+        if attn_mask is not None:  # Qwen-Image's padded text: every rank's keys' mask, in order
+            dtype = attn_mask.dtype
+            attn_mask = _all_gather_uneven(attn_mask.to(torch.float32), 3, group).to(dtype)
         return ulysses_attention(
             query, key, value, group, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-            enable_gqa=enable_gqa,
+            enable_gqa=enable_gqa, key_mask=attn_mask,
         )  # fmt: skip
 
 
@@ -354,8 +365,8 @@ def enable_ulysses(transformer: nn.Module, mesh_or_group: DeviceMesh | dist.Proc
     raises there, naming those that do).
 
     Does not cover: a family with no ``_cp_plan`` (SD3: ``ConfigError``, use ``parallel.sp=1``);
-    ring attention; an attention mask (``NotImplementedError`` from :class:`_UlyssesAnything`:
-    Qwen-Image's padded text);
+    ring attention; an attention mask other than one over the keys (``NotImplementedError``
+    from :class:`_UlyssesAnything`; Qwen-Image's padded-text mask is one over the keys);
     combining with diffusers' own TP in one config (diffusers refuses; our TP plans are applied
     separately); calling it twice. Parameter gradients of the sharded model are each rank's
     share: sum them over the SP group (the module docstring says why).

@@ -46,6 +46,8 @@ RTOL = 1e-5
 CASES = [
     ("minimax_h3", "h3-tiny", ["a red ball", "a blue ball bounces twice on the floor"]),
     ("wan", "wan-tiny", ["a red ball", "a blue ball bounces"]),
+    ("flux", "flux1-tiny", ["a red ball", "a blue ball bounces"]),
+    ("qwen_image", "qwen-image-tiny", ["a red ball", "a blue ball bounces"]),
 ]
 
 
@@ -106,7 +108,10 @@ def _run(family: str, preset: str, prompts: list[str], sequence_parallel=None, g
 
         def record() -> None:
             if not shares:
-                shares.update({id(p): p.grad.clone() for p in actor.params})
+                shares.update(
+                    {id(p): torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                     for p in actor.params}
+                )  # fmt: skip
             summed()
 
         actor._sum_over_sp = record  # type: ignore[method-assign]
@@ -131,7 +136,11 @@ def _run(family: str, preset: str, prompts: list[str], sequence_parallel=None, g
         losses.append(m["actor/loss"])
         norms.append(m["actor/grad_norm"])
         if step == 0:
-            grads = {names[id(p)]: p.grad.detach().clone() for p in actor.params}
+            # zeros for an adapter the forward does not reach (the sum over sp makes them)
+            grads = {
+                names[id(p)]: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                for p in actor.params
+            }
     return {
         "v": v, "losses": losses, "norms": norms, "grads": grads,
         "shares": {names[i]: g for i, g in shares.items()},
@@ -176,12 +185,13 @@ def test_sp_sharded_actor_trains_as_one_process(tmp_path: Path, family, preset, 
             assert {n % 2 for n in got["lengths"]} == {0, 1}, got["lengths"]
         torch.testing.assert_close(got["v"], want["v"], rtol=0, atol=1e-5)
         assert got["grads"].keys() == want["grads"].keys()
-        partial = 0
+        partial = reached = 0
         for n, w in want["grads"].items():
             _close(got["grads"][n], w, f"rank {rank} grad {n}")
+            reached += bool(w.abs().max() > 0)
             partial += not torch.allclose(got["shares"][n], w, rtol=1e-3, atol=0)
         # a rank's own gradients are shares, not the whole: the sum over sp is needed
-        assert partial > len(want["grads"]) // 2, (partial, len(want["grads"]))
+        assert partial > reached // 2, (partial, reached)
         torch.testing.assert_close(
             torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0
         )
