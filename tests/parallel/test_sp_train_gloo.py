@@ -14,10 +14,14 @@ data-parallel rank: same rows, same draws). Against the one-process run (the par
 - the 3 losses and gradient norms (rtol 1e-5) and the adapters after 3 steps (as the gradients).
 
 The H3 batch's prompts have different text lengths, so its packed sequences (text + video +
-audio rows) come in odd lengths, cut 1 row unevenly over the 2 ranks. Also: families without a
-plan diffrl train runs, sp beside tp and the actor's compile under sp are refused at start-up,
-naming the family and the keys; and ``diffrl train`` under torchrun at sp=2 (the AV recipe)
-gives the one-process run's first steps.
+audio rows) come in odd lengths, cut 1 row unevenly over the 2 ranks; H3's actor also runs
+with activation checkpointing (the blocks' splits and all-to-alls recomputed in the backward).
+Wan, FLUX and Qwen-Image (its padded text's mask gathered over the keys) likewise.
+
+Also: dp_shard=2 x sp=2 on 4 ranks against dp_shard=2 on 2; families without a plan diffrl
+train runs, sp beside tp and the actor's compile under sp refused at start-up, naming the
+family and the keys; and ``diffrl train`` under torchrun at sp=2 (the AV recipe) giving the
+one-process run's samples and first step.
 """
 
 from __future__ import annotations
@@ -74,11 +78,17 @@ def _batch(model, prompts: list[str]):
 
 
 def _actor(model, sequence_parallel=None, sp_group=None, shard=None, dp_group=None):
+    # H3's runs recompute each block in the backward (SP, then activation checkpointing, in
+    # torchtitan's order); the other families' keep their activations
+    ckpt = model.family.name == "minimax_h3"
     from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
     from diffrl.algorithms.diffusion_nft import NFTConfig
     from diffrl.algorithms.registry import get_algorithm
 
-    cfg = ActorConfig(lr=1e-2, grad_clip=0.5, lora=AdapterConfig(rank=4, alpha=4.0))
+    cfg = ActorConfig(
+        lr=1e-2, grad_clip=0.5, lora=AdapterConfig(rank=4, alpha=4.0),
+        activation_checkpointing=ckpt,
+    )  # fmt: skip
     algo = NFTConfig(weighting="uniform", timesteps_per_sample=1)
     actor = ActorEngine(
         model, cfg, list(model.family.lora_targets), get_algorithm("diffusion_nft"), algo,
