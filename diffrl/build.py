@@ -302,7 +302,7 @@ def actor_side(
         assert ranks.meshes.main is not None, "an sp axis > 1 has a main mesh"
         spec = family_spec(cfg.model.resolved_family)
         sp, sp_group = (
-            sp_hook(ranks.meshes.main["sp"], spec.name, spec.sp_plan),
+            sp_hook(ranks.meshes.main["sp"], spec.name, spec.sp_plan, ranks.meshes.size("tp")),
             ranks.meshes.group("sp"),
         )
     return ActorEngine(

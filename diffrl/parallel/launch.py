@@ -34,9 +34,10 @@ family's diffusers ``_cp_plan`` on the main mesh's ``sp`` axis (``parallel/sp.py
 FSDP2 over ``dp_shard`` as above. Like a tp group, the ranks of an sp group are one
 data-parallel rank (same prompts and seeds) and each holds a whole, replicated (unsharded)
 rollout; each rank's adapter gradients are its tokens' share, summed over the sp group before
-the dp average and the clipping. Families without a plan diffrl train runs (SD3, the tiny DiT,
-LTX-2), sp beside tp, and the actor's compile under sp are refused at start-up, naming the
-keys; so is tp with HSDP replicas (``dp_replicate`` > 1), which ``diffrl plan`` still plans.
+the dp average and the clipping. With tp beside it, TP is applied first and Ulysses splits
+each tp rank's heads again. Families without a plan diffrl train runs (SD3, the tiny DiT,
+LTX-2) and the actor's compile under sp are refused at start-up, naming the keys; so is tp
+with HSDP replicas (``dp_replicate`` > 1), which ``diffrl plan`` still plans.
 """
 
 from __future__ import annotations
@@ -285,19 +286,13 @@ def check_tp(cfg, dims: ParallelDims) -> None:
 
 def check_sp(cfg, dims: ParallelDims) -> None:
     """``parallel.sp`` > 1 before any process group: the family must have a context-parallel
-    plan diffrl train runs (``parallel/sp.py``); tp beside sp and the actor's compile are not
-    run yet."""
+    plan diffrl train runs (``parallel/sp.py``); the actor's compile is not run over it yet.
+    Beside tp, the tp checks run too (``check_tp``)."""
     from diffrl.models.registry import family  # the records import diffusers lazily
     from diffrl.parallel.sp import check_family
 
     spec = family(cfg.model.resolved_family)
     check_family(spec.name, spec.sp_plan, dims.sp)
-    if dims.tp > 1:
-        raise ConfigError(
-            f"{KEY}.sp={dims.sp} with {KEY}.tp={dims.tp}: diffrl train does not compose "
-            f"sequence and tensor parallelism in the actor yet; set {KEY}.tp=1 (sp composes "
-            f"with {KEY}.dp_shard) or {KEY}.sp=1"
-        )
     if cfg.actor.compile:
         raise ConfigError(
             f"config key 'actor.compile' = True with {KEY}.sp={dims.sp}: the actor's regional "

@@ -410,17 +410,24 @@ def check_family(family: str, sp_plan: str, sp: int) -> None:
         )
 
 
-def sp_hook(mesh: DeviceMesh, family: str, sp_plan: str):
+def sp_hook(mesh: DeviceMesh, family: str, sp_plan: str, tp: int = 1):
     """The actor's ``sequence_parallel`` hook for ``mesh`` (the main mesh's ``sp`` axis), or a
-    ConfigError naming the family when it has no plan diffrl train runs."""
+    ConfigError naming the family when it has no plan diffrl train runs. ``tp``: the degree
+    the model is already tensor-parallel at (its attentions then hold heads / tp heads, which
+    Ulysses splits again)."""
     check_family(family, sp_plan, mesh.size())
 
     def hook(model: nn.Module) -> str:
         """Shard ``model``'s transformer over the sequence; the layout, in a line."""
         from diffrl.models.family import transformer_root
+        from diffrl.parallel.dims import ParallelDims
 
         root = transformer_root(model)
         cls = type(root).__name__
+        # tp and tp * sp must divide the heads; ConfigError naming both keys
+        sp = mesh.size()
+        heads = root.config.num_attention_heads
+        ParallelDims(sp=sp, tp=tp, world_size=sp * tp).validate(dit_heads=heads)
         enable_ulysses(root, mesh)
         return (
             f"sequence parallel: Ulysses over sp={mesh.size()} (ranks {mesh.mesh.tolist()}) "
