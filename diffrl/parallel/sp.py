@@ -2,7 +2,8 @@
 a head shard, so each rank attends over the *whole* sequence with ``H / sp`` of the heads.
 
 ``diffrl train`` applies it to the actor under ``parallel.sp`` > 1 (:func:`sp_hook`, called by
-``ActorEngine`` after TP and before precision, compile and FSDP2); the rollout stays unsharded
+``ActorEngine`` after TP, whose heads it splits again, and before precision, activation
+checkpointing, compile and FSDP2, torchtitan's order); the rollout stays unsharded
 (every rank of an sp group holds a whole, replicated rollout copy). A family's record says
 whether its class has a ``_cp_plan`` (``FamilySpec.sp_plan``); what each plan splits is listed
 in ``docs/parallel.md``.
