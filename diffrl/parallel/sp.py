@@ -38,7 +38,8 @@ splits the video stream only (see :data:`REFUSED`), so ``diffrl train`` refuses 
 Gradients. The plan's split is a plain slice and its gather's backward hands each rank the
 slice of the output gradient for its own tokens, so every parameter's gradient on a rank is the
 share of its tokens; the whole gradient is the sum over the sp group (measured against one
-process for H3 and Wan: ``tests/parallel/test_sp_gloo.py``). A stream that is not split (Wan's
+process, the shares unequal to the whole and their sum equal to it, for H3, Wan, FLUX and
+Qwen-Image: ``tests/parallel/test_sp_train_gloo.py``). A stream that is not split (Wan's
 text; its cross-attention keys go through the all-to-all as sp identical copies, exact, sp
 times that attention's work) still gets a share per rank, as the copies split the attention
 weights. The actor sums the adapters' gradients over the sp group before clipping.
