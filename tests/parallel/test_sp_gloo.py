@@ -224,3 +224,28 @@ def test_wan_with_diffusers_ulysses_over_2_ranks_equals_unsharded(tmp_path):
         assert r["same_grads"], r
         assert r["grad_diff"] <= GRAD_ATOL, r
     assert time.monotonic() - t0 < DEADLINE_S
+
+
+def test_a_split_length_shorter_than_sp_is_refused_naming_the_rows():
+    """Every rank must hold a row of every length the plan splits (diffusers would fail an
+    assert deep in the forward): checked, before any collective, from the forward's inputs."""
+    from diffusers import WanTransformer3DModel
+
+    from diffrl.models.families import wan
+
+    dit = WanTransformer3DModel.from_config(wan.PRESETS["wan-tiny"]["transformer"])
+    sp.check_lengths(dit, 2, {"hidden_states": torch.zeros(1, 16, 1, 2, 4)})  # 2 tokens: fine
+    with pytest.raises(
+        ConfigError, match=r"parallel.sp=2: WanTransformer3DModel's .* video tokens \(1 x 1 x 1\)"
+    ):
+        sp.check_lengths(dit, 2, {"hidden_states": torch.zeros(1, 16, 1, 2, 2)})
+
+
+def test_an_attention_mask_over_more_than_the_keys_is_refused():
+    """diffrl's stand-in for diffusers' Ulysses-anything attention takes a mask over this rank's
+    keys only; another (a (B, H, S_q, S_kv) mask) raises, naming the key, before any
+    collective."""
+    q = torch.zeros(1, 3, 4, 8)
+    for mask in (torch.ones(1, 4, 3, 3, dtype=torch.bool), torch.ones(1, 1, 1, 5)):
+        with pytest.raises(NotImplementedError, match=r"parallel.sp: .*mask over this rank's"):
+            sp._UlyssesAnything.apply(q, q, q, mask, 0.0, False, None, False, False, None, None)
