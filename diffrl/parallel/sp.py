@@ -277,9 +277,11 @@ SPLITS = {
 # Families whose class declares a ``_cp_plan`` that diffrl train still refuses, and why.
 REFUSED = {
     "ltx2": (
-        "its _cp_plan splits the video stream only: the audio stream runs whole on every rank "
-        "and its output is not gathered, so the audio path's gradients would be whole on each "
-        "rank while the video path's are shares (no one reduction over sp is right)"
+        "its _cp_plan (diffusers 0.42.1) splits the video tokens and their rope but not the "
+        "audio-to-video cross-attention's rope (on ltx2-tiny at sp=2 that attention fails: 40 "
+        "query rows against 80 rope rows), and leaves the audio stream whole on every rank, "
+        "its output not gathered, so the audio path's gradients would be whole on each rank "
+        "while the video path's are shares"
     ),
 }
 
