@@ -26,8 +26,9 @@ Two ways in:
   only).
 * :func:`enable_ulysses`: a diffusers transformer through diffusers' own machinery: the class's
   ``_cp_plan`` (which inputs to split, which outputs to gather) applied by
-  ``ModelMixin.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=...))``,
-  whose attention backends then run ``TemplatedUlyssesAttention``. We do not write a second plan.
+  ``ModelMixin.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=...,
+  ulysses_anything=True))``, whose attention backends then hand every attention to
+  :func:`ulysses_attention` (see "Lengths" below). We do not write a second plan.
 
 Which families declare ``_cp_plan`` (diffusers 0.42.1): Wan (``WanTransformer3DModel``), Flux
 (``FluxTransformer2DModel``), Qwen-Image (``QwenImageTransformer2DModel``), LTX-2
@@ -360,7 +361,7 @@ def enable_ulysses(transformer: nn.Module, mesh_or_group: DeviceMesh | dist.Proc
 
     Does: checks the class declares ``_cp_plan`` and that sp divides
     ``config.num_attention_heads``, then calls ``enable_parallelism`` with
-    ``ContextParallelConfig(ulysses_degree=sp, mesh=...)``. From then on each forward takes the
+    ``ContextParallelConfig(ulysses_degree=sp, mesh=..., ulysses_anything=True)``. From then on each forward takes the
     *full* inputs on every rank; the plan's hooks split them along the sequence, every attention
     runs Ulysses, and the output is gathered, so each rank returns the full output. A length
     sp does not divide is cut unevenly (module docstring); before each forward every rank is
