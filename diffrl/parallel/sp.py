@@ -21,9 +21,9 @@ is. Anchor: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509).
 Two ways in:
 
 * :func:`ulysses_attention`: the op itself over tensors, a few lines around SDPA, differentiable
-  (the all-to-all's backward is the reverse all-to-all). It is the reference for what diffusers
-  does, and the path for a model of our own with no context-parallel plan (reached from tests
-  only).
+  (the all-to-all's backward is the reverse all-to-all), on shards of any lengths. It is what
+  every attention of a transformer under :func:`enable_ulysses` runs, and the path for a model
+  of our own with no context-parallel plan.
 * :func:`enable_ulysses`: a diffusers transformer through diffusers' own machinery: the class's
   ``_cp_plan`` (which inputs to split, which outputs to gather) applied by
   ``ModelMixin.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=...,
@@ -361,12 +361,13 @@ def enable_ulysses(transformer: nn.Module, mesh_or_group: DeviceMesh | dist.Proc
 
     Does: checks the class declares ``_cp_plan`` and that sp divides
     ``config.num_attention_heads``, then calls ``enable_parallelism`` with
-    ``ContextParallelConfig(ulysses_degree=sp, mesh=..., ulysses_anything=True)``. From then on each forward takes the
-    *full* inputs on every rank; the plan's hooks split them along the sequence, every attention
-    runs Ulysses, and the output is gathered, so each rank returns the full output. A length
-    sp does not divide is cut unevenly (module docstring); before each forward every rank is
-    checked to get a row (:func:`check_lengths`). Diffusers checks that the
-    attention backend supports context parallelism ("native" SDPA does; a backend that does not
+    ``ContextParallelConfig(ulysses_degree=sp, mesh=..., ulysses_anything=True)``. From then
+    on each forward takes the *full* inputs on every rank; the plan's hooks split them along
+    the sequence, every attention runs Ulysses, and the output is gathered, so each rank
+    returns the full output. A length sp does not divide is cut unevenly (module docstring);
+    before each forward every rank is checked to get a row (:func:`check_lengths`). Diffusers
+    checks that the attention backend supports context parallelism ("native" SDPA does; a
+    backend that does not
     raises there, naming those that do).
 
     Does not cover: a family with no ``_cp_plan`` (SD3: ``ConfigError``, use ``parallel.sp=1``);
