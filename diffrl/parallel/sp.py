@@ -367,8 +367,7 @@ def enable_ulysses(transformer: nn.Module, mesh_or_group: DeviceMesh | dist.Proc
     returns the full output. A length sp does not divide is cut unevenly (module docstring);
     before each forward every rank is checked to get a row (:func:`check_lengths`). Diffusers
     checks that the attention backend supports context parallelism ("native" SDPA does; a
-    backend that does not
-    raises there, naming those that do).
+    backend that does not raises there, naming those that do).
 
     Does not cover: a family with no ``_cp_plan`` (SD3: ``ConfigError``, use ``parallel.sp=1``);
     ring attention; an attention mask other than one over the keys (``NotImplementedError``
