@@ -31,6 +31,7 @@ from diffrl.parallel.fsdp import shard_frozen_base
 from diffrl.parallel.launch import SOLO, Ranks, local_device
 from diffrl.parallel.launch import start as start_ranks
 from diffrl.parallel.launch import stop as stop_ranks
+from diffrl.parallel.sp import sp_hook
 from diffrl.parallel.tp_lora import tp_hook
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
@@ -302,6 +303,14 @@ def actor_side(
         assert ranks.meshes.main is not None, "a tp axis > 1 has a main mesh"
         spec = family_spec(cfg.model.resolved_family)
         tp = tp_hook(ranks.meshes.main["tp"], spec.tp_plan, spec.name, ranks.rollout_tp)
+    sp = sp_group = None  # sequence parallel: the DiT's sequence sharded with the class's plan
+    if ranks.meshes is not None and ranks.meshes.size("sp") > 1:
+        assert ranks.meshes.main is not None, "an sp axis > 1 has a main mesh"
+        spec = family_spec(cfg.model.resolved_family)
+        sp, sp_group = (
+            sp_hook(ranks.meshes.main["sp"], spec.name, spec.sp_plan, ranks.meshes.size("tp")),
+            ranks.meshes.group("sp"),
+        )
     return ActorEngine(
         base, actor_with_horizon(cfg), actor_targets(cfg), algorithm, cfg.algorithm, device,
         cfg.run.seed,
@@ -309,6 +318,8 @@ def actor_side(
         dp_group=ranks.dp_group if dp else None,
         rows_groups=ranks.rows_groups,
         tensor_parallel=tp,
+        sequence_parallel=sp,
+        sp_group=sp_group,
     )  # fmt: skip
 
 

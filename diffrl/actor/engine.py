@@ -321,6 +321,8 @@ class ActorEngine:
         dp_group=None,
         tensor_parallel: Callable[[torch.nn.Module], str] | None = None,
         rows_groups: Mapping[str, ProcessGroup | None] | None = None,
+        sequence_parallel: Callable[[torch.nn.Module], str] | None = None,
+        sp_group: ProcessGroup | None = None,
     ) -> None:
         """``shard`` (data parallel, ``parallel/fsdp.py``) shards the peft-wrapped model in
         place once its adapters exist; ``dp_group`` is the process group whose ranks each train
@@ -328,7 +330,10 @@ class ActorEngine:
         ``rows_groups``: axis -> process group of the ranks that compute on the same rows (TP,
         SP; ``Ranks.rows_groups``): every batch's token hashes are compared across each.
         ``tensor_parallel`` (``parallel/tp_lora.py``) shards the base and the adapters with
-        the family's TP plan, before any precision, compile or FSDP step (torchtitan's order)."""
+        the family's TP plan, before any precision, compile or FSDP step (torchtitan's order);
+        ``sequence_parallel`` (``parallel/sp.py``) then shards the transformer's sequence over
+        ``sp_group``, whose ranks each hold their tokens' share of every gradient: the
+        adapters' gradients are summed over it before clipping."""
         self.cfg, self.algorithm, self.algo_cfg, self.device = cfg, algorithm, algo_cfg, device
         self.rows_groups = dict(rows_groups or {})
         self.ids_device = model.ids_device(device)
@@ -375,7 +380,11 @@ class ActorEngine:
         # TP replaces the sharded parameters by DTensor ones: before anything keys on them
         self.sharded = tensor_parallel is not None
         # what the model parallelism applied, in a line for the console ("" = none)
-        self.layout = tensor_parallel(self.model) if tensor_parallel is not None else ""
+        layouts = [tensor_parallel(self.model)] if tensor_parallel is not None else []
+        if sequence_parallel is not None:  # after TP, before precision, compile and FSDP2
+            layouts.append(sequence_parallel(self.model))
+        self.layout = "; ".join(layouts)
+        self.sp_group = sp_group
         self.masters: dict[Tensor, Tensor] = {}  # LoRA factor -> its fp32 master (bf16 compute)
         # the precision the policy's forward computes in (the first-step gate's default
         # threshold depends on it), and whether that gate has run in this process
@@ -567,6 +576,7 @@ class ActorEngine:
         if st.passes == 0:
             return {"actor/skipped_empty": 1.0}
         total, metrics = self.reduction.combine(self.params, st)
+        self._sum_over_sp()
         out = {**st.diagnostics, **self._update(total, {**metrics, **st.maxima})}
         self._check_peers()
         if self.device.type == "cpu":  # the step's activations were host memory
@@ -591,6 +601,19 @@ class ActorEngine:
             for axis, group in self.peers.items()
         }
         check_adapters_across(groups, f"after optimizer step {self.version}")
+    def _sum_over_sp(self) -> None:
+        """Under sequence parallelism each rank of the sp group holds its tokens' share of the
+        adapters' gradients (``parallel/sp.py``): the whole ones are their sum, in fp32, in one
+        all-reduce; every rank of the group then clips and steps the same."""
+        if self.sp_group is None:
+            return
+        grads = [local(grad_or_zeros(p)) for p in self.params]
+        flat = torch.cat([g.float().reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=self.sp_group)
+        start = 0
+        for g in grads:
+            g.copy_(flat[start : start + g.numel()].view_as(g))
+            start += g.numel()
 
     def _on_device(self, batch: TrainBatch, index: Tensor) -> TrainBatch:
         """Rows ``index`` on the actor's device, the ids where the model wants them

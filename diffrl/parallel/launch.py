@@ -45,9 +45,17 @@ data-parallel rank) and each update lands through the verified sharded sync
 (``parallel/tp_sync.py``); "replicated" keeps a whole copy on every rank that receives the
 gathered LoRA through the one-process sync. ``parallel.etp`` above 1 shards the frozen text
 encoders over groups of ``etp`` consecutive ranks (their own mesh), independently of the other
-degrees, and encodes every prompt at start-up (``parallel/etp.py``). tp with HSDP replicas
-(``dp_replicate`` > 1) and ``sp`` above 1 are planned by ``diffrl plan`` and tested on their
-own (``tests/parallel``); ``diffrl train`` refuses them, naming the keys.
+degrees, and encodes every prompt at start-up (``parallel/etp.py``).
+
+``parallel.sp`` > 1 shards the actor's DiT forward over the sequence with Ulysses, through the
+family's diffusers ``_cp_plan`` on the main mesh's ``sp`` axis (``parallel/sp.py``), then
+FSDP2 over ``dp_shard`` as above. Like a tp group, the ranks of an sp group are one
+data-parallel rank (same prompts and seeds) and the rollout is not sharded over sp
+(each sp rank holds the copy its tp coordinate holds); each rank's adapter gradients are its tokens' share, summed over the sp group before
+the dp average and the clipping. With tp beside it, TP is applied first and Ulysses splits
+each tp rank's heads again. Families without a plan diffrl train runs (SD3, the tiny DiT,
+LTX-2) and the actor's compile under sp are refused at start-up, naming the keys; so is tp
+with HSDP replicas (``dp_replicate`` > 1), which ``diffrl plan`` still plans.
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ class ParallelConfig:
 
     dp_replicate: int = 1  # HSDP replicas
     dp_shard: int = -1  # FSDP2 shards per replica; -1 = whatever the other degrees leave
-    sp: int = 1  # Ulysses sequence parallelism (planned; not applied by diffrl train yet)
+    sp: int = 1  # Ulysses sequence parallelism of the actor's DiT (parallel/sp.py)
     tp: int = 1  # tensor parallelism of the actor's DiT and LoRA
     etp: int = 1  # tensor parallelism of the text encoders (parallel/etp.py)
     # the rollout's and evaluator's DiT copies under tp > 1: "sharded" with the actor's TP plan
@@ -244,11 +252,7 @@ def start(cfg) -> Ranks:
     if dims.world_size == 1:
         return SOLO
     if dims.sp > 1:
-        raise ConfigError(
-            f"{KEY}.sp={dims.sp}: diffrl train shards the data (FSDP2 over dp_shard and "
-            "dp_replicate), the DiT (tp) and the text encoders (etp); sequence parallelism is "
-            f"planned by diffrl plan and tested on its own. Set {KEY}.sp to 1"
-        )
+        check_sp(cfg, dims)
     if dims.tp > 1:
         check_tp(cfg, dims)
     rollout_tp = dims.tp > 1 and cfg.parallel.rollout == "sharded"
@@ -354,6 +358,23 @@ def check_tp(cfg, dims: ParallelDims) -> None:
                     f"run with rollout.{key} yet; set rollout.{key}=false, or "
                     f"{KEY}.rollout=replicated (a whole copy on every rank)"
                 )
+
+
+def check_sp(cfg, dims: ParallelDims) -> None:
+    """``parallel.sp`` > 1 before any process group: the family must have a context-parallel
+    plan diffrl train runs (``parallel/sp.py``); the actor's compile is not run over it yet.
+    Beside tp, the tp checks run too (``check_tp``)."""
+    from diffrl.models.registry import family  # the records import diffusers lazily
+    from diffrl.parallel.sp import check_family
+
+    spec = family(cfg.model.resolved_family)
+    check_family(spec.name, spec.sp_plan, dims.sp)
+    if cfg.actor.compile:
+        raise ConfigError(
+            f"config key 'actor.compile' = True with {KEY}.sp={dims.sp}: the actor's regional "
+            "compile is not run over diffusers' context-parallel hooks yet; set "
+            "actor.compile=false (the rollout, unsharded, may still compile)"
+        )
 
 
 def stop() -> None:

@@ -9,11 +9,11 @@ Wan's parameter gradients, summed over the ranks in another order, differ by ~4e
 The op's test also records how far the answer is from attending *within* a shard only, so a
 tolerance far below it cannot pass by accident; Wan's records the sequence its blocks see.
 
-Diffusers' path (``enable_ulysses``) cannot run unmodified on a machine with no accelerator (see
-``sp.py``'s docstring: one ``rank % torch.accelerator.device_count()``). The Wan test asserts
-that refusal, then stubs ``device_count`` to 1 *inside the rank processes only* to check that the
-rest of diffusers' path (``_cp_plan`` hooks, ``TemplatedUlyssesAttention`` on gloo) gives the
-unsharded output and, summed over ranks, the unsharded parameter gradients.
+Diffusers' path (``enable_ulysses``) divides by ``torch.accelerator.device_count()`` once (see
+``sp.py``'s docstring); on a machine with none, ``enable_ulysses`` reports one device for that
+call only, and the Wan test checks the count is 0 again afterwards. Its transformer, through
+the ``_cp_plan`` hooks and diffrl's Ulysses attention on gloo, gives the unsharded output and,
+summed over ranks, the unsharded parameter gradients. The actor over it: test_sp_train_gloo.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
 
-from diffrl.errors import ConfigError, DiffrlError
+from diffrl.errors import ConfigError
 from diffrl.parallel import sp
 
 pytestmark = pytest.mark.skipif(
@@ -65,11 +65,13 @@ def _error_of(fn, kind=ConfigError) -> str:
 
 # --- the op: ulysses_attention ----------------------------------------------------------------
 
-# (name, B, S_q, S_kv, H, D, causal). 18 and 10 tokens are 9 and 5 a rank: odd shards.
+# (name, B, S_q, S_kv, H, D, causal). 18 and 10 tokens are 9 and 5 a rank: odd shards; 19 and
+# 7 are cut unevenly (10 + 9, 4 + 3), as ``tensor_split`` cuts them.
 CASES = [
     ("self, 4 heads, 18 tokens", 2, 18, 18, 4, 8, False),
     ("causal, 4 heads, 10 tokens", 1, 10, 10, 4, 8, True),
     ("cross, 8 heads, 6 queries on 14 keys", 2, 6, 14, 8, 4, False),
+    ("uneven, 4 heads, 19 queries on 7 keys", 2, 19, 7, 4, 8, False),
 ]
 
 
@@ -93,22 +95,23 @@ def _attention_rank(rank: int, port: int, out: Path) -> None:
         ref = _sdpa(q, k, v, causal)
         ref_grads = torch.autograd.grad((ref * probe).sum(), (q, k, v))
 
-        def mine(x):  # this rank's contiguous slice of the sequence
-            return x.detach().chunk(WORLD, dim=1)[rank].clone().requires_grad_()
+        def cut(x):  # this rank's contiguous slice of the sequence
+            return x.tensor_split(WORLD, dim=1)[rank]
+
+        def mine(x):
+            return cut(x.detach()).clone().requires_grad_()
 
         q_l, k_l, v_l = mine(q), mine(k), mine(v)
         got = sp.ulysses_attention(q_l, k_l, v_l, group, is_causal=causal)
-        got_grads = torch.autograd.grad(
-            (got * probe.chunk(WORLD, dim=1)[rank]).sum(), (q_l, k_l, v_l)
-        )
-        ref_l = ref.detach().chunk(WORLD, dim=1)[rank]
+        got_grads = torch.autograd.grad((got * cut(probe)).sum(), (q_l, k_l, v_l))
+        ref_l = cut(ref.detach())
         within_shard = _sdpa(q_l, k_l, v_l, causal).detach()  # what no communication would give
         results[name] = dict(
             shape=list(got.shape),
             diff=(got - ref_l).abs().max().item(),
             within_shard=(within_shard - ref_l).abs().max().item(),
             grad_diff=max(
-                (gg - rg.chunk(WORLD, dim=1)[rank]).abs().max().item()
+                (gg - cut(rg)).abs().max().item()
                 for gg, rg in zip(got_grads, ref_grads, strict=True)
             ),
         )
@@ -125,7 +128,7 @@ def test_ulysses_attention_on_shards_equals_full_attention(tmp_path):
     for name, b, s_q, _, h, d, _ in CASES:
         for rank, r in enumerate(ranks):
             c = r[name]
-            assert c["shape"] == [b, s_q // WORLD, h, d], (rank, name)
+            assert c["shape"] == [b, (s_q + WORLD - 1 - rank) // WORLD, h, d], (rank, name)
             assert c["diff"] <= ATOL, (rank, name, c)
             assert c["grad_diff"] <= GRAD_ATOL, (rank, name, c)
         # The shards did talk (on some rank: under a causal mask rank 0 needs only its own).
@@ -192,11 +195,8 @@ def _wan_rank(rank: int, port: int, out: Path) -> None:
         forward()
 
     result = dict(no_accelerator=torch.accelerator.device_count() == 0)
-    if result["no_accelerator"]:
-        result["refusal"] = _error_of(lambda: sp.enable_ulysses(dit, meshes.main), DiffrlError)
-        # Stub only the count diffusers divides by (it records a device, never uses it).
-        torch.accelerator.device_count = lambda: 1
     sp.enable_ulysses(dit, meshes.main)
+    result["count_after"] = torch.accelerator.device_count()
     got = forward()
     got_grads = grads((got * probe).sum())
     for p in got_grads.values():  # each rank holds its tokens' share
@@ -216,12 +216,36 @@ def test_wan_with_diffusers_ulysses_over_2_ranks_equals_unsharded(tmp_path):
     t0 = time.monotonic()
     _spawn(_wan_rank, tmp_path)
     for r in _read(tmp_path):
-        if r["no_accelerator"]:
-            assert "needs an accelerator" in r["refusal"], r["refusal"]
-            assert "device_count()" in r["refusal"], r["refusal"]
+        if r["no_accelerator"]:  # the one device reported inside enable_ulysses only
+            assert r["count_after"] == 0, r
         assert r["seen"] == [12, 12 // WORLD], r  # unsharded, then each rank's half
         assert r["shape"] == [2, 16, 3, 4, 4]
         assert r["diff"] <= ATOL, r
         assert r["same_grads"], r
         assert r["grad_diff"] <= GRAD_ATOL, r
     assert time.monotonic() - t0 < DEADLINE_S
+
+
+def test_a_split_length_shorter_than_sp_is_refused_naming_the_rows():
+    """Every rank must hold a row of every length the plan splits (diffusers would fail an
+    assert deep in the forward): checked, before any collective, from the forward's inputs."""
+    from diffusers import WanTransformer3DModel
+
+    from diffrl.models.families import wan
+
+    dit = WanTransformer3DModel.from_config(wan.PRESETS["wan-tiny"]["transformer"])
+    sp.check_lengths(dit, 2, {"hidden_states": torch.zeros(1, 16, 1, 2, 4)})  # 2 tokens: fine
+    with pytest.raises(
+        ConfigError, match=r"parallel.sp=2: WanTransformer3DModel's .* video tokens \(1 x 1 x 1\)"
+    ):
+        sp.check_lengths(dit, 2, {"hidden_states": torch.zeros(1, 16, 1, 2, 2)})
+
+
+def test_an_attention_mask_over_more_than_the_keys_is_refused():
+    """diffrl's stand-in for diffusers' Ulysses-anything attention takes a mask over this rank's
+    keys only; another (a (B, H, S_q, S_kv) mask) raises, naming the key, before any
+    collective."""
+    q = torch.zeros(1, 3, 4, 8)
+    for mask in (torch.ones(1, 4, 3, 3, dtype=torch.bool), torch.ones(1, 1, 1, 5)):
+        with pytest.raises(NotImplementedError, match=r"parallel.sp: .*mask over this rank's"):
+            sp._UlyssesAnything.apply(q, q, q, mask, 0.0, False, None, False, False, None, None)
