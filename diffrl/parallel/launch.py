@@ -48,14 +48,14 @@ encoders over groups of ``etp`` consecutive ranks (their own mesh), independentl
 degrees, and encodes every prompt at start-up (``parallel/etp.py``).
 
 ``parallel.sp`` > 1 shards the actor's DiT forward over the sequence with Ulysses, through the
-family's diffusers ``_cp_plan`` on the main mesh's ``sp`` axis (``parallel/sp.py``), then
-FSDP2 over ``dp_shard`` as above. Like a tp group, the ranks of an sp group are one
-data-parallel rank (same prompts and seeds) and the rollout is not sharded over sp (each sp
-rank holds the copy its tp coordinate holds); each rank's adapter gradients are its tokens'
-share, summed over the sp group before the dp average and the clipping. With tp beside it,
-TP is applied first and Ulysses splits each tp rank's heads again. Families without a plan diffrl train runs (SD3, the tiny DiT,
-LTX-2) and the actor's compile under sp are refused at start-up, naming the keys; so is tp
-with HSDP replicas (``dp_replicate`` > 1), which ``diffrl plan`` still plans.
+family's diffusers ``_cp_plan`` on the main mesh's ``sp`` axis (``parallel/sp.py``), then FSDP2
+over ``dp_shard`` as above. Like a tp group, the ranks of an sp group are one data-parallel
+rank (same prompts and seeds) and the rollout is not sharded over sp (each sp rank holds the
+copy its tp coordinate holds); each rank's adapter gradients are its tokens' share, summed over
+the sp group before the dp average and the clipping. With tp beside it, TP is applied first and
+Ulysses splits each tp rank's heads again. Families without a plan diffrl train runs (SD3, the
+tiny DiT, LTX-2) and the actor's compile under sp are refused at start-up, naming the keys; so
+is tp with HSDP replicas (``dp_replicate`` > 1), which ``diffrl plan`` still plans.
 """
 
 from __future__ import annotations
