@@ -601,6 +601,7 @@ class ActorEngine:
             for axis, group in self.peers.items()
         }
         check_adapters_across(groups, f"after optimizer step {self.version}")
+
     def _sum_over_sp(self) -> None:
         """Under sequence parallelism each rank of the sp group holds its tokens' share of the
         adapters' gradients (``parallel/sp.py``): the whole ones are their sum, in fp32, in one
