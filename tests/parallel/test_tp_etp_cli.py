@@ -1,9 +1,10 @@
 """``diffrl train`` from the command line with the DiT and the text encoder parallel at once,
 set independently: ``torchrun --nproc-per-node 4 ... recipes/av_t2va_nft.yaml parallel.tp=2
-parallel.etp=2`` (dp_shard 2 x tp 2 on the main mesh, two ETP groups of 2 for Qwen3-VL) on 4
-gloo ranks, with the AVBench MiniMax-H3 base. One run directory, both layouts said at start-up,
-the one-process run's samples and first step, and the checkpoint resumed at another layout
-(2 ranks, data parallel with etp 2, no tp)."""
+parallel.etp=4`` (dp_shard 2 x tp 2 on the main mesh, one ETP group of 4 for Qwen3-VL) on 4
+gloo ranks, with the AVBench MiniMax-H3 base whose encoder's 4 key-value heads split by 4
+(h3-avbench-tp4). One run directory, both layouts said at start-up, the one-process run's
+samples and first step; the checkpoint resumed at the same layout into the one-process run's
+second step, then at another (2 ranks, Ulysses sp=2 with etp 2, no tp) into its third."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _overrides(out: Path, steps: int) -> list[str]:
         "data.eval_prompts=2", "data.eval_samples_per_prompt=1", "probe.mode=off",
         f"run.out_dir={out}", "run.name=r", "run.tensorboard=false", "rollout.compile=false",
         "actor.compile=false", "run.threads=1", "run.eval_every=2", "run.save_every=1",
+        "model.preset=h3-avbench-tp4",
     ]  # fmt: skip
 
 
@@ -37,11 +39,12 @@ def test_tp_and_etp_together_from_the_command_line(tmp_path: Path) -> None:
     from diffrl.controller.loop import train
     from diffrl.controller.run_dir import read_metrics
 
-    one = read_metrics(asyncio.run(train(load_config(RECIPE, _overrides(tmp_path / "one", 2)))))
+    one = read_metrics(asyncio.run(train(load_config(RECIPE, _overrides(tmp_path / "one", 3)))))
     out = tmp_path / "par"
-    console = _torchrun(4, [*_overrides(out, 1), "parallel.tp=2", "parallel.etp=2"])
+    layout = ["parallel.tp=2", "parallel.etp=4"]
+    console = _torchrun(4, [*_overrides(out, 1), *layout])
     assert "tensor parallel: minimax_h3's TP plan over tp=2" in console
-    assert "ETP: text encoder(s) text_encoder sharded over 2 ranks" in console
+    assert "ETP: text encoder(s) text_encoder sharded over 4 ranks" in console
     assert console.count("run directory:") == 1  # rank 0 alone
     rows = read_metrics(out / "r")
     assert [r["step"] for r in rows] == [0, 1]
@@ -49,9 +52,13 @@ def test_tp_and_etp_together_from_the_command_line(tmp_path: Path) -> None:
         assert rows[1][key] == pytest.approx(one[1][key], rel=1e-5, abs=1e-6), key
     for key in ("actor/loss", "actor/grad_norm"):  # sums reordered by the shards
         assert rows[1][key] == pytest.approx(one[1][key], rel=1e-4), key
-    # the step-1 checkpoint (the one-process format) resumes at another layout
-    _torchrun(2, [*_overrides(out, 2), "parallel.etp=2"])
+    # the step-1 checkpoint (the one-process format) resumes at the same layout, then the
+    # step-2 one at another: sequence parallel instead of tensor parallel
+    _torchrun(4, [*_overrides(out, 2), *layout])
+    console = _torchrun(2, [*_overrides(out, 3), "parallel.sp=2", "parallel.etp=2"])
+    assert "sequence parallel: Ulysses over sp=2" in console
     rows = read_metrics(out / "r")
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("actor/loss", "actor/grad_norm"):
-        assert rows[2][key] == pytest.approx(one[2][key], rel=1e-3), key
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for step in (2, 3):
+        for key in ("actor/loss", "actor/grad_norm"):
+            assert rows[step][key] == pytest.approx(one[step][key], rel=1e-3), (step, key)
