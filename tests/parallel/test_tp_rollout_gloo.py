@@ -277,6 +277,7 @@ def _family_rank(rank: int, port: int, out: Path) -> None:
     """Per family: the replicated and the sharded rollout of the same tiny DiT, the same
     adapter synced into both (random B: the deltas move the forward), the same prompts sampled;
     a family's failure is recorded as its result, so the others still run in this group."""
+    from test_tp_lora_gloo import _actor
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
@@ -287,7 +288,6 @@ def _family_rank(rank: int, port: int, out: Path) -> None:
     from diffrl.rollout.engine import RolloutConfig, RolloutEngine
     from diffrl.sync.receipt import load_verified
     from diffrl.tasks import Prompt, PromptSet
-    from test_tp_lora_gloo import _actor
 
     init_gloo(rank, WORLD, port, DEADLINE_S)
     mesh = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
