@@ -20,7 +20,15 @@ rank:
   says, the fused Q/K/V split in plain halves instead of per part, or the copy sharded over
   another mesh than the sync's tp group, fails building.
 
-Without gloo: ``parallel.rollout`` checked at load, ``rollout.compile`` / ``cuda_graphs``
+Every other family's tiny preset (FLUX, Qwen-Image, Wan, LTX-2, H3), in one process group:
+after one sync the sharded rollout samples as the replicated one, and its build (an alias of
+the model's storage, the serving layout read off a meta copy) gives the shards a whole copy
+sharded after gives, shares no storage with the model, leaves the model as it was, and leaves
+the global RNG where the replicated build does (not so without the replay of the layout's
+draws).
+
+Without gloo: ``parallel.rollout`` checked at load, a serving-layout draw the replay cannot
+repeat refused, ``rollout.compile`` / ``cuda_graphs``
 refused with a sharded rollout before any process group, held-out eval shared by data-parallel
 rank, and a family without a TP plan refused by name.
 
