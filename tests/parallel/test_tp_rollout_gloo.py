@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
 from sync_faults import no_op_apply
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffrl.sync.weights import LoraDelta, SyncError, WeightUpdate
 
@@ -285,6 +286,11 @@ def test_a_family_without_a_tp_plan_cannot_shard_its_rollout(tiny_model) -> None
 # --- every family's tiny preset through the sharded rollout -------------------------------------
 
 
+class _PassThrough(TorchDispatchMode):  # the meta copy's fills, not repeated anywhere
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _family_rank(rank: int, port: int, out: Path) -> None:
     """Per family: the replicated and the sharded rollout of the same tiny DiT, the same
     adapter synced into both (random B: the deltas move the forward), the same prompts sampled;
@@ -332,14 +338,14 @@ def _family_rank(rank: int, port: int, out: Path) -> None:
             )
             # the fused Linears' draws replayed on the device (here the host): without, the
             # global RNG would not be where one process leaves it
-            real_ops = tp_sync._ReplayDraws.OPS
-            tp_sync._ReplayDraws.OPS = set()
+            replay = tp_sync._ReplayDraws
+            tp_sync._ReplayDraws = lambda device: _PassThrough()
             try:
                 torch.manual_seed(1)
                 RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=plan)
                 rng_unreplayed = torch.get_rng_state()
             finally:
-                tp_sync._ReplayDraws.OPS = real_ops
+                tp_sync._ReplayDraws = replay
             slots = sharded.target.slot_map
             held = {s.module for n in targets for s in slots.slots_for(n)}
             weights = [sharded.model.get_submodule(m).weight for m in held]
