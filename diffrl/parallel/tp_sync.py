@@ -4,7 +4,8 @@
 default): ``shard_rollout`` shards the rollout's and evaluator's DiT copies with the family's TP
 plan over the actor's tp group, keeping the serving layout's fusions TP can hold (fused Q/K/V
 under ``FusedColwiseParallel``), and checks their layout against what the sync expects
-(``check_layout``), ``RolloutEngine.load_weights`` applies each update through
+(``check_layout``); the copies are built without a whole second DiT on the device at any time
+(``alias_copy``, ``serving_slot_map``). ``RolloutEngine.load_weights`` applies each update through
 ``ShardedLoraTarget`` and ``receipt_of_sharded`` reads the post-sync receipt across the shards
 (``tests/parallel/test_tp_sync_gloo.py``, ``test_tp_rollout_gloo.py``).
 

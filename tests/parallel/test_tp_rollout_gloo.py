@@ -346,6 +346,19 @@ def _family_rank(rank: int, port: int, out: Path) -> None:
                 rng_unreplayed = torch.get_rng_state()
             finally:
                 tp_sync._ReplayDraws = replay
+            # (before the actor: peft renames the model's tensors)
+            source_kept = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            # a source whose untrained tensors differ by rank: a replicated placement is
+            # broadcast from rank 0 in place, which must land in the copy's own storage
+            odd = copy.deepcopy(model)
+            trained = {f"{t}.weight" for t in targets}
+            with torch.no_grad():
+                for k, v in odd.state_dict().items():
+                    if k not in trained and v.is_floating_point():
+                        v.add_(1e-3 * rank)
+            odd_before = {k: v.clone() for k, v in odd.state_dict().items()}
+            RolloutEngine(odd, cfg, targets, cpu, tp_mesh=mesh, tp_plan=plan)
+            odd_kept = all(torch.equal(v, odd_before[k]) for k, v in odd.state_dict().items())
             slots = sharded.target.slot_map
             held = {s.module for n in targets for s in slots.slots_for(n)}
             weights = [sharded.model.get_submodule(m).weight for m in held]
@@ -362,9 +375,8 @@ def _family_rank(rank: int, port: int, out: Path) -> None:
                 rng_unreplayed=torch.equal(rng_unreplayed, rng_whole),
                 as_before=as_before,
                 own=not (tp_sync._storages(sharded.model) & tp_sync._storages(model)),
-                source_kept=all(
-                    torch.equal(v, before[k]) for k, v in model.state_dict().items() if k in before
-                ),
+                source_kept=source_kept,
+                odd_kept=odd_kept,
                 diff=(y - x).abs().max().item(),
                 scale=x.abs().max().item(),
                 moved=(y - y0).abs().max().item(),
@@ -403,6 +415,7 @@ def test_every_familys_sharded_rollout_samples_as_the_replicated_one(tmp_path: P
             # built without a whole second copy: today's shards, its own storage, the source
             # untouched, the RNG where the replicated build leaves it (not without the replay)
             assert r["as_before"] and r["own"] and r["source_kept"], (family, r)
+            assert r["odd_kept"], (family, r)
             assert r["rng"] and not r["rng_unreplayed"], (family, r)
 
 
