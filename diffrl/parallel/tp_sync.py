@@ -4,7 +4,8 @@
 default): ``shard_rollout`` shards the rollout's and evaluator's DiT copies with the family's TP
 plan over the actor's tp group, keeping the serving layout's fusions TP can hold (fused Q/K/V
 under ``FusedColwiseParallel``), and checks their layout against what the sync expects
-(``check_layout``), ``RolloutEngine.load_weights`` applies each update through
+(``check_layout``); the copies are built without a whole second DiT on the device at any time
+(``alias_copy``, ``serving_slot_map``). ``RolloutEngine.load_weights`` applies each update through
 ``ShardedLoraTarget`` and ``receipt_of_sharded`` reads the post-sync receipt across the shards
 (``tests/parallel/test_tp_sync_gloo.py``, ``test_tp_rollout_gloo.py``).
 
@@ -40,19 +41,22 @@ sums), so a bad update raises ``SyncError`` on every rank and commits nothing an
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffrl.errors import ConfigError
-from diffrl.models.family import transformer_root
-from diffrl.parallel.tp import FusedColwiseParallel, Plan, apply_plan, resolve
+from diffrl.models.family import FamilyModel, transformer_root
+from diffrl.parallel.tp import FusedColwiseParallel, Plan, apply_plan, check_plan, resolve
 from diffrl.sync.layouts import fuse_parts, merge
 from diffrl.sync.receipt import SyncReceipt, receipt_rows
 from diffrl.sync.weights import (  # the single-process sync's base copies and dtype bound
@@ -73,6 +77,7 @@ from diffrl.sync.weights import (  # the single-process sync's base copies and d
     slot_weights,
 )
 
+_M = TypeVar("_M", bound=nn.Module)
 REL_TOL = 1e-4  # as MergedLoraTarget: fp32 rounding of W + delta is far inside it
 
 
@@ -542,16 +547,23 @@ def shard_rollout(
     base_device: str = "",
     base_prints: BasePrints | None = None,
     layout: SlotMap | None = None,
+    source: nn.Module | None = None,
 ) -> ShardedLoraTarget:
     """Shard a rollout's copy ``model`` (a plain FamilyModel, not peft-wrapped) in place with
     the family's TP ``plan`` over the 1-D tp ``mesh``, check its layout against what the sync
     expects, and return the target updates are written through.
 
-    ``layout``: the family's one-process serving layout's slot map (taken on another copy).
-    Its fusions of column-sharded parts (fused Q/K/V) are made here too, the fused weight held
-    by ``FusedColwiseParallel`` with ``RowView``s of it in the parts' place
-    (``tp_fusions``); what TP cannot hold (swapped shards) keeps the plan's shards as its
-    layout. ``base_prints``: the trained rows before any layout and the plan."""
+    ``layout``: the family's one-process serving layout's slot map (taken on another copy,
+    ``serving_slot_map``). Its fusions of column-sharded parts (fused Q/K/V) are made here too,
+    the fused weight held by ``FusedColwiseParallel`` with ``RowView``s of it in the parts'
+    place (``tp_fusions``); what TP cannot hold (swapped shards) keeps the plan's shards as its
+    layout. ``base_prints``: the trained rows before any layout and the plan.
+
+    ``source``: the model ``model`` was copied from by ``alias_copy`` (its tensors share
+    ``source``'s storage). Then no whole second DiT is made: every tensor the plan does not
+    shard gets its own storage first (a replicated placement is broadcast in place, which must
+    not write into the source), the sharded weights are scattered from the shared storage into
+    their shards, and each fusion's weight is whole only until it is sharded, one at a time."""
     family = getattr(getattr(model, "family", None), "name", type(model).__name__)
     if plan is None:
         raise ConfigError(
@@ -561,31 +573,136 @@ def shard_rollout(
         )
     root = transformer_root(model)
     prefix = next(n for n, m in model.named_modules() if m is root)
-    paths = resolve(root, plan)
+    paths = check_plan(root, mesh.size(), plan)  # all of it, before anything is sharded
     full = {path: f"{prefix}.{path}" if prefix else path for p in paths.values() for path in p}
     styles = {full[path]: style for pattern, style in plan.items() for path in paths[pattern]}
     fusions = tp_fusions(layout or SlotMap(), styles, model)
     fused_parts = {n for parts in fusions.values() for n in parts}
-    # the plan spelt out module by module, the fused parts' entries on their fused weight
+    # the plan spelt out module by module, less the fused parts (sharded as one weight below)
     explicit: Plan = {
         path: style
         for pattern, style in plan.items()
         for path in paths[pattern]
         if full[path] not in fused_parts
     }
+    if source is not None:
+        _own_storage(model, source, keep=_scattered(model, prefix, explicit, fused_parts))
+    apply_plan(root, mesh, explicit)
     maps = []
     device = next(model.parameters()).device
     # the fused Linears are made from the global RNG and overwritten: keep the draws out of it
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for module, parts in fusions.items():
             maps.append(fuse_parts(model, module, parts))
+            parallelize_module(model.get_submodule(module), mesh, FusedColwiseParallel(len(parts)))
             explicit[module[len(prefix) + 1 :] if prefix else module] = FusedColwiseParallel(
                 len(parts)
             )
+    if source is not None:  # a safety net: nothing of the copy may still share the source's
+        _own_storage(model, source, keep=set())
     slot_map = merge(*maps)
-    apply_plan(root, mesh, explicit)
     check_layout(model, mesh, explicit, targets, slot_map)
     return ShardedLoraTarget(model, mesh, targets, slot_map, base_device, base_prints)
+
+
+# --- building the sharded copy without a whole second DiT on the device ------------------------
+
+
+def alias_copy(model: _M) -> _M:
+    """``copy.deepcopy(model)`` whose parameters and buffers are new tensors over ``model``'s
+    storage (no memory): the start of a sharded rollout copy, which ``shard_rollout(...,
+    source=model)`` then gives its own storage piece by piece, sharded where the plan says."""
+    memo: dict = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach(), requires_grad=False)
+    for b in model.buffers():
+        memo[id(b)] = b.detach()
+    return copy.deepcopy(model, memo)
+
+
+def _storages(module: nn.Module) -> set[int]:
+    return {
+        _local(t).untyped_storage().data_ptr()
+        for t in [*module.parameters(), *module.buffers()]
+        if _local(t).numel()
+    }
+
+
+def _scattered(model: nn.Module, prefix: str, explicit: Plan, fused_parts: set[str]) -> set[int]:
+    """ids of the tensors the plan scatters into shards (read, never written, by the scatter):
+    the weights of Colwise/Rowwise-styled Linears, and Colwise biases, and the fused parts'."""
+    out = set()
+    for path, style in explicit.items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        sub = model.get_submodule(f"{prefix}.{path}" if prefix else path)
+        out.add(id(sub.weight))
+        if isinstance(style, ColwiseParallel) and getattr(sub, "bias", None) is not None:
+            out.add(id(sub.bias))
+    for name in fused_parts:  # concatenated into a new fused weight: read only
+        out |= {id(t) for t in model.get_submodule(name).parameters(recurse=False)}
+    return out
+
+
+@torch.no_grad()
+def _own_storage(model: nn.Module, source: nn.Module, keep: set[int]) -> None:
+    """Give every parameter and buffer of ``model`` that shares ``source``'s storage its own
+    copy (a DTensor its own local shard), except the tensors whose ids are in ``keep``."""
+    shared = _storages(source)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or id(t) in keep or not _local(t).numel():
+                    continue
+                if _local(t).untyped_storage().data_ptr() not in shared:
+                    continue
+                own = t.detach().clone()
+                table[name] = (
+                    nn.Parameter(own, requires_grad=False) if table is module._parameters else own
+                )
+
+
+class _ReplayDraws(TorchDispatchMode):
+    """Under it, each random fill of a meta tensor (``nn.Linear``'s init of a fused weight made
+    on a meta copy) is repeated on a real tensor of the same shape and dtype on ``device``, so
+    the device's generator advances as the same fill on a real copy would advance it."""
+
+    OPS = {torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default}
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            if func not in self.OPS or not isinstance(args[0], Tensor) or not args[0].is_meta:
+                # a draw this replay does not know how to repeat: the RNG would silently part
+                # from the one-process run's, so the layout is refused instead
+                raise ConfigError(
+                    f"parallel.rollout=sharded: the serving layout draws with {func} on a meta "
+                    "copy; only in-place uniform_/normal_ fills (nn.Linear's init) are "
+                    "replayed on the device (tp_sync._ReplayDraws)"
+                )
+            real = torch.empty(args[0].shape, dtype=args[0].dtype, device=self.device)
+            func(real, *args[1:], **kwargs)
+        return out
+
+
+def serving_slot_map(model: FamilyModel, device: torch.device) -> SlotMap:
+    """The slot map of the family's one-process serving layout, taken on a meta copy of
+    ``model`` (no memory), with the global RNG advanced on ``device`` exactly as the layout on
+    a real copy there advances it: the actor's LoRA init, drawn after the rollout is built,
+    is then the one-process run's."""
+    memo: dict = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    meta = copy.deepcopy(model, memo)
+    with _ReplayDraws(device):
+        return model.family.serving_layout(meta)
 
 
 @torch.no_grad()

@@ -24,7 +24,13 @@ from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel
 from diffrl.models.graphs import graph_transformer
 from diffrl.parallel.tp import Plan
-from diffrl.parallel.tp_sync import ShardedLoraTarget, receipt_of_sharded, shard_rollout
+from diffrl.parallel.tp_sync import (
+    ShardedLoraTarget,
+    alias_copy,
+    receipt_of_sharded,
+    serving_slot_map,
+    shard_rollout,
+)
 from diffrl.rollout.samplers import (
     STOCHASTIC_STEPS,
     coarse_tail,
@@ -203,6 +209,12 @@ def sample_seeds(base_seed: int, n: int) -> Tensor:
     return torch.randint(0, 2**62, (n,), generator=g, dtype=torch.int64)
 
 
+def _held_on(model: torch.nn.Module, device: torch.device) -> bool:
+    """Every tensor of ``model`` is on ``device`` (an index-less device means its current one)."""
+    want = torch.empty(0, device=device).device
+    return all(t.device == want for t in [*model.parameters(), *model.buffers()])
+
+
 class RolloutEngine:
     def __init__(
         self,
@@ -238,14 +250,19 @@ class RolloutEngine:
         self.shared = share_model
         self.family = model.family
         layout = SlotMap()
-        if tp_mesh is not None and serving_layout:
-            # The family's one-process serving layout, on a copy freed before the sharded one
-            # is made: its slot map says which fusions the sharded copy keeps, and its fused
-            # Linears are made (then overwritten) from the global RNG, which the actor's LoRA
-            # init draws from after the rollout is built, so a sharded run's adapters start as
-            # one process's do
-            layout = self.family.serving_layout(copy.deepcopy(model).to(device))
-        self.model = model if share_model else copy.deepcopy(model).to(device)
+        if tp_mesh is not None:
+            # No whole second DiT on the device at any time: the family's one-process serving
+            # layout is read off a meta copy (its slot map says which fusions the sharded copy
+            # keeps; the fused Linears it makes draw from the global RNG as on a real copy, so
+            # the actor's LoRA init, drawn after the rollout is built, is one process's), and
+            # the copy shares the model's storage until shard_rollout gives it its own shards
+            # (a model held elsewhere is copied whole onto the device first, as replicated)
+            if serving_layout:
+                layout = serving_slot_map(model, device)
+            source = model if _held_on(model, device) else None
+            self.model = alias_copy(model) if source else copy.deepcopy(model).to(device)
+        else:
+            self.model = model if share_model else copy.deepcopy(model).to(device)
         self.model.eval().requires_grad_(False)
         self.cfg = cfg
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
@@ -260,8 +277,9 @@ class RolloutEngine:
         self.target: MergedLoraTarget | ShardedLoraTarget
         if tp_mesh is not None:
             self.target = shard_rollout(
-                self.model, tp_mesh, tp_plan, lora_targets, cfg.base_copy, base_prints, layout
-            )
+                self.model, tp_mesh, tp_plan, lora_targets, cfg.base_copy, base_prints, layout,
+                source=source,
+            )  # fmt: skip
         else:
             slot_map = self.family.serving_layout(self.model) if serving_layout else SlotMap()
             self.target = MergedLoraTarget(

@@ -20,7 +20,15 @@ rank:
   says, the fused Q/K/V split in plain halves instead of per part, or the copy sharded over
   another mesh than the sync's tp group, fails building.
 
-Without gloo: ``parallel.rollout`` checked at load, ``rollout.compile`` / ``cuda_graphs``
+Every other family's tiny preset (FLUX, Qwen-Image, Wan, LTX-2, H3), in one process group:
+after one sync the sharded rollout samples as the replicated one, and its build (an alias of
+the model's storage, the serving layout read off a meta copy) gives the shards a whole copy
+sharded after gives, shares no storage with the model, leaves the model as it was, and leaves
+the global RNG where the replicated build does (not so without the replay of the layout's
+draws).
+
+Without gloo: ``parallel.rollout`` checked at load, a serving-layout draw the replay cannot
+repeat refused, ``rollout.compile`` / ``cuda_graphs``
 refused with a sharded rollout before any process group, held-out eval shared by data-parallel
 rank, and a family without a TP plan refused by name.
 
@@ -31,6 +39,7 @@ rank, and a family without a TP plan refused by name.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -40,6 +49,7 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
 from sync_faults import no_op_apply
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffrl.sync.weights import LoraDelta, SyncError, WeightUpdate
 
@@ -108,26 +118,29 @@ def _rank(rank: int, port: int, out: Path) -> None:
         lin = root.get_submodule("transformer_blocks.0.attn.to_out.0")
         lin.weight = nn.Parameter(lin.weight.redistribute(on, [Shard(0)]), requires_grad=False)
 
-    def plain_qkv(root, on, plan):  # the fused Q/K/V split in plain halves, not per part
-        real_apply(root, on, plan)
-        lin = root.get_submodule("transformer_blocks.0.attn.to_qkv")
+    real_parallelize = tp_sync.parallelize_module
+
+    def plain_qkv(lin, on, style):  # each fused Q/K/V sharded, then split in plain halves
+        real_parallelize(lin, on, style)
         whole = lin.weight.full_tensor()
         lin.weight = nn.Parameter(distribute_tensor(whole, on, [Shard(0)]), requires_grad=False)
+        return lin
 
     other = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("other",))
-    faults = dict(
-        plain_qkv=plain_qkv,
-        wrong_dim=wrong_dim,
-        other_mesh=lambda root, on, plan: real_apply(root, other, plan),
+    faults = dict(  # (the tp_sync function each replaces, the fault)
+        plain_qkv=("parallelize_module", plain_qkv),
+        wrong_dim=("apply_plan", wrong_dim),
+        other_mesh=("apply_plan", lambda root, on, plan: real_apply(root, other, plan)),
     )
-    for key, fault in faults.items():
-        tp_sync.apply_plan = fault
+    for key, (where, fault) in faults.items():
+        real = getattr(tp_sync, where)
+        setattr(tp_sync, where, fault)
         try:
             result[key] = _error_of(
                 lambda: RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=TP_PLAN)
             )
         finally:
-            tp_sync.apply_plan = real_apply
+            setattr(tp_sync, where, real)
 
     # the actor: one process on every rank (the same adapter everywhere)
     from test_tp_lora_gloo import _actor, _batch
@@ -268,3 +281,169 @@ def test_a_family_without_a_tp_plan_cannot_shard_its_rollout(tiny_model) -> None
 
     with pytest.raises(ConfigError, match=r"parallel.rollout=sharded: model family 'tiny_dit'"):
         shard_rollout(tiny_model, None, None, [])  # type: ignore[arg-type]
+
+
+# --- every family's tiny preset through the sharded rollout -------------------------------------
+
+
+class _PassThrough(TorchDispatchMode):  # the meta copy's fills, not repeated anywhere
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _family_rank(rank: int, port: int, out: Path) -> None:
+    """Per family: the replicated and the sharded rollout of the same tiny DiT, the same
+    adapter synced into both (random B: the deltas move the forward), the same prompts sampled;
+    a family's failure is recorded as its result, so the others still run in this group."""
+    from test_tp_lora_gloo import _actor
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from diffrl.build import expanded_targets
+    from diffrl.models.families._diffusers import init_weights
+    from diffrl.models.family import transformer_root
+    from diffrl.models.registry import FAMILIES, ModelConfig, load_model
+    from diffrl.parallel import tp_sync
+    from diffrl.parallel.tp_sync import _local
+    from diffrl.rollout.engine import RolloutConfig, RolloutEngine
+    from diffrl.sync.receipt import load_verified
+    from diffrl.tasks import Prompt, PromptSet
+
+    init_gloo(rank, WORLD, port, DEADLINE_S)
+    mesh = DeviceMesh("cpu", list(range(WORLD)), mesh_dim_names=("tp",))
+    cpu = torch.device("cpu")
+    result: dict = {}
+    for family, preset in FAMILY_PRESETS:
+        try:
+            torch.manual_seed(0)
+            model = load_model(ModelConfig(family=family, preset=preset), "cpu")
+            init_weights(transformer_root(model), std=DIT_STD)
+            targets = expanded_targets(model, list(FAMILIES[family].lora_targets))
+            cfg = RolloutConfig(group_size=1, num_steps=2, max_batch=2)
+            plan = FAMILIES[family].tp_plan
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            torch.manual_seed(1)
+            whole = RolloutEngine(model, cfg, targets, cpu)
+            rng_whole = torch.get_rng_state()
+            torch.manual_seed(1)
+            sharded = RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=plan)
+            rng_sharded = torch.get_rng_state()
+            # today's construction before it: a whole copy laid out, a whole copy sharded
+            old = copy.deepcopy(model)
+            layout = model.family.serving_layout(copy.deepcopy(model))
+            tp_sync.shard_rollout(old, mesh, plan, targets, layout=layout)
+            new_sd, old_sd = sharded.model.state_dict(), old.state_dict()
+            as_before = new_sd.keys() == old_sd.keys() and all(
+                torch.equal(_local(new_sd[k]), _local(old_sd[k])) for k in new_sd
+            )
+            # the fused Linears' draws replayed on the device (here the host): without, the
+            # global RNG would not be where one process leaves it
+            replay = tp_sync._ReplayDraws
+            tp_sync._ReplayDraws = lambda device: _PassThrough()
+            try:
+                torch.manual_seed(1)
+                RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=plan)
+                rng_unreplayed = torch.get_rng_state()
+            finally:
+                tp_sync._ReplayDraws = replay
+            # (before the actor: peft renames the model's tensors)
+            source_kept = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            # a source whose untrained tensors differ by rank: a replicated placement is
+            # broadcast from rank 0 in place, which must land in the copy's own storage
+            odd = copy.deepcopy(model)
+            trained = {f"{t}.weight" for t in targets}
+            with torch.no_grad():
+                for k, v in odd.state_dict().items():
+                    if k not in trained and v.is_floating_point():
+                        v.add_(1e-3 * rank)
+            odd_before = {k: v.clone() for k, v in odd.state_dict().items()}
+            RolloutEngine(odd, cfg, targets, cpu, tp_mesh=mesh, tp_plan=plan)
+            odd_kept = all(torch.equal(v, odd_before[k]) for k, v in odd.state_dict().items())
+            slots = sharded.target.slot_map
+            held = {s.module for n in targets for s in slots.slots_for(n)}
+            weights = [sharded.model.get_submodule(m).weight for m in held]
+            texts = [Prompt("a red square"), Prompt("a blue circle")]
+            batch = PromptSet(texts, model.family.tokenize).batch([0, 1])
+            y0 = asyncio.run(sharded.generate(batch, 5)).x0  # the base's samples
+            update = _actor(model, family=family).export_weights("default")
+            applied = load_verified(sharded, update)["sync/applied"]
+            whole_applied = load_verified(whole, update)["sync/applied"]
+            x = asyncio.run(whole.generate(batch, 5)).x0
+            y = asyncio.run(sharded.generate(batch, 5)).x0
+            result[family] = dict(
+                rng=torch.equal(rng_sharded, rng_whole),
+                rng_unreplayed=torch.equal(rng_unreplayed, rng_whole),
+                as_before=as_before,
+                own=not (tp_sync._storages(sharded.model) & tp_sync._storages(model)),
+                source_kept=source_kept,
+                odd_kept=odd_kept,
+                diff=(y - x).abs().max().item(),
+                scale=x.abs().max().item(),
+                moved=(y - y0).abs().max().item(),
+                applied=applied,
+                whole_applied=whole_applied,
+                sharded=sum(isinstance(w, DTensor) for w in weights),
+                placements=sorted({str(w.placements) for w in weights if isinstance(w, DTensor)}),
+            )
+        except Exception as e:  # this family's failure, named in the parent
+            result[family] = dict(error=f"{type(e).__name__}: {e}")
+        dist.barrier()  # a family that failed on one rank only must not desync the next one
+    finish_rank(out, rank, result)
+
+
+# SD3 runs above, with the faults; each other family with a TP plan once, in one process group
+FAMILY_PRESETS = [
+    ("flux", "flux1-tiny"),  # fused single-block styles: FusedColwiseParallel(4) on proj_mlp
+    ("qwen_image", "qwen-image-tiny"),  # dual stream
+    ("wan", "wan-tiny"),
+    ("ltx2", "ltx2-tiny"),  # swapped shards in its serving layout: TP keeps the plan's
+    ("minimax_h3", "h3-tiny"),  # swapped SwiGLU shards, fused Q/K/V
+]
+
+
+def test_every_familys_sharded_rollout_samples_as_the_replicated_one(tmp_path: Path) -> None:
+    run_ranks(_family_rank, WORLD, (free_port(), tmp_path), DEADLINE_S)
+    for rank in range(WORLD):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for family, _ in FAMILY_PRESETS:
+            r = results[family]
+            assert "error" not in r, (family, r)
+            assert r["sharded"] > 0, (family, r)  # the trained weights are held as shards
+            assert r["applied"] == r["whole_applied"] > 0, (family, r)
+            assert r["diff"] <= ATOL * max(1.0, r["scale"]), (family, r)
+            assert r["moved"] > 100 * ATOL, (family, r)  # the synced adapter reached them
+            # built without a whole second copy: today's shards, its own storage, the source
+            # untouched, the RNG where the replicated build leaves it (not without the replay)
+            assert r["as_before"] and r["own"] and r["source_kept"], (family, r)
+            assert r["odd_kept"], (family, r)
+            assert r["rng"] and not r["rng_unreplayed"], (family, r)
+
+
+def test_a_serving_layout_draw_that_cannot_be_replayed_is_refused(tiny_model, monkeypatch):
+    """The sharded rollout reads the serving layout off a meta copy and repeats its
+    ``nn.Linear`` init fills on the device: they advance the global RNG as on a real copy. A
+    layout that drew any other way (here ``bernoulli_``) is refused by name, not let to move
+    the RNG apart from the one-process run's."""
+    from diffrl.errors import ConfigError
+    from diffrl.parallel.tp_sync import serving_slot_map
+    from diffrl.sync.weights import SlotMap
+
+    def linear_init(self, model):  # what a fusion does: a fresh Linear, initialised from the RNG
+        torch.nn.Linear(8, 4, device=next(model.parameters()).device)
+        return SlotMap()
+
+    monkeypatch.setattr(type(tiny_model.family), "serving_layout", linear_init, raising=False)
+    torch.manual_seed(0)
+    serving_slot_map(tiny_model, torch.device("cpu"))
+    replayed = torch.get_rng_state()
+    torch.manual_seed(0)
+    torch.nn.Linear(8, 4)  # the same fill on a real copy
+    assert torch.equal(replayed, torch.get_rng_state())
+
+    def bernoulli(self, model):
+        torch.empty(3, device=next(model.parameters()).device).bernoulli_(0.5)
+        return SlotMap()
+
+    monkeypatch.setattr(type(tiny_model.family), "serving_layout", bernoulli, raising=False)
+    with pytest.raises(ConfigError, match=r"serving layout draws with aten.bernoulli_"):
+        serving_slot_map(tiny_model, torch.device("cpu"))
