@@ -1,10 +1,11 @@
-"""``diffrl train`` from the command line with the DiT and the text encoder parallel at once,
-set independently: ``torchrun --nproc-per-node 4 ... recipes/av_t2va_nft.yaml parallel.tp=2
+"""``diffrl train`` from the command line with the DiT and the text encoder parallel at once, set
+independently: ``torchrun --nproc-per-node 4 ... recipes/av_t2va_nft.yaml parallel.tp=2
 parallel.etp=4`` (dp_shard 2 x tp 2 on the main mesh, one ETP group of 4 for Qwen3-VL) on 4
 gloo ranks, with the AVBench MiniMax-H3 base whose encoder's 4 key-value heads split by 4
-(h3-avbench-tp4). One run directory, both layouts said at start-up, the one-process run's
-samples and first step; the checkpoint resumed at the same layout into the one-process run's
-second step, then at another (2 ranks, Ulysses sp=2 with etp 2, no tp) into its third."""
+(h3-avbench-tp4, random weights). One run directory, both layouts said at start-up, the one-
+process run's samples and first step; the checkpoint resumed at the same layout into the one-
+process run's second step, then at another (2 ranks, Ulysses sp=2 with etp 2, no tp) into its
+third."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _overrides(out: Path, steps: int) -> list[str]:
         "data.eval_prompts=2", "data.eval_samples_per_prompt=1", "probe.mode=off",
         f"run.out_dir={out}", "run.name=r", "run.tensorboard=false", "rollout.compile=false",
         "actor.compile=false", "run.threads=1", "run.eval_every=2", "run.save_every=1",
-        "model.preset=h3-avbench-tp4",
+        # random weights: the trained ones (builtin:avbench_h3) have 2 KV heads
+        "model.preset=h3-avbench-tp4", 'model.weights=""',
     ]  # fmt: skip
 
 
