@@ -112,9 +112,12 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(
         assert m_parts["actor/grad_norm"] == pytest.approx(m_whole["actor/grad_norm"], rel=1e-4)
         # compare gradients, not post-Adam weights: Adam divides by sqrt(v), so float
         # summation-order noise on a near-zero gradient element can move that weight by ~lr
+        # the absolute bound scales with the largest gradient of any factor: a factor whose
+        # gradient cancels to ~1e-6 of the others' still sums terms of their size (seen on the
+        # CI VM: 2.8e-10 apart where that factor's own largest element was 5.4e-6)
+        scale = max(float(g.grad.abs().max()) for g in whole.params)
         for gp, gw in zip(parts.params, whole.params, strict=True):
-            scale = float(gw.grad.abs().max())
-            torch.testing.assert_close(gp.grad, gw.grad, rtol=1e-4, atol=1e-5 * scale)
+            torch.testing.assert_close(gp.grad, gw.grad, rtol=1e-4, atol=1e-6 * scale)
     # metrics are sample-weighted means over micro-batches: (2*2 + 2*2 + 1*1) / 5
     assert m_parts["mse/n"] == pytest.approx(9 / 5)
     assert m_whole["mse/n"] == pytest.approx(5.0)
