@@ -2,10 +2,10 @@
 independently: ``torchrun --nproc-per-node 4 ... recipes/av_t2va_nft.yaml parallel.tp=2
 parallel.etp=4`` (dp_shard 2 x tp 2 on the main mesh, one ETP group of 4 for Qwen3-VL) on 4
 gloo ranks, with the AVBench MiniMax-H3 base whose encoder's 4 key-value heads split by 4
-(h3-avbench-tp4, random weights). One run directory, both layouts said at start-up, the one-
-process run's samples and first step; the checkpoint resumed at the same layout into the one-
-process run's second step, then at another (2 ranks, Ulysses sp=2 with etp 2, no tp) into its
-third."""
+(h3-avbench-tp4, random weights). One run directory, both layouts said at start-up, the
+one-process run's samples and first step; the checkpoint resumed at the same layout into the
+one-process run's second step, then at another (2 ranks, Ulysses sp=2 with etp 2, no tp) into
+its third."""
 
 from __future__ import annotations
 
