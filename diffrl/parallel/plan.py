@@ -182,6 +182,7 @@ def held_tensors(device_type: str) -> dict[str, int]:
     why this is read between steps, when none should be alive."""
     import gc
 
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 
     # by type, not isinstance: isinstance reads __class__, which a dead weakref proxy raises
@@ -192,11 +193,13 @@ def held_tensors(device_type: str) -> dict[str, int]:
         t = obj._local_tensor if isinstance(obj, DTensor) else obj
         if t.device.type != device_type or t.is_sparse or t.is_meta:  # meta: no bytes
             continue
+        if isinstance(t, FakeTensor):  # compile's tracing values, left alive: no bytes (its
+            continue  # data pointer reads as a real one, and warns)
         try:
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper
-            continue  # subclass; compile's FakeTensors, left alive after tracing)
+            continue  # subclass)
         kind = "parameters" if isinstance(obj, nn.Parameter) else "other"
         if nbytes and (ptr not in seen or kind == "parameters"):
             seen[ptr] = (kind, nbytes)
