@@ -87,3 +87,15 @@ def torchrun_train(world: int, args: list[str], timeout_s: float) -> subprocess.
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+def assert_same_first_step(rows: list[dict], one: list[dict]) -> None:
+    """A torchrun run's step 1 against the one-process run's: the same samples (its rewards,
+    to fp32 rounding) and the same update (loss and grad norm, rel 1e-4: the shards and
+    collectives reorder sums)."""
+    import pytest
+
+    for key in [k for k in one[1] if k.startswith("reward/")]:
+        assert rows[1][key] == pytest.approx(one[1][key], rel=1e-5, abs=1e-6), key
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert rows[1][key] == pytest.approx(one[1][key], rel=1e-4), key

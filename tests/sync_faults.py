@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diffrl.sync.weights import SlotMap, SyncReport, WeightUpdate
+from diffrl.sync.weights import SlotMap, SyncError, SyncReport, WeightUpdate
 
 # every diffusers family's tiny preset, as (family, preset)
 TINY_FAMILY_PRESETS = [
@@ -45,3 +45,13 @@ def no_op_apply(update: WeightUpdate) -> SyncReport:
     sync, an upgrade that binds the merge to nothing): the sync receipt must catch it."""
     n = len(update.deltas)
     return SyncReport(update.version, update.adapter, n, n, 0.0)
+
+
+def sync_error_of(fn) -> str:
+    """The message of the ``SyncError`` that ``fn()`` raises ("" when it raises none): what a
+    gloo rank reports back for the parent to compare."""
+    try:
+        fn()
+    except SyncError as e:
+        return str(e) or "SyncError"
+    return ""

@@ -48,10 +48,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
-from sync_faults import no_op_apply
+from sync_faults import no_op_apply, sync_error_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffrl.sync.weights import LoraDelta, SyncError, WeightUpdate
+from diffrl.sync.weights import LoraDelta, WeightUpdate
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -62,14 +62,6 @@ WORLD = 2
 DEADLINE_S = 120.0
 ATOL = 1e-5
 DIT_STD = 0.1  # as test_tp_gloo.py: the presets' 0.02 leaves a tiny DiT's blocks nearly silent
-
-
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except SyncError as e:
-        return str(e) or "SyncError"
-    return ""
 
 
 def _rank(rank: int, port: int, out: Path) -> None:
@@ -136,7 +128,7 @@ def _rank(rank: int, port: int, out: Path) -> None:
         real = getattr(tp_sync, where)
         setattr(tp_sync, where, fault)
         try:
-            result[key] = _error_of(
+            result[key] = sync_error_of(
                 lambda: RolloutEngine(model, cfg, targets, cpu, tp_mesh=mesh, tp_plan=TP_PLAN)
             )
         finally:
@@ -181,13 +173,13 @@ def _rank(rank: int, port: int, out: Path) -> None:
         bad = dataclasses.replace(
             bad, deltas={**update.deltas, name: LoraDelta(d.a, rows, d.scale)}
         )
-    result["corrupt"] = _error_of(lambda: load_verified(sharded, bad))
+    result["corrupt"] = sync_error_of(lambda: load_verified(sharded, bad))
     result["corrupt_version"] = sharded.version
     # a merge that writes nothing and says it did: the receipt across the shards sees it
     sharded.target.apply = no_op_apply
     doubled = {n: LoraDelta(d.a, 2 * d.b, d.scale) for n, d in update.deltas.items()}
     later = WeightUpdate.build(update.version + 2, "default", doubled, update.base)
-    result["no_op"] = _error_of(lambda: load_verified(sharded, later))
+    result["no_op"] = sync_error_of(lambda: load_verified(sharded, later))
     finish_rank(out, rank, result)
 
 

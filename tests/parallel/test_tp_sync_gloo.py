@@ -38,9 +38,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import finish_rank, free_port, init_gloo, run_ranks
+from sync_faults import sync_error_of
 from torch import nn
 
-from diffrl.sync.weights import BasePrints, LoraDelta, Slot, SlotMap, SyncError, WeightUpdate
+from diffrl.sync.weights import BasePrints, LoraDelta, Slot, SlotMap, WeightUpdate
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -125,14 +126,6 @@ def _shard_diff(model: nn.Module, want: dict[str, torch.Tensor], rank: int) -> f
     return diff
 
 
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except SyncError as e:
-        return str(e) or "SyncError"
-    return ""
-
-
 def _local_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
@@ -185,7 +178,7 @@ def _bad_updates(good: WeightUpdate, rank: int, corrupt: str) -> dict[str, Weigh
 def _refusals(target, model: nn.Module, good: WeightUpdate, rank: int, corrupt: str) -> dict:
     before = _local_state(model)
     bad = _bad_updates(good, rank, corrupt)
-    errors = {k: _error_of(lambda u=u: target.apply(u)) for k, u in bad.items()}
+    errors = {k: sync_error_of(lambda u=u: target.apply(u)) for k, u in bad.items()}
     return dict(errors=errors, unchanged=_unchanged(model, before))
 
 
@@ -220,7 +213,7 @@ def _held_twice(model: nn.Module, mesh, names: list[str], up: WeightUpdate) -> d
         target = tp_sync.ShardedLoraTarget(model, mesh, names)
     finally:
         tp_sync._held = real
-    return dict(error=_error_of(lambda: target.apply(up)), unchanged=_unchanged(model, before))
+    return dict(error=sync_error_of(lambda: target.apply(up)), unchanged=_unchanged(model, before))
 
 
 # --- SD3.5's tiny DiT under the family's TP plan -------------------------------------------
@@ -380,7 +373,7 @@ def _fused_rank(rank: int, port: int, out: Path) -> None:
     parallelize_module(model.attn.to_out, mesh, RowwiseParallel())
     twice = SlotMap({**slot_map.slots, "attn.to_k": slot_map.slots["attn.to_q"]})
     result: dict = dict(
-        rank=rank, twice=_error_of(lambda: ShardedLoraTarget(model, mesh, names, twice))
+        rank=rank, twice=sync_error_of(lambda: ShardedLoraTarget(model, mesh, names, twice))
     )
     # K's rows sent where Q's are and back: every shape fits, only the base prints see it
     swapped = SlotMap(
@@ -390,7 +383,7 @@ def _fused_rank(rank: int, port: int, out: Path) -> None:
             "attn.to_k": [Slot("attn.to_qkv", dst_rows=slice(0, 16))],
         }
     )
-    result["swapped"] = _error_of(
+    result["swapped"] = sync_error_of(
         lambda: ShardedLoraTarget(model, mesh, names, swapped, base_prints=prints)
     )
     target = ShardedLoraTarget(model, mesh, names, slot_map, base_prints=prints)
