@@ -25,7 +25,7 @@ from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.probe import ProbeConfig
 from diffrl.models.registry import ModelConfig
 from diffrl.parallel.launch import ParallelConfig
-from diffrl.placement import RayConfig
+from diffrl.placement import PlacementConfig, RayConfig
 from diffrl.reward.pool import RewardConfig
 from diffrl.rollout.engine import RolloutConfig
 from diffrl.tasks.base import TaskConfig
@@ -131,6 +131,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ray: RayConfig = field(default_factory=RayConfig)  # run.backend=ray only
+    # where each engine runs, and how weights reach the rollout (run.backend=ray only)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun (launch.py)
     probe: ProbeConfig = field(default_factory=ProbeConfig)  # contract 1 at start-up
     # the registered algorithm's own frozen config (a subclass; ``algorithm.name`` picks it)

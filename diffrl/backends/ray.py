@@ -411,17 +411,34 @@ def _bundle(pool: PoolConfig) -> dict[str, float]:
     return {k: v for k, v in (("CPU", pool.cpus), ("GPU", pool.gpus)) if v > 0}
 
 
+def _check_built(cfg: Config) -> None:
+    """What of the ``placement`` section this backend carries out today."""
+    p = cfg.placement
+    for name in ("rollout", "actor"):
+        if getattr(p, name).replicas != 1:
+            raise ConfigError(
+                f"config key 'placement.{name}.replicas' = {getattr(p, name).replicas}: "
+                "more than one replica is not built yet; set it to 1"
+            )
+    if p.colocate or p.weights not in ("auto", "object_store"):
+        raise ConfigError(
+            f"config keys 'placement.colocate' = {p.colocate}, 'placement.weights' = "
+            f"{p.weights!r}: only separate pools with weights through the object store are "
+            "built yet"
+        )
+
+
 def _check_fits(cfg: Config) -> None:
     """Every pool's resources against the cluster's, before anything is placed."""
     ray = _ray()
     have = ray.cluster_resources()
     for kind in ("CPU", "GPU"):
         want = {
-            name: _bundle(getattr(cfg.ray, name)).get(kind, 0.0)
+            name: _bundle(getattr(cfg.placement, name)).get(kind, 0.0)
             for name in ("rollout", "reward", "actor")
         }
         if sum(want.values()) > have.get(kind, 0.0) + 1e-9:
-            asks = ", ".join(f"ray.{n}.{kind.lower()}s={v:g}" for n, v in want.items() if v)
+            asks = ", ".join(f"placement.{n}.{kind.lower()}s={v:g}" for n, v in want.items() if v)
             raise ConfigError(
                 f"the engines' pools ask for {sum(want.values()):g} {kind} ({asks}) and the Ray "
                 f"cluster has {have.get(kind, 0.0):g}; lower them, or start Ray with more "
@@ -444,7 +461,7 @@ def _placed(name: str, pool: PoolConfig, timeout: float) -> dict:
     if not ready:
         remove_placement_group(pg)
         raise ConfigError(
-            f"config key 'ray.{name}': the pool {bundle} could not be placed within "
+            f"config key 'placement.{name}': the pool {bundle} could not be placed within "
             f"{timeout:g} s (free now: {ray.available_resources()}); lower it or add nodes"
         )
     return {
@@ -521,15 +538,16 @@ def build_ray(cfg: Config) -> Engines:
             ray.shutdown()
 
     try:
+        _check_built(cfg)
         _check_fits(cfg)
         if cfg.ray.channel == "transferqueue":
             tq_started = _start_transferqueue()
         # the threads a local run would use, unless run.threads says: the same numerics
         threads = cfg.run.threads or torch.get_num_threads()
         device = setup_process(cfg)  # the controller's own draws (prompt order) match local
-        rollout_host = host(RolloutHost, "rollout", cfg.ray.rollout, threads)
-        rewards_host = host(RewardHost, "reward", cfg.ray.reward, threads)
-        actor_host = host(ActorHost, "actor", cfg.ray.actor, threads, max_concurrency=1)
+        rollout_host = host(RolloutHost, "rollout", cfg.placement.rollout, threads)
+        rewards_host = host(RewardHost, "reward", cfg.placement.reward, threads)
+        actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
         info = _get(rollout_host.info.remote())
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)

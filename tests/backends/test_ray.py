@@ -104,9 +104,9 @@ def test_resume_async_and_transferqueue_on_ray_equal_local(tiny_checkpoint, tmp_
 
 def test_pools_that_do_not_fit_are_a_config_error(tiny_checkpoint, tmp_path):
     cfg = load_config(
-        RECIPE, tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray", "ray.actor.cpus=8")
+        RECIPE, tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray", "placement.actor.cpus=8")
     )
-    with pytest.raises(ConfigError, match=r"ray.actor.cpus=8.*Ray cluster has 2"):
+    with pytest.raises(ConfigError, match=r"placement.actor.cpus=8.*Ray cluster has 2"):
         build_engines(cfg)
     assert all_released()
 
