@@ -67,6 +67,12 @@ class RunConfig:
     # i - max_staleness (deterministic: what a torchrun launch's ranks must agree on). auto:
     # fixed under torchrun, latest in one process
     async_weights: str = "auto"  # auto | latest | fixed
+    # async: when an update reaches a rollout that is sampling. batch: before its next batch
+    # (the batch in flight finishes under the old weights). step: at the next denoising-step
+    # boundary, the batch in flight keeping its partly denoised latents and per-step records;
+    # each step records its version, and FlowGRPO weighs older steps by truncated importance
+    # sampling (algorithm.tis_cap). Needs async_weights=latest (fixed ties weights to iterations)
+    async_sync: str = "batch"  # batch | step
     # where the engines run: this process (local), or Ray actors on their own resource pools
     # (ray; settings in the `ray` section). Same loop, same results at the same seed
     backend: str = "local"  # local | ray
@@ -103,6 +109,16 @@ class RunConfig:
         )
         check_choice("stale", self.stale, ("drop", "keep", "correct"))
         check_choice("async_weights", self.async_weights, ("auto", "latest", "fixed"))
+        check_choice("async_sync", self.async_sync, ("batch", "step"))
+        if self.async_sync == "step":
+            check(
+                self.async_weights != "fixed",
+                "async_weights",
+                self.async_weights,
+                "must be latest (or auto, in one process) with run.async_sync=step: fixed "
+                "makes iteration i's weights update i - max_staleness's, which a sync mid-rollout "
+                "would change; use run.async_sync=batch with fixed",
+            )
         check_choice("backend", self.backend, ("local", "ray"))
 
     def check_streaming(self, minibatches: int) -> None:
@@ -143,8 +159,24 @@ class Config:
         streaming, the data's prompt draw, and what the algorithm needs of the rest. Run after
         every section's own ``validate`` (``load_config``), so each sees valid sections."""
         self.run.check_streaming(self.actor.minibatches)
+        self.check_midsync()
         self.data.check_loop(self.run.mode)
         get_algorithm(self.algorithm.name).validate(self)
+
+    def check_midsync(self) -> None:
+        """``run.async_sync=step`` with an algorithm that weighs steps by truncated importance
+        sampling reads the proximal policy off the update's own forward: one optimizer step."""
+        run, minibatches = self.run, self.actor.minibatches
+        if run.mode != "async" or run.async_sync != "step" or minibatches == 1:
+            return
+        if get_algorithm(self.algorithm.name).needs_logprobs:
+            raise ConfigError(
+                f"config key 'actor.minibatches' = {minibatches}: with run.async_sync=step, "
+                f"{self.algorithm.name}'s truncated importance weights take the proximal policy "
+                "(the update's start weights) off the update's own forward, which holds only "
+                "before its first optimizer step; set actor.minibatches=1 or "
+                "run.async_sync=batch"
+            )
 
 
 def resolve_recipe(path: str | None) -> Path:

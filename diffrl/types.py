@@ -172,6 +172,9 @@ class Trajectory:
     log_probs: Tensor | None = rows()  # (B, T) per-step Gaussian log-prob (SDE; 0 for ODE)
     sde_mask: Tensor | None = None  # (T,) bool: steps taken stochastically (with log-probs)
     step_spec: StepSpec | None = None  # how the stochastic steps were taken
+    # (B, T) int64: the policy version that took each step. All policy_version, unless a weight
+    # update arrived mid-rollout (run.async_sync=step): then the later steps carry the newer one
+    step_versions: Tensor | None = rows()
     # media, e.g. "image" (B, H, W, 3) uint8; "video" (B, T, H, W, 3) uint8 with "fps" (B,)
     extra_fields: dict[str, Tensor] = field(default_factory=dict, metadata=ROW)
 
@@ -187,14 +190,18 @@ class Trajectory:
         first = parts[0]
         if len(parts) == 1:
             return first
-        if len({p.policy_version for p in parts}) != 1:
+        # micro-batches that record their steps' versions may start under different weights (a
+        # sync mid-rollout); the joined trajectory's policy_version is then the oldest
+        per_step = all(p.step_versions is not None for p in parts)
+        if not per_step and len({p.policy_version for p in parts}) != 1:
             raise ValueError("cannot concat trajectories sampled by different policy versions")
         if len({p.step_spec for p in parts}) != 1 or any(
             not _same_mask(p.sde_mask, first.sde_mask) for p in parts
         ):
             raise ValueError("cannot concat trajectories sampled with different SDE settings")
 
-        return concat_rows(parts)
+        joined = concat_rows(parts)
+        return replace(joined, policy_version=min(p.policy_version for p in parts))
 
 
 def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
@@ -246,6 +253,11 @@ class TrainBatch:
     pairs: Tensor | None = None
     sde_mask: Tensor | None = None  # (T,) bool, from the trajectory
     step_spec: StepSpec | None = None  # from the trajectory
+    step_versions: Tensor | None = rows()  # (B, T) int64, from the trajectory
+    # the actor's version when this update starts, set by the async loop with
+    # run.async_sync=step: FlowGRPO weighs the steps an older version took by truncated
+    # importance sampling against it (None: no per-step correction, today's loss)
+    prox_version: int | None = None
 
     def __len__(self) -> int:
         return self.x0.shape[0]
@@ -286,6 +298,7 @@ def train_batch(scored: ScoredBatch, **fields: Tensor) -> TrainBatch:
         sigmas=t.sigmas,
         sde_mask=t.sde_mask,
         step_spec=t.step_spec,
+        step_versions=t.step_versions,
         **fields,
     )
 

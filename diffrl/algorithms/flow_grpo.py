@@ -22,6 +22,20 @@ step), ``rollout.antithetic_noise`` (mirrored SDE noise in pairs), ``rollout.cfg
 rollout and in the recomputed log-probs alike). Where a group's members share their input at a
 trained step (shared initial noise, up to and at the step where they branch), the loss runs one
 forward per group and spreads it over the members: the same loss and gradient, for less work.
+
+Rollouts that survive a weight sync (``run.async_sync=step``): a trajectory's steps may come
+from different policy versions (``TrainBatch.step_versions``). A trained step taken by a
+version older than the actor's at the update's start (``TrainBatch.prox_version``) is weighed
+by its own truncated importance weight, as in rollout correction (decoupled PPO):
+
+    w_t = min(pi_prox(x_{t+1} | x_t) / mu_{v_t}(x_{t+1} | x_t), C)   (detached; C = tis_cap)
+
+mu_{v_t} the log-prob the rollout recorded under version v_t, pi_prox the actor's policy at
+the update's start; the PPO ratio then anchors on pi_prox, rho_t = pi_theta / pi_prox. A step
+the current version took keeps w_t = 1 and the ratio against its recorded log-prob, so
+staleness 0 is the plain loss. pi_prox is read off the update's own forward (detached): before
+the update's only optimizer step (``actor.minibatches=1``, which the config requires here) the
+policy's weights are the update's start weights, so it costs no extra forward.
 """
 
 from __future__ import annotations
@@ -79,6 +93,9 @@ class GRPOConfig(AlgorithmConfig):
     # the importance ratio by at most expm1 of it. 0 = the default for the policy's compute
     # dtype (FIRST_STEP_MAX_GAP); < 0 = off
     first_step_max_gap: float = 0.0
+    # C of the truncated importance weights min(pi_prox / mu_v, C) of steps an older policy
+    # version took (run.async_sync=step only; see the module docstring)
+    tis_cap: float = 2.0
 
     def validate(self) -> None:
         check(self.clip_range > 0, "clip_range", self.clip_range, "must be > 0")
@@ -92,6 +109,13 @@ class GRPOConfig(AlgorithmConfig):
         )
         check_choice("timestep_order", self.timestep_order, ("shuffled", "ordered"))
         check(self.ref_rows >= 0, "ref_rows", self.ref_rows, "must be >= 0")
+        check(
+            math.isfinite(self.tis_cap) and self.tis_cap >= 1,
+            "tis_cap",
+            self.tis_cap,
+            "must be a finite number >= 1 (the largest importance weight of a step an older "
+            "policy version took; 1 = never up-weight)",
+        )
 
     def unbatched(self) -> Self:
         return replace(self, ref_rows=0)
@@ -199,6 +223,19 @@ def shared_rows(x: Tensor, ids: Tensor, key: Tensor) -> tuple[Tensor, Tensor] | 
     return (first, inverse) if same else None
 
 
+def truncated_is(
+    logp: Tensor, rollout_logp: Tensor, behind: Tensor, cap: float
+) -> tuple[Tensor, Tensor]:
+    """Per row of one trained step: (anchor, w). Where ``behind`` (an older version took the
+    step), the anchor is pi_prox's log-prob, ``logp`` detached (the policy at the update's
+    start), and w = min(pi_prox / mu, cap) against the rollout's ``rollout_logp`` mu; elsewhere
+    the anchor is mu and w = 1 exactly."""
+    prox = logp.detach()
+    anchor = torch.where(behind, prox, rollout_logp)
+    w = torch.where(behind, torch.exp(prox - rollout_logp).clamp(max=cap), torch.ones_like(prox))
+    return anchor, w
+
+
 def loss(
     policy: Policy,
     batch: TrainBatch,
@@ -218,15 +255,32 @@ def loss(
     refs = None
     if cfg.kl_coef > 0 and cfg.ref_rows > 0:
         refs = reference_means(policy, batch, steps, cfg.ref_rows)
+    versions, tis = batch.step_versions, batch.prox_version is not None
+    if tis:
+        assert versions is not None, "a batch with prox_version carries step_versions"
+        m["grpo/tis_weight_mean"], m["grpo/tis_stale_frac"] = 0.0, 0.0
+        w_max = rollout_logp.new_zeros((), device=batch.x0.device)
     for c in range(steps.shape[1]):
         j = steps[:, c]
+        at = torch.arange(n, device=j.device)
+        mu = rollout_logp[at, j]
         logp, mean, std = step_logprob(policy, batch, j)
-        log_ratio = logp - rollout_logp[torch.arange(n, device=j.device), j]
+        log_ratio = logp - mu
         ratio = torch.exp(log_ratio)
         gap = log_ratio.detach().abs()
         m["check/logp_gap_mean"] += gap.mean() / steps.shape[1]
         gap_max = torch.maximum(gap_max, gap.max().to(gap_max))
-        step_loss = clipped_objective(ratio, adv, cfg.clip_range).mean()
+        if tis:  # each step weighed by its own version's truncated importance weight
+            assert versions is not None
+            behind = versions.to(j.device)[at, j] < batch.prox_version
+            anchor, w = truncated_is(logp, mu, behind, cfg.tis_cap)
+            ratio = torch.exp(logp - anchor)
+            step_loss = (w * clipped_objective(ratio, adv, cfg.clip_range)).mean()
+            m["grpo/tis_weight_mean"] += w.mean() / steps.shape[1]
+            m["grpo/tis_stale_frac"] += behind.float().mean() / steps.shape[1]
+            w_max = torch.maximum(w_max, w.max().to(w_max))
+        else:
+            step_loss = clipped_objective(ratio, adv, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
             if refs is not None:
                 mean_ref = refs[c]
@@ -242,6 +296,8 @@ def loss(
         m["grpo/clip_frac"] += ((r - 1).abs() > cfg.clip_range).float().mean() / steps.shape[1]
         m["grpo/ratio_dev"] += (r - 1).abs().mean() / steps.shape[1]
     m["check/logp_gap_max"] = gap_max  # the actor keeps the largest over the step
+    if tis:
+        m["grpo/tis_weight_max"] = w_max
     return total, m
 
 

@@ -177,6 +177,13 @@ class RolloutHost(Host):
     async def receipt(self, which: str) -> SyncReceipt:
         return self.engines[which].receipt()
 
+    async def offer(self, which: str, update: WeightUpdate) -> None:
+        # served while a stream samples (an async actor): applied at the next step boundary
+        self.engines[which].offer(update)
+
+    async def take_synced(self, which: str) -> dict[str, float]:
+        return self.engines[which].take_synced()
+
 
 class RewardHost(Host):
     def build(self, cfg: Config, threads: int) -> None:
@@ -340,6 +347,12 @@ class RemoteRollout:
 
     def receipt(self) -> SyncReceipt:
         return _get(self.host.receipt.remote(self.which))
+
+    def offer(self, update) -> None:  # run.async_sync=step (RolloutEngine.offer)
+        _get(self.host.offer.remote(self.which, getattr(update, "ref", update)))
+
+    def take_synced(self) -> dict[str, float]:
+        return _get(self.host.take_synced.remote(self.which))
 
 
 class RemoteRewards:

@@ -27,7 +27,11 @@ Weights reach the rollout only between its batches: after update k the actor ref
 ``old`` itself (actor state) and exports the plan's adapter; if the rollout is between
 batches the actor applies it at once (as sync does), otherwise it is left pending and the
 rollout applies the latest pending update before it starts its next batch. The actor never
-waits for the rollout to finish a batch.
+waits for the rollout to finish a batch. With ``run.async_sync=step`` the update is offered to
+a busy rollout instead, which applies it at its next denoising-step boundary and finishes the
+batch in flight under it; the record's version for the bound is then read off its per-step
+versions (``controller/midsync.py``), and FlowGRPO weighs the older steps by truncated
+importance sampling against the update's start weights (``TrainBatch.prox_version``).
 
 That schedule is timing's: which update a batch samples with depends on how fast each loop
 ran. ``run.async_weights=fixed`` (``auto`` under torchrun) makes it the bound's instead: the
@@ -50,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -58,6 +62,7 @@ from tqdm import tqdm
 from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
+from diffrl.controller.midsync import OffersWeights, bound_version, step_staleness
 from diffrl.controller.run_dir import open_run_dir
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (
@@ -67,6 +72,7 @@ from diffrl.controller.step import (
     rollout_and_score,
     run_eval,
 )
+from diffrl.errors import ConfigError
 from diffrl.sync.receipt import load_verified
 from diffrl.sync.weights import WeightUpdate
 from diffrl.types import ScoredBatch
@@ -101,6 +107,9 @@ class Clock:
     fixed: bool = False
     published: dict[int, tuple[int, WeightUpdate | None]] = field(default_factory=dict)
     held: int = 0  # fixed: the version of the update whose weights the rollout holds
+    # run.async_sync=step: updates reach a busy rollout at its next step boundary (``offer``)
+    midsync: bool = False
+    produced: int = 0  # records the rollout loop finished
 
     def may_start(self, i: int) -> bool:
         """Iteration i trains update i - dropped + 1: start it when that is within the bound
@@ -155,8 +164,14 @@ async def produce(parts: Engines, clock: Clock, channel: Channel, start: int) ->
             scored, metrics = await rollout_and_score(parts, i)
         finally:
             clock.rollout_busy = False
+        if clock.midsync:  # updates applied mid-batch: the bound reads the steps' versions
+            clock.synced.update(parts.rollout.take_synced())  # type: ignore[attr-defined]
+            # the steps carry their weights' versions, which lag the plan's between syncs
+            # (NFT's old policy): without a sync mid-batch, the plan's version as in batch mode
+            version = max(version, bound_version(scored.traj, parts.algorithm.needs_logprobs))
         metrics = {**metrics, **synced}
         await channel.put(Rollout(i, scored, metrics, version), version)
+        clock.produced += 1
         i += 1
 
 
@@ -175,7 +190,11 @@ async def publish(parts: Engines, clock: Clock, step: int) -> dict[str, float]:
         await clock.notify()
         return {}
     if plan.sync:
-        clock.pending = parts.actor.export_weights(plan.rollout_adapter)  # a copy
+        update = parts.actor.export_weights(plan.rollout_adapter)  # a copy
+        if clock.midsync and clock.rollout_busy:  # applied at its next step boundary
+            parts.rollout.offer(update)  # type: ignore[attr-defined]
+        else:
+            clock.pending = update
     metrics, clock.synced = clock.synced, {}
     if not clock.rollout_busy:
         metrics.update(clock.apply_pending(parts))
@@ -207,6 +226,15 @@ class Staleness:
             "async/staleness_max": max(self.trained),  # over the batches trained since start
             "async/staleness_mean": sum(self.trained) / len(self.trained),
             "async/dropped": self.dropped,  # records dropped as past the bound, since start
+        }
+
+    def work(self, record: Rollout, actor_version: int, produced: int) -> dict[str, float]:
+        """The rollout work kept (``controller/midsync.py``): the trained record's per-step lag,
+        the records the rollout finished so far and the share of them trained."""
+        return {
+            "async/step_staleness_mean": step_staleness(record.scored.traj, actor_version),
+            "async/produced": produced,
+            "async/kept_share": len(self.trained) / max(produced, 1),
         }
 
 
@@ -254,6 +282,19 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
     load_verified(parts.rollout, parts.actor.export_weights(first_plan.rollout_adapter))
     clock = Clock(start, parts.actor.version, cfg.run.max_staleness, cfg.run.steps)
     clock.fixed = fixed_weights(cfg, ranks.world)
+    clock.midsync = cfg.run.async_sync == "step"
+    if clock.midsync and clock.fixed:  # auto under torchrun (fixed itself is refused at load)
+        raise ConfigError(
+            "config key 'run.async_sync' = 'step': this launch runs run.async_weights="
+            f"{cfg.run.async_weights!r} as fixed (one weight schedule for all ranks), which a "
+            "sync mid-rollout would break; use run.async_sync=batch"
+        )
+    if clock.midsync and not isinstance(parts.rollout, OffersWeights):
+        raise ConfigError(
+            "config key 'run.async_sync' = 'step': this run's rollout "
+            f"({type(parts.rollout).__name__}) takes no weights mid-rollout; use "
+            "run.async_sync=batch"
+        )
     clock.held = parts.actor.version
     bound = Staleness(cfg.run.max_staleness, keep=cfg.run.stale in ("keep", "correct"))
     channel = Channel()  # unbounded: the gate bounds how far the rollout runs ahead
@@ -273,7 +314,10 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
         with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
             for step in bar:
                 record = await take(channel, producer, parts, clock, bound)
+                work = bound.work(record, parts.actor.version, clock.produced)
                 batch = parts.algorithm.prepare(record.scored, cfg.algorithm)
+                if clock.midsync:  # older steps are weighed against the update's start weights
+                    batch = replace(batch, prox_version=parts.actor.version)
                 # the loop drives the rollout while the update runs in a worker thread
                 metrics = await asyncio.to_thread(parts.actor.train_step, batch)
                 metrics.update(await publish(parts, clock, step + 1))
@@ -282,6 +326,7 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
                 metrics.update(record.metrics)
                 metrics.update(perf_metrics(samples, t_rate, t0))
                 metrics.update({"async/policy_version": record.version, **bound.metrics()})
+                metrics.update(work)
                 metrics = ranks.mean(metrics)  # the whole batch's, under torchrun
                 last, eval_m = await close_step(
                     parts, run, stop, bar, done, metrics, t0, eval_m,

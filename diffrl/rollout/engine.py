@@ -4,6 +4,12 @@ It holds a frozen base model plus the LoRA delta merged in (a fused serving layo
 changes weights only through ``load_weights`` (versioned, verified; see ``diffrl.sync``).
 Generation runs in a worker thread (torch releases the GIL), so the event loop stays free for
 scorers of the previous step.
+
+A weight update may also be *offered* while the engine samples (``offer``; the async loop's
+``run.async_sync=step``): the sampling thread applies it, verified, at the next denoising-step
+boundary, so the micro-batch in flight keeps its partly denoised latents and per-step records
+and takes its remaining steps under the new weights. Each step records the version that took
+it (``Trajectory.step_versions``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +50,7 @@ from diffrl.rollout.samplers import (
 )
 from diffrl.rollout.scheduler import ContinuousBatcher
 from diffrl.sync.bound import bound_of, linear_weights
-from diffrl.sync.receipt import SyncReceipt, receipt_of
+from diffrl.sync.receipt import SyncReceipt, load_verified, receipt_of
 from diffrl.sync.weights import (
     BasePrints,
     MergedLoraTarget,
@@ -268,6 +275,11 @@ class RolloutEngine:
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
         self.device = device
         self.version = 0
+        # a weight update offered while sampling (``offer``), applied by the sampling thread at
+        # the next step boundary; the lock guards it and the sync/* of the ones applied
+        self._offer_lock = threading.Lock()
+        self._offered: WeightUpdate | None = None
+        self._offer_synced: dict[str, float] = {}
         # the trained modules' base rows as they are before the serving layout moves them: the
         # anchor the slot map is checked against, here and against the actor's on each sync
         base_prints = BasePrints.of_model(self.model, lora_targets)
@@ -312,7 +324,44 @@ class RolloutEngine:
             raise SyncError(f"stale weight update v{update.version} < current v{self.version}")
         report = self.target.apply(update)
         self.version = update.version
+        with self._offer_lock:  # an offer this load supersedes is not applied after it
+            if self._offered is not None and self._offered.version <= update.version:
+                self._offered = None
         return report
+
+    def offer(self, update: WeightUpdate) -> None:
+        """Thread-safe: hold ``update`` for the sampling thread, which applies it (verified by
+        its receipt) before the next denoising step it takes, mid-micro-batch or at the next
+        one's start; a newer offer replaces an older one not yet applied. Its ``sync/*``
+        metrics are collected by ``take_synced``."""
+        if self.shared or self.collective:
+            raise SyncError(
+                "run.async_sync=step offers weights to a rollout mid-sampling; this rollout "
+                + ("shares the actor's model" if self.shared else "is TP-sharded (its ranks "
+                   "would have to switch at the same step)")
+                + ": use run.async_sync=batch"
+            )  # fmt: skip
+        with self._offer_lock:
+            if self._offered is None or update.version >= self._offered.version:
+                self._offered = update
+
+    def take_synced(self) -> dict[str, float]:
+        """The ``sync/*`` of the offered updates applied since the last call (the latest's)."""
+        with self._offer_lock:
+            out, self._offer_synced = self._offer_synced, {}
+        return out
+
+    def _apply_offered(self) -> None:
+        """In the sampling thread, between two steps: load the offered update, if any."""
+        if self._offered is None:  # read without the lock: a miss waits one step
+            return
+        with self._offer_lock:
+            update, self._offered = self._offered, None
+        if update is None:
+            return
+        synced = load_verified(self, update)
+        with self._offer_lock:
+            self._offer_synced = synced
 
     def receipt(self) -> SyncReceipt:
         """What this rollout holds now, for the sender to check a sync by
@@ -436,7 +485,9 @@ class RolloutEngine:
         batch = prompts.repeat(g)
         # contract 3: the ids (and conditions) sampled with are the data stage's, on this rank
         check_token_hashes(batch, "the rollout engine")
-        x0, latents, log_probs = self._sample(batch.input_ids, seeds, sigmas, mask, g, batch.cond)
+        x0, latents, log_probs, versions = self._sample(
+            batch.input_ids, seeds, sigmas, mask, g, batch.cond
+        )
         group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
         traj = Trajectory(
             prompts=batch,
@@ -444,7 +495,7 @@ class RolloutEngine:
             seeds=seeds,
             x0=x0.cpu(),
             sigmas=sigmas,
-            policy_version=self.version,
+            policy_version=versions[0],  # the first step's: the oldest
             latents=latents.cpu() if self.cfg.keep_latents else None,
             log_probs=log_probs.cpu(),
             sde_mask=mask,
@@ -455,6 +506,7 @@ class RolloutEngine:
                 self.null_ids,
                 shares_inputs=self.cfg.shared_init_noise or self.cfg.tree_noise,
             ),
+            step_versions=torch.tensor(versions, dtype=torch.int64).expand(len(batch), -1).clone(),
             extra_fields=self.family.decode(x0) if decode else {},
         )
         return traj, x0
@@ -488,7 +540,8 @@ class RolloutEngine:
         g: int,
         cond: Tensor | None = None,
     ):
-        """One micro-batch: returns x0 (b, *S), latents (b, T+1, *S), log_probs (b, T)."""
+        """One micro-batch: returns x0 (b, *S), latents (b, T+1, *S), log_probs (b, T) and the
+        version that took each step (T ints). An offered update is applied before each step."""
         shape = tuple(self.family.latent_shape())
         t_steps = len(sigmas) - 1
         dtype = next(self.model.parameters()).dtype
@@ -512,12 +565,14 @@ class RolloutEngine:
         x, ids = noise[first, 0], ids.to(self.model.ids_device(self.device))
         cond = None if cond is None else cond.to(self.device, dtype)
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
-        latents, log_probs = [x], []
+        latents, log_probs, versions = [x], [], []
         copies = g if self.cfg.shared_init_noise else 1  # x is bitwise copies in runs of this
         low = self.cfg.ode_dtype == "bfloat16"
         # on the device once, not at every step (a copy from host memory waits for the GPU)
         sig_dev = host_to_device(sigmas, self.device, dtype)
         for i in range(t_steps):
+            self._apply_offered()  # the step boundary: x, latents and log_probs so far are kept
+            versions.append(self.version)
             sigma = sig_dev[i].expand(x.shape[0])
             sigma_next = sig_dev[i + 1].expand(x.shape[0])
             with torch.autocast(self.device.type, torch.bfloat16, enabled=low and not mask[i]):
@@ -546,4 +601,5 @@ class RolloutEngine:
                 )
             latents.append(x)
             log_probs.append(lp)
-        return x.float(), torch.stack(latents, 1).float(), torch.stack(log_probs, 1).float()
+        lat, lp = torch.stack(latents, 1).float(), torch.stack(log_probs, 1).float()
+        return x.float(), lat, lp, versions

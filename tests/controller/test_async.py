@@ -47,8 +47,9 @@ def untimed(rows: list[dict]) -> list[dict]:
     [
         [],  # the default recipe: EMA old, synced after every update
         ["algorithm.old_update=copy", "algorithm.old_every=2"],  # updates that do not sync
+        ["run.async_sync=step"],  # updates offered mid-rollout (none is: the rollout is idle)
     ],
-    ids=["ema", "copy_every_2"],
+    ids=["ema", "copy_every_2", "midsync"],
 )
 def test_staleness_0_is_sync_bit_for_bit(tiny_checkpoint, tmp_path, extra):
     rows = {}
@@ -63,6 +64,9 @@ def test_staleness_0_is_sync_bit_for_bit(tiny_checkpoint, tmp_path, extra):
     for r in rows["async"][1:]:
         assert r["async/staleness"] == 0 and r["async/dropped"] == 0
         assert r["async/policy_version"] == r["step"] - 1
+        assert r["async/produced"] >= r["step"] and 0 < r["async/kept_share"] <= 1
+        if "algorithm.old_every=2" not in extra:  # the weights themselves synced every update
+            assert r["async/step_staleness_mean"] == 0
 
 
 def test_rollout_runs_ahead_within_the_bound(tiny_checkpoint, tmp_path):
@@ -128,7 +132,9 @@ def test_fixed_weights_do_not_depend_on_which_loop_runs_ahead(tiny_checkpoint, t
 
         actor.train_step, rollout.stream = slow_train_step, stream
         rows.append(read_metrics(asyncio.run(owned(train_async(cfg, parts), parts))))
-    drop = lambda k: k.startswith("perf/") or k == "time"  # noqa: E731
+    # how far the rollout ran ahead is timing's: the records it finished, the share trained
+    timing = ("perf/", "async/produced", "async/kept_share")
+    drop = lambda k: k.startswith(timing) or k == "time"  # noqa: E731
     a, b = ([{k: v for k, v in r.items() if not drop(k)} for r in run] for run in rows)
     assert a == b
     assert [r["async/policy_version"] for r in a[1:]] == [0, 0, 1]

@@ -30,7 +30,7 @@ def unbatched(eng: RolloutEngine, req: Request) -> torch.Tensor:
     sigmas = sigma_schedule(req.num_steps, eng.cfg.shift)
     mask = torch.zeros(req.num_steps, dtype=torch.bool)
     ids = req.input_ids.expand(len(req.seeds), -1)
-    x0, _, _ = eng._sample(ids, req.seeds, sigmas, mask, len(req.seeds))
+    x0, _, _, _ = eng._sample(ids, req.seeds, sigmas, mask, len(req.seeds))
     return x0
 
 
