@@ -299,6 +299,7 @@ def train_batch(scored: ScoredBatch, **fields: Tensor) -> TrainBatch:
         sde_mask=t.sde_mask,
         step_spec=t.step_spec,
         step_versions=t.step_versions,
+        prox_version=None,  # set by the async loop (run.async_sync=step), not by prepare
         **fields,
     )
 

@@ -255,7 +255,8 @@ def loss(
     refs = None
     if cfg.kl_coef > 0 and cfg.ref_rows > 0:
         refs = reference_means(policy, batch, steps, cfg.ref_rows)
-    versions, tis = batch.step_versions, batch.prox_version is not None
+    versions, prox = batch.step_versions, batch.prox_version
+    tis = prox is not None
     if tis:
         assert versions is not None, "a batch with prox_version carries step_versions"
         m["grpo/tis_weight_mean"], m["grpo/tis_stale_frac"] = 0.0, 0.0
@@ -271,8 +272,8 @@ def loss(
         m["check/logp_gap_mean"] += gap.mean() / steps.shape[1]
         gap_max = torch.maximum(gap_max, gap.max().to(gap_max))
         if tis:  # each step weighed by its own version's truncated importance weight
-            assert versions is not None
-            behind = versions.to(j.device)[at, j] < batch.prox_version
+            assert versions is not None and prox is not None
+            behind = versions.to(j.device)[at, j] < prox
             anchor, w = truncated_is(logp, mu, behind, cfg.tis_cap)
             ratio = torch.exp(logp - anchor)
             step_loss = (w * clipped_objective(ratio, adv, cfg.clip_range)).mean()

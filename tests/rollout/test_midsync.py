@@ -9,14 +9,16 @@ import asyncio
 import copy
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import make_actor, make_tiny_model
 
 from diffrl.algorithms import flow_grpo
-from diffrl.algorithms.registry import get_algorithm
+from diffrl.algorithms.registry import WeightPlan, get_algorithm
 from diffrl.config import load_config
+from diffrl.controller.async_ import Clock, publish
 from diffrl.controller.midsync import bound_version, step_staleness
 from diffrl.errors import ConfigError
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
@@ -268,3 +270,24 @@ def test_midsync_config_accepts() -> None:
     nft = load_config("recipes/shapes_nft.yaml", [*ASYNC_STEP, "actor.minibatches=2"])
     assert nft.actor.minibatches == 2
     assert load_config("recipes/shapes_nft.yaml").run.async_sync == "batch"
+
+
+@pytest.mark.parametrize("midsync", [True, False])
+def test_publish_offers_to_a_busy_rollout_only_with_step(midsync) -> None:
+    """``publish`` after an update while the rollout samples: with async_sync=step the update
+    is offered (applied at the rollout's next step boundary), else left pending to the batch
+    end, as before."""
+    offered: list[int] = []
+    update = SimpleNamespace(version=7)
+    parts = SimpleNamespace(
+        cfg=SimpleNamespace(algorithm=None),
+        algorithm=SimpleNamespace(weight_plan=lambda step, cfg: WeightPlan("default")),
+        actor=SimpleNamespace(version=7, export_weights=lambda adapter: update),
+        rollout=SimpleNamespace(offer=lambda u: offered.append(u.version)),
+    )
+    clock = Clock(updates=6, version=6, max_staleness=1, steps=10, rollout_busy=True)
+    clock.midsync = midsync
+    assert asyncio.run(publish(parts, clock, 7)) == {}
+    assert (clock.updates, clock.version) == (7, 7)
+    assert offered == ([7] if midsync else [])
+    assert clock.pending is (None if midsync else update)
