@@ -62,7 +62,7 @@ from tqdm import tqdm
 from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
-from diffrl.controller.midsync import OffersWeights, bound_version, step_staleness
+from diffrl.controller.midsync import bound_version, check_midsync, step_staleness
 from diffrl.controller.run_dir import open_run_dir
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (
@@ -72,7 +72,6 @@ from diffrl.controller.step import (
     rollout_and_score,
     run_eval,
 )
-from diffrl.errors import ConfigError
 from diffrl.sync.receipt import load_verified
 from diffrl.sync.weights import WeightUpdate
 from diffrl.types import ScoredBatch
@@ -274,6 +273,7 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
     the rollout loop by publishing each update's weight plan. The caller owns ``parts``
     (``controller/loop.py`` builds and closes them)."""
     ranks = parts.ranks
+    check_midsync(cfg, parts.rollout, fixed_weights(cfg, ranks.world))
     root = Path(cfg.run.out_dir) / cfg.run.name
     run = open_run_dir(root, cfg.run.tensorboard, ranks.primary)  # rank 0 writes it
     run.write_config(to_yaml(cfg))
@@ -283,18 +283,6 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
     clock = Clock(start, parts.actor.version, cfg.run.max_staleness, cfg.run.steps)
     clock.fixed = fixed_weights(cfg, ranks.world)
     clock.midsync = cfg.run.async_sync == "step"
-    if clock.midsync and clock.fixed:  # auto under torchrun (fixed itself is refused at load)
-        raise ConfigError(
-            "config key 'run.async_sync' = 'step': this launch runs run.async_weights="
-            f"{cfg.run.async_weights!r} as fixed (one weight schedule for all ranks), which a "
-            "sync mid-rollout would break; use run.async_sync=batch"
-        )
-    if clock.midsync and not isinstance(parts.rollout, OffersWeights):
-        raise ConfigError(
-            "config key 'run.async_sync' = 'step': this run's rollout "
-            f"({type(parts.rollout).__name__}) takes no weights mid-rollout; use "
-            "run.async_sync=batch"
-        )
     clock.held = parts.actor.version
     bound = Staleness(cfg.run.max_staleness, keep=cfg.run.stale in ("keep", "correct"))
     channel = Channel()  # unbounded: the gate bounds how far the rollout runs ahead

@@ -25,12 +25,16 @@ took it (``Trajectory.step_versions``). What this module decides:
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from diffrl.errors import ConfigError
 from diffrl.sync.weights import WeightUpdate
 from diffrl.types import Trajectory
+
+if TYPE_CHECKING:
+    from diffrl.config import Config
 
 
 @runtime_checkable
@@ -40,6 +44,28 @@ class OffersWeights(Protocol):
     def offer(self, update: WeightUpdate) -> None: ...
 
     def take_synced(self) -> dict[str, float]: ...
+
+
+def check_midsync(cfg: Config, rollout: object, fixed: bool) -> None:
+    """Before an async run with ``run.async_sync=step`` starts: its weights are not fixed per
+    iteration (``auto`` resolves to fixed under torchrun; ``fixed`` itself is refused at load),
+    and its rollout takes offers (a remote or local engine with its own copy, not a TP-sharded
+    one, whose ranks would have to switch at the same step)."""
+    if cfg.run.async_sync != "step":
+        return
+    if fixed:
+        raise ConfigError(
+            "config key 'run.async_sync' = 'step': this launch runs run.async_weights="
+            f"{cfg.run.async_weights!r} as fixed (one weight schedule for all ranks), which a "
+            "sync mid-rollout would break; use run.async_sync=batch"
+        )
+    shared = getattr(rollout, "shared", False) or getattr(rollout, "collective", False)
+    if not isinstance(rollout, OffersWeights) or shared:
+        raise ConfigError(
+            "config key 'run.async_sync' = 'step': this run's rollout "
+            f"({type(rollout).__name__}{', shared or TP-sharded' if shared else ''}) takes no "
+            "weights mid-rollout; use run.async_sync=batch"
+        )
 
 
 def bound_version(traj: Trajectory, per_step: bool) -> int:

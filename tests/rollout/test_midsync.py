@@ -19,7 +19,7 @@ from diffrl.algorithms import flow_grpo
 from diffrl.algorithms.registry import WeightPlan, get_algorithm
 from diffrl.config import load_config
 from diffrl.controller.async_ import Clock, publish
-from diffrl.controller.midsync import bound_version, step_staleness
+from diffrl.controller.midsync import bound_version, check_midsync, step_staleness
 from diffrl.errors import ConfigError
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.rollout.samplers import noise_from_seeds, sigma_schedule
@@ -291,3 +291,17 @@ def test_publish_offers_to_a_busy_rollout_only_with_step(midsync) -> None:
     assert (clock.updates, clock.version) == (7, 7)
     assert offered == ([7] if midsync else [])
     assert clock.pending is (None if midsync else update)
+
+
+def test_check_midsync_refuses_what_cannot_take_an_offer(setup) -> None:
+    rollout = setup[0]
+    step = load_config("recipes/shapes_nft.yaml", ASYNC_STEP)
+    check_midsync(step, rollout, fixed=False)  # a local engine with its own copy: fine
+    check_midsync(load_config("recipes/shapes_nft.yaml"), object(), fixed=True)  # batch: no rule
+    with pytest.raises(ConfigError, match="as fixed"):  # auto under torchrun
+        check_midsync(step, rollout, fixed=True)
+    with pytest.raises(ConfigError, match=r"rollout \(object\) takes no weights"):
+        check_midsync(step, object(), fixed=False)
+    shared = RolloutEngine(rollout.model, CFG, [], CPU, serving_layout=False, share_model=True)
+    with pytest.raises(ConfigError, match="shared or TP-sharded"):
+        check_midsync(step, shared, fixed=False)
