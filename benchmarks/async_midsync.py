@@ -4,8 +4,9 @@ each rollout under the old weights (``batch``), at max_staleness 1 and 2: four r
 the normal ``diffrl train`` path (``load_config`` + ``controller.loop.train``), one after the
 other in one process, one JSON line each.
 
-    python benchmarks/async_midsync.py --steps 8                 # H200: SD3.5-M, random weights
-    python benchmarks/async_midsync.py --smoke                   # CPU: sd35-tiny at 64 px
+    PYTHONPATH=. python3 benchmarks/async_midsync.py --steps 8 --staleness 1   # H200, SD3.5-M
+    PYTHONPATH=. python3 benchmarks/async_midsync.py --steps 8 --staleness 2   # (one call each)
+    PYTHONPATH=. python3 benchmarks/async_midsync.py --smoke                   # CPU, sd35-tiny
 
 The GPU runs use ``benchmarks/recipes/sd35m_grpo_epoch.yaml`` (SD3.5-Medium preset with random
 weights, 512 px, 10 steps, CFG 4.5, 8 prompts x 8 images, a rule reward). Per run: images/s
@@ -14,6 +15,13 @@ excluded), the rollout work kept (``async/kept_share``: records trained / record
 finished; ``async/produced``, ``async/dropped``), the mean staleness of the trained records
 and of their steps (``async/step_staleness_mean``: how fresh a mid-rollout sync keeps them),
 and FlowGRPO's truncated-IS weights (``grpo/tis_*``, step mode only).
+
+A sync lands mid-rollout only when the actor publishes while the rollout samples, i.e. when
+the rollout is the longer loop. With all 9 SDE steps trained (the epoch recipe) the update
+outlasts the rollout, which then waits at the staleness gate and takes every update between
+batches, so both modes would measure the same thing; the runs here train 3 of the 9 steps
+(``algorithm.timestep_fraction=0.34``, Flow-GRPO-Fast's budget), ``--set`` overrides it. In
+step mode, ``step_staleness_mean`` below ``staleness_mean`` shows that syncs did land mid-rollout.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ def run(sync: str, staleness: int, args, out: str) -> dict:
         f"run.name={name}",
         "run.tensorboard=false",
         "run.resume=false",
+        "algorithm.timestep_fraction=0.34",
         *(SMOKE if args.smoke else []),
         *args.set,
     ]
