@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -165,7 +165,9 @@ class Collected:
         for _, _, m, n in sorted(self.calls, key=lambda c: (c[0], c[1])):
             for k, v in m.items():
                 extra.setdefault(k, []).append((v, n))
-        out = {k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()}
+        out = {
+            k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
+        }
         if self.waits:  # how long a sample waited for its pool call (it starts before its
             # micro-batch's last row is scored when calls are capped or rows arrive apart)
             out["perf/score_wait_s"] = sum(self.waits) / len(self.waits)
@@ -227,7 +229,7 @@ async def first_error(*aws: Awaitable[Any]) -> list[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _errors(tasks: list[asyncio.Future]) -> list[BaseException]:
+def _errors(tasks: Sequence[asyncio.Future]) -> list[BaseException]:
     return [e for t in tasks if t.done() and not t.cancelled() and (e := t.exception())]
 
 
@@ -242,6 +244,8 @@ async def run_local(
     together) and the scored samples."""
     samples, scored = Channel(), Channel()
     _, _, got = await first_error(
-        stream(PerSample(samples)), score_ready(samples, scored, rewards, cap), collect(scored, on_part)
+        stream(PerSample(samples)),
+        score_ready(samples, scored, rewards, cap),
+        collect(scored, on_part),
     )
     return got

@@ -183,7 +183,9 @@ def test_per_sample_records_are_the_rows_of_their_micro_batch():
         return await ch.get_ready()
 
     samples = run(go())
-    assert [(s.part, s.row, s.rows) for s in samples] == [(k, r, 4) for k in (0, 1) for r in range(4)]
+    assert [(s.part, s.row, s.rows) for s in samples] == [
+        (k, r, 4) for k in (0, 1) for r in range(4)
+    ]
     assert all(isinstance(s, Sample) and len(s.traj) == 1 for s in samples)
     joined = Trajectory.concat([s.traj for s in samples[4:]])
     assert torch.equal(joined.x0, micro_batch(1).x0)
