@@ -130,7 +130,7 @@ async def score_ready(samples: Any, out: Any, rewards: ScoresTrajectories, cap: 
             batch, metrics = await rewards.score(Trajectory.concat([s.traj for s in take]))
             scored = [
                 ScoredSample(
-                    select_rows(batch, torch.tensor([j])),
+                    _row(batch, j, s.traj),
                     s.part,
                     s.row,
                     s.rows,
@@ -143,6 +143,14 @@ async def score_ready(samples: Any, out: Any, rewards: ScoresTrajectories, cap: 
             await _put_many(out, scored, batch.traj.policy_version)
     finally:
         out.close()
+
+
+def _row(batch: ScoredBatch, j: int, traj: Trajectory) -> ScoredBatch:
+    """Row ``j`` of ``batch``, around ``traj`` (that row's own sample: its tensors are not
+    copied again)."""
+    i = torch.tensor([j])
+    per_scorer = {k: v[i] for k, v in batch.per_scorer.items()}
+    return ScoredBatch(traj, batch.rewards[i], per_scorer, batch.valid[i])
 
 
 class StreamCut(RuntimeError):

@@ -224,3 +224,12 @@ def test_score_ready_closes_its_output_when_the_scorer_fails():
             await out.get()
 
     run(go())
+
+
+def test_a_negative_pool_call_cap_is_a_config_error():
+    from diffrl.config import load_config
+    from diffrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"reward\.max_batch.*-1.*>= 0"):
+        load_config(None, ["reward.max_batch=-1"])
+    assert load_config(None, ["reward.max_batch=3"]).reward.max_batch == 3
