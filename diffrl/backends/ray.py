@@ -123,6 +123,10 @@ class Host:
     def describe(self) -> dict:
         return {}
 
+    async def run_edge(self, fn, *args):
+        """``fn(self, *args)``: a data edge's part on this host (``backends/ray_edges.py``)."""
+        return await fn(self, *args)
+
     def check_received(self, record: PromptBatch | TrainBatch) -> None:
         """Contract 3 on a record as it arrives from the controller (serialised through Ray):
         its ids and conditions re-hashed against the hashes that travel with it."""
@@ -358,6 +362,8 @@ class RemoteRollout:
 class RemoteRewards:
     """The scorer pool on a ``RewardHost``, as ``RewardEngineProtocol``."""
 
+    edges: Any = None  # one step's rollout -> reward -> controller, when not through here
+
     def __init__(self, host) -> None:
         self.host = host
 
@@ -564,6 +570,10 @@ def build_ray(cfg: Config) -> Engines:
         info = _get(rollout_host.info.remote())
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
+        if cfg.ray.channel == "transferqueue":  # both edges on TransferQueue, past the controller
+            from diffrl.backends.ray_edges import TransferQueueEdges
+
+            rewards.edges = TransferQueueEdges(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
         actor = RemoteActor(actor_host)
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy

@@ -86,5 +86,26 @@ class Channel(Consumable):
         check_fresh(item.version, current_version, self.max_staleness)
         return item.record
 
+    async def put_many(self, records: list, version: int) -> None:
+        """``put`` each record; with room for them all (an unbounded channel), a consumer
+        sees them together."""
+        for r in records:
+            await self.put(r, version)
+
+    async def get_ready(self, wait: bool = True, current_version: int | None = None) -> list:
+        """Every record queued now (waiting for one first when ``wait``); ``ChannelClosed``
+        once closed and drained."""
+        out = [await self.get(current_version)] if wait else []
+        while not self._q.empty():
+            item = self._q.get_nowait()
+            if item is _CLOSE:
+                self._q.put_nowait(_CLOSE)
+                if not out:
+                    raise ChannelClosed("channel closed")
+                break
+            check_fresh(item.version, current_version, self.max_staleness)
+            out.append(item.record)
+        return out
+
     def qsize(self) -> int:
         return self._q.qsize()

@@ -15,6 +15,9 @@ in a uint8 field (``pickle``) that refers to them. ``close`` writes the next key
 ``channel`` holds the settings and marks the channel as created. The consumer reads the lowest
 key once its tag is set (TransferQueue sets tags after the data is stored), then clears it.
 
+``put_many`` writes several records' data untagged and then tags them in one call, so a
+consumer sees them together; ``get_ready`` takes every ready record at once.
+
 One producer and one consumer at a time: sequence numbers are the producer's own, and the
 consumer claims a record by clearing it after reading, which two consumers could both do.
 Both wait by polling the partition's key list (2 ms doubling to ``poll_s``).
@@ -344,10 +347,10 @@ class TransferQueueChannel(Consumable):
         await asyncio.sleep(delay)
         return min(delay * 2, self.poll_s)
 
-    async def put(self, record: Any, version: int) -> None:
+    async def _room(self) -> tuple[list[tuple[int, str, dict]], int]:
+        """Waits while the channel is at capacity; the keys queued now, and the next key."""
         if self._closed:
             raise ChannelClosed(f"put on a closed channel {self.name!r}")
-        fields = encode(record)
         delay = POLL_MIN_S
         while True:
             keys = _seq_keys(await self._entries())
@@ -357,15 +360,41 @@ class TransferQueueChannel(Consumable):
             if self._seq is None:  # a new producer continues after what is queued
                 self._seq = keys[-1][0] + 1 if keys else 0
             if not self.capacity or len(keys) < self.capacity:
-                break
+                return keys, self._seq
             delay = await self._wait(delay)
-        key = f"{self._seq:08d}"
+
+    async def put(self, record: Any, version: int) -> None:
+        fields = encode(record)
+        keys, seq = await self._room()
+        key = f"{seq:08d}"
         if any(k == key for _, k, _ in keys):
             raise RuntimeError(f"channel {self.name!r}: key {key} exists (two producers?)")
-        self._seq += 1
+        self._seq = seq + 1
         tq = _attach()
         with _torch_threads_kept():
             await tq.async_kv_put(key, self.name, fields=fields, tag={"v": int(version)})
+
+    async def put_many(self, records: list, version: int) -> None:
+        """The records as consecutive keys that a consumer sees together: their data goes in
+        first (untagged, so not yet ready), then one call tags them all. Waits for room for
+        the first only (the rest may pass ``capacity``)."""
+        if not records:
+            return
+        fields = [encode(r) for r in records]
+        keys, seq = await self._room()
+        names = [f"{seq + i:08d}" for i in range(len(records))]
+        if set(names) & {k for _, k, _ in keys}:
+            raise RuntimeError(f"channel {self.name!r}: key {names[0]} exists (two producers?)")
+        self._seq = seq + len(records)
+        tq = _attach()
+        with _torch_threads_kept():
+            await asyncio.gather(
+                *(
+                    tq.async_kv_put(k, self.name, fields=f)
+                    for k, f in zip(names, fields, strict=True)
+                )
+            )
+            await tq.async_kv_batch_put(names, self.name, tags=[{"v": int(version)}] * len(names))
 
     def close(self) -> None:
         """No more puts; consumers drain what is queued, then stop."""
@@ -398,6 +427,32 @@ class TransferQueueChannel(Consumable):
         version = tag["v"]
         check_fresh(version, current_version, self.max_staleness)
         return record
+
+    async def get_ready(self, wait: bool = True, current_version: int | None = None) -> list:
+        """Every record ready now, in order (waiting for one first when ``wait``), read
+        together and cleared in one call; ``ChannelClosed`` once closed and drained."""
+        delay = POLL_MIN_S
+        while True:
+            ready = []
+            keys = _seq_keys(await self._entries())
+            for _, key, tag in keys:
+                if "v" not in tag:  # the close mark, or a record whose data is on its way
+                    break
+                ready.append((key, tag["v"]))
+            if ready:
+                break
+            if keys and "eos" in keys[0][2]:
+                raise ChannelClosed(f"channel {self.name!r} closed")
+            if not wait:
+                return []
+            delay = await self._wait(delay)
+        tq = _attach()
+        with _torch_threads_kept():
+            got = await asyncio.gather(*(tq.async_kv_batch_get(k, self.name) for k, _ in ready))
+            await tq.async_kv_clear([k for k, _ in ready], self.name)
+        for _, version in ready:
+            check_fresh(version, current_version, self.max_staleness)
+        return [decode(fields) for fields in got]
 
     def qsize(self) -> int:
         """Records put and not yet consumed (the close marker not counted)."""

@@ -6,7 +6,6 @@ Neither mode imports the other; ``controller/loop.py`` picks one.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -16,9 +15,9 @@ import torch.distributed as dist
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
 from diffrl.algorithms.advantage import tied_fraction
 from diffrl.build import Engines
-from diffrl.channel import Channel
 from diffrl.controller.run_dir import RunDir
 from diffrl.hostmem import peak_rss_bytes
+from diffrl.reward.edges import run_local
 from diffrl.reward.pool import reward_summary
 from diffrl.sync.receipt import load_verified
 from diffrl.types import ScoredBatch
@@ -30,35 +29,25 @@ OnScored = Callable[[ScoredBatch], Awaitable[None]]
 async def rollout_and_score(
     parts: Engines, step: int, on_scored: OnScored | None = None
 ) -> tuple[ScoredBatch, dict[str, float]]:
-    """Consumes the step's prompts; waits on the rollout stream; returns (scored, metrics).
-    ``on_scored`` (async) receives each scored micro-batch as it is ready."""
-    channel = Channel(capacity=2)
-    producer = asyncio.create_task(
-        parts.rollout.stream(
-            parts.prompts.at(step),
-            seed=parts.cfg.run.seed * 1_000_003 + step,
-            channel=channel,
-            iteration=step,
-            # a data-parallel rank's slice: its samples take the one-process rows' seeds
-            first_prompt=parts.prompts.first,
-        )
-    )
-    scored: list[ScoredBatch] = []
-    extra: dict[str, list[tuple[float, int]]] = {}
-    async for traj in channel:  # unblocked by each finished micro-batch, ends on close
-        s, m = await parts.rewards.score(traj)
-        scored.append(s)
-        if on_scored is not None:
-            await on_scored(s)
-        for k, v in m.items():  # scorer-specific metrics: sample-weighted over micro-batches
-            extra.setdefault(k, []).append((v, len(s)))
-    await producer
-    batch = ScoredBatch.concat(scored)
+    """Consumes the step's prompts; waits on the rollout -> reward -> actor edges
+    (``reward/edges.py``: each sample scored once ready, each micro-batch handed once its
+    groups are scored); returns (scored, metrics). ``on_scored`` (async) receives each scored
+    micro-batch as it is ready, in rollout order. Under Ray with TransferQueue the reward
+    engine carries both edges itself (``edges``), past the controller."""
+    prompts, seed = parts.prompts.at(step), parts.cfg.run.seed * 1_000_003 + step
+    # a data-parallel rank's slice: its samples take the one-process rows' seeds
+    kw = {"iteration": step, "first_prompt": parts.prompts.first}
+    cap = getattr(getattr(parts.cfg, "reward", None), "max_batch", 0)
+    edges = getattr(parts.rewards, "edges", None)
+    if edges is not None:
+        got = await edges(parts.rollout, prompts, seed, kw, on_scored, cap)
+    else:
+        stream = lambda ch: parts.rollout.stream(prompts, seed=seed, channel=ch, **kw)  # noqa: E731
+        got = await run_local(stream, parts.rewards, on_scored, cap)
+    batch = ScoredBatch.concat(got.parts)
     parts.rewards.observe_step(batch)  # a scorer dead for max_dead_steps steps stops the run
     parts.prompts.observe(step, batch.traj.prompts.prompt_ids, batch.rewards, batch.valid)
-    metrics = {
-        k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
-    }
+    metrics = got.metrics()  # scorer-specific metrics: sample-weighted over pool calls
     metrics["reward/tied_groups"] = tied_fraction(batch.rewards, batch.traj.group, batch.valid)
     return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
 

@@ -1,11 +1,11 @@
 """The synchronous (on-policy) controller: generate -> score -> advantage -> update -> sync.
 
-Each step streams the rollout's micro-batches through a channel into the reward pool, so
-scoring of micro-batch i overlaps generation of micro-batch i+1. The update is one path, fed
-in one of two ways (``StepUpdate``): after the whole step is scored (the actor's
-``train_step``), or, with ``run.stream_train``, each scored micro-batch as it comes while the
-next one rolls out, then one optimizer step. Weights move to the rollout only through
-versioned, verified syncs.
+Each step streams the rollout's samples into the reward pool and the scored micro-batches
+back (``reward/edges.py``), so scoring of micro-batch i overlaps generation of micro-batch
+i+1. The update is one path, fed in one of two ways (``StepUpdate``): after the whole step is
+scored (the actor's ``train_step``), or, with ``run.stream_train``, each scored micro-batch as
+it comes while the next one rolls out, then one optimizer step. Weights move to the rollout
+only through versioned, verified syncs.
 
 What happens to the weights after each update is the algorithm's weight plan, carried out
 here: refresh ``old``, then sync the adapter the rollout samples with. When the plan says

@@ -45,10 +45,14 @@ class RewardConfig:
     # an optional scorer that fails for every sample this many RL steps running stops the run
     # (a dead reward server would otherwise let it "succeed" while training on nothing)
     max_dead_steps: int = 3
+    # rows per pool call (reward/edges.py): the ready rows of one rollout micro-batch, at most
+    # this many (0 = all of them); a cap below the micro-batch starts scoring on its first rows
+    max_batch: int = 0
 
     def validate(self) -> None:
         check(len(self.scorers) > 0, "scorers", self.scorers, "at least one scorer")
         check(self.max_dead_steps >= 1, "max_dead_steps", self.max_dead_steps, "must be >= 1")
+        check(self.max_batch >= 0, "max_batch", self.max_batch, "must be >= 0 (0 = no cap)")
         names = [s.key for s in self.scorers]
         check(
             len(set(names)) == len(names),

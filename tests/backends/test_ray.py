@@ -79,7 +79,7 @@ def tiny(checkpoint, out, steps, *extra):
     return tiny_run(checkpoint, out, steps, *over, *extra)
 
 
-def test_resume_async_and_transferqueue_on_ray_equal_local(tiny_checkpoint, tmp_path):
+def test_resume_async_and_transferqueue_on_ray_equal_local(tiny_checkpoint, tmp_path, monkeypatch):
     local = run(tiny(tiny_checkpoint, tmp_path / "local", 3), RECIPE)
     assert any(r.get("actor/grad_norm", 0) > 0 for r in local[1:])  # the weights do move
     # stopped after 2 steps, resumed to 3: the checkpoint round-trips through the actor host
@@ -94,11 +94,19 @@ def test_resume_async_and_transferqueue_on_ray_equal_local(tiny_checkpoint, tmp_
         {k: v for k, v in r.items() if not k.startswith("async/")} for r in rows
     ]  # noqa: E731, E501
     assert drop_async(untimed(asynced)) == untimed(local)
-    # trajectories through TransferQueue instead of the object store
+    # both edges on TransferQueue: rollout host -> reward host -> controller, per sample;
+    # no trajectory reaches the controller on its way to scoring (the proxy's stream is unused)
     pytest.importorskip("transfer_queue")
+    from diffrl.backends.ray import RemoteRollout
+
+    def not_here(*a, **kw):
+        raise AssertionError("a training rollout streamed through the controller")
+
+    monkeypatch.setattr(RemoteRollout, "stream", not_here)
     over = ["run.backend=ray", "ray.channel=transferqueue"]
     tq = run(tiny(tiny_checkpoint, tmp_path / "tq", 3, *over), RECIPE)
     assert untimed(tq) == untimed(local)
+    assert all(r["perf/score_calls"] >= 1 for r in tq[1:])
     assert all_released()
 
 

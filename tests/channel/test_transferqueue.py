@@ -257,3 +257,122 @@ def test_wrong_or_deleted_channels_are_clear_errors(transferqueue):
 
     run(go())
     assert ch.name not in tq.kv_list()
+
+
+def test_put_many_and_get_ready_move_records_together(transferqueue):
+    """``put_many`` writes consecutive keys that turn ready together (tagged in one call after
+    their data); ``get_ready`` takes every ready record at once, in order, exactly."""
+    records = [make_traj(i, latents=i == 1) for i in range(3)]
+
+    async def go():
+        ch = TransferQueueChannel(fresh_name(), max_staleness=0)
+        assert await ch.get_ready(wait=False) == []
+        await ch.put_many(records[:2], version=4)
+        await ch.put("last", version=4)
+        got = await ch.get_ready()
+        waiting = asyncio.create_task(ch.get_ready())  # waits for the next put
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await ch.put_many([records[2]], version=4)
+        later = await asyncio.wait_for(waiting, 5)
+        ch.close()
+        with pytest.raises(ChannelClosed):
+            await ch.get_ready()
+        await ch.put_many([], version=0)  # nothing to put: not even a closed channel's error
+        with pytest.raises(ChannelClosed, match="closed channel"):
+            await ch.put_many(["x"], version=0)
+        ch2 = TransferQueueChannel(fresh_name(), max_staleness=0)
+        await ch2.put_many(["old"], version=1)
+        with pytest.raises(StaleRecord):
+            await ch2.get_ready(current_version=2)
+        return got, later, ch
+
+    got, later, ch = run(go())
+    assert len(got) == 3 and all(same(r, g) for r, g in zip(records[:2], got, strict=False))
+    assert got[2] == "last" and len(later) == 1 and same(later[0], records[2])
+    assert list(tq.kv_list(ch.name)[ch.name]) == ["channel", "00000004"]  # all consumed
+
+
+# --- both data edges on TransferQueue (backends/ray_edges.py), on fake hosts -------------------
+
+
+class GroupScorer:
+    """Scores a row by its seed; raises on a batch holding seed ``fail``."""
+
+    needs = frozenset({"image"})
+    name = "test_tq_edges"
+
+    def __init__(self, fail: int = -1) -> None:
+        self.fail = fail
+
+    async def score(self, traj):
+        from diffrl.reward.scorer import ScoreResult
+
+        if (traj.seeds == self.fail).any():
+            raise ValueError(f"cannot score seed {self.fail}")
+        s = traj.seeds.float() / 7
+        return ScoreResult(s, torch.ones(len(s), dtype=torch.bool), {"rows": float(len(s))})
+
+
+class FakeRollout:
+    async def stream(self, prompts, seed, channel, **kw) -> None:
+        try:
+            for k in range(3):  # micro-batches of 2 rows, one group each
+                await channel.put(dataclasses.replace(make_traj(k), group=torch.full((2,), k)), 0)
+        finally:
+            channel.close()
+
+
+def pool(fail: int = -1):
+    from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
+    from diffrl.reward.scorer import register_scorer
+
+    register_scorer("test_tq_edges")(GroupScorer)
+    return RewardPool(RewardConfig([ScorerConfig("test_tq_edges", params={"fail": fail})]))
+
+
+@ray.remote(num_cpus=0)
+class EdgeHosts:
+    """A rollout host and a reward host in one process, as ``ray_edges`` sees them."""
+
+    def __init__(self) -> None:
+        self.engines, self.pool = {"rollout": FakeRollout()}, pool()
+
+    def fail_on(self, seed: int) -> None:
+        self.pool = pool(seed)
+
+    def check_received(self, prompts) -> None:
+        pass
+
+    async def run_edge(self, fn, *args):
+        return await fn(self, *args)
+
+
+def test_both_edges_on_transferqueue_equal_the_local_edges_and_fail_cleanly(transferqueue):
+    """Rollout host -> reward host -> here over two TransferQueue channels gives the local
+    path's micro-batches and metrics exactly; a scorer failing on one sample stops the step
+    with its own error (no hang); the step's channels are deleted either way."""
+    import types
+
+    from diffrl.backends.ray_edges import TransferQueueEdges
+    from diffrl.reward.edges import run_local
+    from diffrl.reward.pool import RewardFailure
+
+    local = run(run_local(lambda ch: FakeRollout().stream(None, 0, ch), pool()))
+    hosts = EdgeHosts.remote()
+    handed = []
+
+    async def on_part(part):
+        handed.append(part)
+
+    rollout = types.SimpleNamespace(host=hosts, which="rollout")
+    got = run(TransferQueueEdges(hosts)(rollout, None, 0, {}, on_part, 0), timeout=60)
+    assert len(got.parts) == len(handed) == 3
+    assert all(same(a, b) for a, b in zip(local.parts, got.parts, strict=True))
+    untimed = lambda m: {k: v for k, v in m.items() if k != "perf/score_wait_s"}  # noqa: E731
+    assert untimed(got.metrics()) == untimed(local.metrics())
+    ray.get(hosts.fail_on.remote(201))
+    with pytest.raises(RewardFailure, match="cannot score seed 201"):
+        run(TransferQueueEdges(hosts)(rollout, None, 0, {}, None, 0), timeout=60)
+    assert not [p for p in tq.kv_list() if p.startswith(("diffrl-samples", "diffrl-scored"))]
+    ray.kill(hosts)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import types
 
 import pytest
 import torch
 
+from diffrl.algorithms.advantage import tied_fraction
+from diffrl.channel import Channel
 from diffrl.controller.step import rollout_and_score
-from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
+from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig, reward_summary
 from diffrl.reward.scorer import ScoreResult, register_scorer
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, sample_seeds
 from diffrl.tasks import Prompt, PromptSet
 from diffrl.tasks.shapes.prompts import split_prompts
+from diffrl.types import ScoredBatch
 
 
 class ByGroup:
@@ -79,3 +83,71 @@ def test_reward_mean_is_over_valid_samples_across_micro_batches(tiny_model) -> N
     _, m_whole = asyncio.run(rollout_and_score(make_parts(tiny_model, table, 64), 0))
     assert m_whole["reward/mean"] == pytest.approx(expected)
     assert metrics["reward/mean"] == pytest.approx(expected)  # actual: 0.5
+
+
+async def old_rollout_and_score(parts, step, on_scored):
+    """The path before the per-sample edges: the rollout's micro-batches through one channel
+    into the pool, a whole micro-batch per call, metrics sample-weighted per micro-batch."""
+    channel = Channel(capacity=2)
+    seed = parts.cfg.run.seed * 1_000_003 + step
+    producer = asyncio.create_task(
+        parts.rollout.stream(parts.prompts.at(step), seed=seed, channel=channel, iteration=step)
+    )
+    scored, extra = [], {}
+    async for traj in channel:
+        s, m = await parts.rewards.score(traj)
+        scored.append(s)
+        await on_scored(s)
+        for k, v in m.items():
+            extra.setdefault(k, []).append((v, len(s)))
+    await producer
+    batch = ScoredBatch.concat(scored)
+    metrics = {k: sum(v * n for v, n in x) / sum(n for _, n in x) for k, x in extra.items()}
+    metrics["reward/tied_groups"] = tied_fraction(batch.rewards, batch.traj.group, batch.valid)
+    return batch, {**metrics, **reward_summary(batch)}
+
+
+def test_per_sample_edges_give_the_old_paths_rows_and_metrics_bit_for_bit(tiny_model) -> None:
+    """Every tensor of the scored batch, every micro-batch handed to ``on_scored`` (what
+    ``run.stream_train`` trains) and every metric (the shapes scorer's accuracy, a mean per
+    pool call, included) equal the one-call-per-micro-batch path's."""
+    table = {0: [0.0, 1.0], 1: [0.25, float("nan")], 2: [1.0, 1.0]}
+    parts = make_parts(tiny_model, table, max_batch=2)  # 3 micro-batches
+    parts.rewards = RewardPool(
+        RewardConfig(
+            [
+                ScorerConfig("test_ras_bygroup", required=False, params={"table": table}),
+                ScorerConfig("shapes", params={"mode": "partial"}),
+            ]
+        )
+    )
+    runs = {}
+    for name, fn in (("old", old_rollout_and_score), ("new", rollout_and_score)):
+        handed = []
+
+        async def on_scored(s, handed=handed):
+            handed.append(s)
+
+        runs[name] = asyncio.run(fn(parts, 3, on_scored)), handed
+    (old, m_old), old_parts = runs["old"]
+    (new, m_new), new_parts = runs["new"]
+    assert len(new_parts) == len(old_parts) == 3
+    for a, b in zip([old, *old_parts], [new, *new_parts], strict=True):
+        assert_same(a, b)
+    assert {k: v for k, v in m_new.items() if not k.startswith("perf/")} == m_old
+    assert "reward/shapes/accuracy" in m_new and m_new["perf/score_calls"] == 3.0
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    else:
+        assert a == b
