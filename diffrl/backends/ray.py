@@ -16,8 +16,11 @@ at the same seed (``tests/backends/test_ray.py``).
 
 Records: a rollout's micro-batches stream to the controller through Ray's object store (a
 streaming generator) or through TransferQueue (``ray.channel``), and leave the host on the
-CPU. Weights: ``export_weights`` returns a handle to the update in the object store; the rollout
-host fetches it directly, so the tensors never pass through the controller.
+CPU. Weights take the path ``placement.weights`` names (``weight_path``; ``sync/transport.py``):
+``export_weights`` stages the update on the actor host and returns a small handle; at
+``load_weights`` the rollout host fetches it from the object store, opens the actor's IPC
+handles, or takes the actor host's broadcast over a weight group of their own. The tensors
+never pass through the controller, and every path is checked before anything is applied.
 
 What waits on what: the proxies' ``train_step`` and ``load_weights`` block their caller (the
 controller runs the update in a worker thread, as with the local actor); ``stream``, ``generate``
@@ -55,7 +58,8 @@ from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.bound import check_bound
 from diffrl.sync.receipt import SyncReceipt, expected_of
-from diffrl.sync.weights import SyncReport, WeightUpdate
+from diffrl.sync.transport import WeightSink, WeightSource
+from diffrl.sync.weights import SyncReport
 from diffrl.tasks import build_task, prompt_source
 from diffrl.types import (
     PromptBatch,
@@ -133,9 +137,11 @@ class RolloutHost(Host):
     role = "rollout"
 
     def build(self, cfg: Config, threads: int) -> None:
-        side = rollout_side(cfg, setup_process(cfg, threads))
+        device = setup_process(cfg, threads)
+        side = rollout_side(cfg, device)
         self.side = side
         self.engines = {"rollout": side.rollout, "evaluator": side.evaluator}
+        self.weights = WeightSink(weight_path(cfg), device, WEIGHT_TIMEOUT_S)
 
     def describe(self) -> dict:
         s = self.side
@@ -170,9 +176,19 @@ class RolloutHost(Host):
         self.check_received(prompts)
         return to_device(await self.engines[which].generate(prompts, seed, **kw), CPU)
 
-    async def load_weights(self, which: str, update: WeightUpdate) -> SyncReport:
-        # runs on the host's event loop between batches: the controller never syncs mid-batch
-        return self.engines[which].load_weights(update)
+    async def load_weights(self, which: str, handle: Any) -> SyncReport:
+        # runs on the host's event loop between batches: the controller never syncs mid-batch.
+        # The transport's checks first (a broadcast receive blocks until the actor sends)
+        return self.engines[which].load_weights(self.weights.receive(which, handle))
+
+    def join_weights(self, host: str, port: int, rank: int, world: int, node: str) -> None:
+        if self.weights.path == "ipc" and node != _ray().get_runtime_context().get_node_id():
+            raise ConfigError(
+                "config key 'placement.weights' = 'ipc': the actor and the rollout run on "
+                "different nodes; IPC handles open only on the node that made them (use "
+                "broadcast or object_store)"
+            )
+        self.weights.join(host, port, rank, world)
 
     async def receipt(self, which: str) -> SyncReceipt:
         return self.engines[which].receipt()
@@ -203,6 +219,7 @@ class ActorHost(Host):
     def build(self, cfg: Config, threads: int) -> None:
         device = setup_process(cfg, threads)
         self.actor = actor_side(cfg, load_model(cfg.model, device), device)
+        self.weights = WeightSource(weight_path(cfg), device, WEIGHT_TIMEOUT_S)
 
     def describe(self) -> dict:
         return {
@@ -228,10 +245,23 @@ class ActorHost(Host):
     def update_old(self, decay: float) -> None:
         self.actor.update_old(decay)
 
-    def export_weights(self, adapter: str) -> WeightUpdate:
+    def export_weights(self, adapter: str) -> Any:
+        """The object-store handle, or (broadcast, ipc) the key ``send_weights`` takes."""
         update = self.actor.export_weights(adapter)
         self.last_sent = (update.version, expected_of(update))  # what its receipt must show
-        return update
+        return self.weights.stage(update)
+
+    def send_weights(self, key: int) -> Any:
+        """An export on its way: the IPC handle, or the broadcast (returns once every receiver
+        took it)."""
+        return self.weights.send(key)
+
+    def weight_endpoint(self, world: int) -> tuple[str, int, str]:
+        """(address, port, node): where the weight group's store is served (broadcast)."""
+        ray = _ray()
+        host = ray.util.get_node_ip_address()
+        port = self.weights.rendezvous(host, world) if self.weights.path == "broadcast" else 0
+        return host, port, ray.get_runtime_context().get_node_id()
 
     def sent(self) -> tuple[int, dict]:
         """The last exported update's version and expected receipt (small: the controller
@@ -277,11 +307,14 @@ async def _await(ref):
 
 @dataclass(frozen=True)
 class RemoteWeights:
-    """A weight update held in Ray's object store (what the remote actor's
-    ``export_weights`` returns); the rollout host fetches it itself."""
+    """An export of the remote actor (what its ``export_weights`` returns): the object-store
+    handle, or the key to the update it holds (broadcast, ipc); the rollout host gets the
+    tensors itself."""
 
     ref: Any
     sent_ref: Any = None  # (version, expected receipt), computed by the actor host
+    path: str = "object_store"
+    actor: Any = None  # the actor host, which sends a staged export (broadcast, ipc)
 
     def sent(self) -> tuple[int, dict]:
         return _get(self.sent_ref)
@@ -333,13 +366,30 @@ class RemoteRollout:
         return await _await(self.host.generate.remote(self.which, prompts, seed, kw))
 
     def load_weights(self, update) -> SyncReport:
-        arg = update.ref if isinstance(update, RemoteWeights) else update
-        report = _get(self.host.load_weights.remote(self.which, arg))
+        if isinstance(update, RemoteWeights) and update.path != "object_store":
+            report = _send_and_load(update, self.host, self.which)
+        else:
+            arg = update.ref if isinstance(update, RemoteWeights) else update
+            report = _get(self.host.load_weights.remote(self.which, arg))
         self.version = report.version
         return report
 
     def receipt(self) -> SyncReceipt:
         return _get(self.host.receipt.remote(self.which))
+
+
+def _send_and_load(update: RemoteWeights, host, which: str) -> SyncReport:
+    """A staged export sent and loaded. IPC: the actor's handle is the load's argument (Ray
+    passes it on). Broadcast: send and receive run at once (a collective); whichever side
+    fails first raises its own error, not its peer's timeout."""
+    sending = update.actor.send_weights.remote(update.ref)
+    if update.path == "ipc":
+        return _get(host.load_weights.remote(which, sending))
+    loading = host.load_weights.remote(which, None)
+    first, _ = _ray().wait([sending, loading], num_returns=1)
+    _get(first[0])
+    _get(sending)
+    return _get(loading)
 
 
 class RemoteRewards:
@@ -362,8 +412,8 @@ class RemoteActor:
     """The actor engine on an ``ActorHost``, as ``ActorEngineProtocol``. ``version`` is the
     host's after the last call that changes it."""
 
-    def __init__(self, host) -> None:
-        self.host = host
+    def __init__(self, host, weights: str = "object_store") -> None:
+        self.host, self.weights = host, weights
         info = _get(host.info.remote())
         self.version, self._eval_adapter = info["version"], info["eval_adapter"]
         self.bound = info["bound"]  # the modules its adapter is on (the bound-module gate)
@@ -392,7 +442,7 @@ class RemoteActor:
     def export_weights(self, adapter: str = "default") -> RemoteWeights:
         # the host runs one call at a time, in order: sent() describes this export
         ref = self.host.export_weights.remote(adapter)
-        return RemoteWeights(ref, self.host.sent.remote())
+        return RemoteWeights(ref, self.host.sent.remote(), self.weights, self.host)
 
     def adapter_tensors(self) -> dict:
         return _get(self.host.adapter_tensors.remote())
@@ -420,12 +470,45 @@ def _check_built(cfg: Config) -> None:
                 f"config key 'placement.{name}.replicas' = {getattr(p, name).replicas}: "
                 "more than one replica is not built yet; set it to 1"
             )
-    if p.colocate or p.weights not in ("auto", "object_store"):
+    if p.colocate:
         raise ConfigError(
-            f"config keys 'placement.colocate' = {p.colocate}, 'placement.weights' = "
-            f"{p.weights!r}: only separate pools with weights through the object store are "
-            "built yet"
+            f"config key 'placement.colocate' = {p.colocate}: only separate pools are built yet"
         )
+    path, gpus = weight_path(cfg), (p.actor.gpus > 0, p.rollout.gpus > 0)
+    if path == "broadcast" and gpus[0] != gpus[1]:
+        raise ConfigError(
+            f"config key 'placement.weights' = {p.weights!r}: a broadcast needs the actor and "
+            f"the rollout both on GPUs (NCCL) or both on CPUs (gloo); placement.actor.gpus="
+            f"{p.actor.gpus:g}, placement.rollout.gpus={p.rollout.gpus:g}"
+        )
+    if path == "ipc" and any(gpus):
+        raise ConfigError(
+            f"config key 'placement.weights' = {p.weights!r}: CUDA IPC needs the actor and the "
+            "rollout on one GPU (placement.colocate, not built yet); on separate GPUs use "
+            "broadcast"
+        )
+
+
+# how long a weight group waits for a peer (joining, or one send) before it raises
+WEIGHT_TIMEOUT_S = 300.0
+
+
+def weight_path(cfg: Config) -> str:
+    """``placement.weights`` resolved: ``auto`` is IPC when the actor and the rollout share a
+    GPU, a broadcast (NCCL) when both are on GPUs apart, else the object store."""
+    p = cfg.placement
+    if p.weights != "auto":
+        return p.weights
+    if p.actor.gpus > 0 and p.rollout.gpus > 0:
+        return "ipc" if p.colocate else "broadcast"
+    return "object_store"
+
+
+def _connect_weights(actor_host, rollout_host) -> None:
+    """The actor host serves the weight group's store on a free port, the rollout host (rank
+    1 of 2) learns where: the group forms at the first sync."""
+    host, port, node = _get(actor_host.weight_endpoint.remote(2))
+    _get(rollout_host.join_weights.remote(host, port, 1, 2, node))
 
 
 def _check_fits(cfg: Config) -> None:
@@ -552,7 +635,9 @@ def build_ray(cfg: Config) -> Engines:
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
-        actor = RemoteActor(actor_host)
+        actor = RemoteActor(actor_host, weight_path(cfg))
+        if weight_path(cfg) != "object_store":
+            _connect_weights(actor_host, rollout_host)
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:

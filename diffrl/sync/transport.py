@@ -142,7 +142,7 @@ def buffer_sizes(m: Manifest) -> list[tuple[torch.dtype, int]]:
 
 def _expected_keys(m: Manifest) -> list[str]:
     keys = [f"{kind}:{n}" for n in m.names for kind in ("a", "b", "rows")]
-    return keys + [f"base:{n}" for n in (m.base_dtypes or {})]
+    return keys + ([f"base:{n}" for n in m.names] if m.base_dtypes is not None else [])
 
 
 def check_manifest(m: Manifest) -> None:
@@ -568,3 +568,97 @@ class BroadcastReceiver(Receiver):
         for i, b in enumerate(buffers):
             g.broadcast(b, f"buffer {i} ({b.dtype})")
         return unpack(m, buffers, self.order, self.device)
+
+
+# --- one end of a path each: what a backend's hosts hold -----------------------------------------
+
+PATHS = ("object_store", "broadcast", "ipc")
+STAGED = 8  # exports a WeightSource holds unsent (async runs export ahead of the load)
+
+
+class WeightSource:
+    """The actor's end of a weight path. ``stage(update)`` runs at export and returns what the
+    controller carries: the object-store handle itself, or (broadcast, ipc) a key to the update
+    kept here; ``send(key)`` runs when a receiver loads it: the IPC handle, or the broadcast
+    itself (which waits for every receiver). The newest ``STAGED`` unsent exports are kept; an
+    export the run never loads (an async run's skipped one) is dropped after them."""
+
+    def __init__(self, path: str, device: torch.device, timeout_s: float = 300.0) -> None:
+        if path not in PATHS:
+            raise SyncError(f"weight path {path!r}: one of {list(PATHS)}")
+        self.path, self.device, self.timeout_s = path, device, timeout_s
+        self.sender: Sender | None = None  # broadcast: made at the first send
+        if path == "object_store":
+            self.sender = ObjectStoreSender()
+        elif path == "ipc":
+            self.sender = IpcSender()
+        self.staged: dict[int, WeightUpdate] = {}
+        self.exports = 0
+        self.store: Any = None
+        self.world = 0
+
+    def rendezvous(self, host: str, world: int) -> int:
+        """Broadcast: serve the weight group's store on ``host`` (a free port, returned) for
+        rank 0 (here) and ``world - 1`` receivers; the group forms at the first send."""
+        self.store, port = serve_rendezvous(host, self.timeout_s)
+        self.host, self.world = host, world
+        return port
+
+    def stage(self, update: WeightUpdate) -> Any:
+        if self.path == "object_store":
+            assert self.sender is not None
+            return self.sender.send(update)
+        self.exports += 1
+        self.staged[self.exports] = update
+        for old in sorted(self.staged)[:-STAGED]:
+            del self.staged[old]
+        return self.exports
+
+    def send(self, key: int) -> Any:
+        update = self.staged.pop(key, None)
+        if update is None:
+            raise SyncError(
+                f"weight export {key} is no longer held by the actor (only the newest {STAGED} "
+                "unsent exports are): it was loaded already, or more exports came after it"
+            )
+        if self.sender is None:  # broadcast: the group forms at the first send
+            if self.store is None:
+                raise SyncError("broadcast weight path: no rendezvous served before the send")
+            group = open_group(self.host, 0, 0, self.world, self.device, self.timeout_s, self.store)
+            self.sender = BroadcastSender(group)
+        return self.sender.send(update)
+
+
+class WeightSink:
+    """A rollout process's end: one receiver (and so one order) per engine it holds (the
+    training rollout and the evaluator), sharing the broadcast group."""
+
+    def __init__(self, path: str, device: torch.device, timeout_s: float = 300.0) -> None:
+        if path not in PATHS:
+            raise SyncError(f"weight path {path!r}: one of {list(PATHS)}")
+        self.path, self.device, self.timeout_s = path, device, timeout_s
+        self.receivers: dict[str, Receiver] = {}
+        self.peer: tuple[str, int, int, int] | None = None
+        self.group: WeightGroup | None = None
+
+    def join(self, host: str, port: int, rank: int, world: int) -> None:
+        """Broadcast: where the sender's store is and this process's rank; the group forms at
+        the first receive (the sender's first send)."""
+        self.peer = (host, port, rank, world)
+
+    def receive(self, engine: str, handle: Any) -> WeightUpdate:
+        receiver = self.receivers.get(engine)
+        if receiver is None:
+            if self.path == "broadcast":
+                if self.group is None:
+                    if self.peer is None:
+                        raise SyncError("broadcast weight path: this receiver joined no group")
+                    host, port, rank, world = self.peer
+                    self.group = open_group(host, port, rank, world, self.device, self.timeout_s)
+                receiver = BroadcastReceiver(self.group, self.device)
+            elif self.path == "ipc":
+                receiver = IpcReceiver(self.device)
+            else:
+                receiver = ObjectStoreReceiver(self.device)
+            self.receivers[engine] = receiver
+        return receiver.receive(handle)

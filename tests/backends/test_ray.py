@@ -165,3 +165,46 @@ def test_a_host_refuses_ids_changed_on_the_way(host, tiny_checkpoint, tmp_path, 
     with pytest.raises(ContractError, match=message):
         run(tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray"))
     assert all_released()
+
+
+def test_weights_by_broadcast_and_ipc_equal_local(tiny_checkpoint, tmp_path):
+    """placement.weights on CPU pools: a gloo weight group of the actor host and the rollout
+    host (the rollout and the evaluator both load through it), and shared-memory IPC handles,
+    carry the local run's updates (and so the object store's: the default recipe's test)."""
+    rows = {
+        path: untimed(
+            run(
+                tiny(
+                    tiny_checkpoint,
+                    tmp_path / path,
+                    1,
+                    *([] if path == "local" else ["run.backend=ray", f"placement.weights={path}"]),
+                ),
+                RECIPE,
+            )
+        )  # fmt: skip
+        for path in ("local", "broadcast", "ipc")
+    }
+    assert rows["local"][-1]["sync/version"] == 1 and "eval/overall" in rows["ipc"][-1]
+    assert rows["broadcast"] == rows["local"] == rows["ipc"]
+    assert all_released()
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (["placement.weights=broadcast", "placement.actor.gpus=1"], "both on GPUs"),
+        (["placement.weights=ipc", "placement.actor.gpus=1", "placement.rollout.gpus=1"],
+         "CUDA IPC needs"),
+    ],
+)  # fmt: skip
+def test_weight_paths_that_cannot_run_are_config_errors(over, message):
+    from diffrl.backends.ray import _check_built, weight_path
+
+    cfg = load_config(RECIPE, ["run.backend=ray", *over])
+    with pytest.raises(ConfigError, match=message):
+        _check_built(cfg)
+    gpus = ["placement.actor.gpus=1", "placement.rollout.gpus=1"]
+    assert weight_path(load_config(RECIPE, gpus)) == "broadcast"
+    assert weight_path(load_config(RECIPE, [])) == "object_store"
+    assert weight_path(load_config(RECIPE, [*gpus, "placement.colocate=true"])) == "ipc"

@@ -39,7 +39,8 @@ from diffrl.sync.transport import (
 )
 from diffrl.sync.weights import BasePrints, LoraDelta, MergedLoraTarget, SyncError, WeightUpdate
 
-SHAPES = {"l0": (12, 8), "l1": (8, 12), "l2": (6, 8)}
+# not in sorted order: the manifest keeps the update's order (JSON sorts its dicts' keys)
+SHAPES = {"l2": (6, 8), "l0": (12, 8), "l1": (8, 12)}
 DEADLINE_S = 60.0
 
 
