@@ -428,7 +428,7 @@ class IpcReceiver(Receiver):
             )
         try:
             shared = [open_buffer(h) for h in handle.buffers]
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError, ValueError, TypeError) as e:
             raise SyncError(
                 f"weight update v{m.version} (send {m.serial}): cannot open the sender's shared "
                 f"buffers ({e}); it shares the next update's before this one was opened, or it "
@@ -563,7 +563,12 @@ class BroadcastReceiver(Receiver):
             raise SyncError(f"weight manifest of {n} bytes announced: the group is out of step")
         raw = torch.empty(n, dtype=torch.uint8, device=dev)
         g.broadcast(raw, "manifest")
-        m = Manifest.from_json(bytes(raw.cpu().numpy()).decode("utf-8", errors="replace"))
+        try:
+            m = Manifest.from_json(bytes(raw.cpu().numpy()).decode("utf-8", errors="replace"))
+        except SyncError as e:
+            raise SyncError(
+                f"{e} (the buffers that follow cannot be sized: the weight group is out of step)"
+            ) from None
         buffers = [torch.empty(k, dtype=d, device=dev) for d, k in buffer_sizes(m)]
         for i, b in enumerate(buffers):
             g.broadcast(b, f"buffer {i} ({b.dtype})")
