@@ -141,7 +141,7 @@ class RolloutHost(Host):
         side = rollout_side(cfg, device)
         self.side = side
         self.engines = {"rollout": side.rollout, "evaluator": side.evaluator}
-        self.weights = WeightSink(weight_path(cfg), device, WEIGHT_TIMEOUT_S)
+        self.device = device
 
     def describe(self) -> dict:
         s = self.side
@@ -181,13 +181,13 @@ class RolloutHost(Host):
         # The transport's checks first (a broadcast receive blocks until the actor sends)
         return self.engines[which].load_weights(self.weights.receive(which, handle))
 
-    def join_weights(self, host: str, port: int, rank: int, world: int, node: str) -> None:
-        if self.weights.path == "ipc" and node != _ray().get_runtime_context().get_node_id():
-            raise ConfigError(
-                "config key 'placement.weights' = 'ipc': the actor and the rollout run on "
-                "different nodes; IPC handles open only on the node that made them (use "
-                "broadcast or object_store)"
-            )
+    def where(self) -> tuple[str, str]:
+        return _where(self.device)
+
+    def open_weights(self, path: str, host: str, port: int, rank: int, world: int) -> None:
+        """This host's end of the weight path (broadcast: rank ``rank`` of the group whose
+        store the actor host serves at ``host:port``; it forms at the first sync)."""
+        self.weights = WeightSink(path, self.device, WEIGHT_TIMEOUT_S)
         self.weights.join(host, port, rank, world)
 
     async def receipt(self, which: str) -> SyncReceipt:
@@ -219,7 +219,7 @@ class ActorHost(Host):
     def build(self, cfg: Config, threads: int) -> None:
         device = setup_process(cfg, threads)
         self.actor = actor_side(cfg, load_model(cfg.model, device), device)
-        self.weights = WeightSource(weight_path(cfg), device, WEIGHT_TIMEOUT_S)
+        self.device = device
 
     def describe(self) -> dict:
         return {
@@ -256,12 +256,15 @@ class ActorHost(Host):
         took it)."""
         return self.weights.send(key)
 
-    def weight_endpoint(self, world: int) -> tuple[str, int, str]:
-        """(address, port, node): where the weight group's store is served (broadcast)."""
-        ray = _ray()
-        host = ray.util.get_node_ip_address()
-        port = self.weights.rendezvous(host, world) if self.weights.path == "broadcast" else 0
-        return host, port, ray.get_runtime_context().get_node_id()
+    def where(self) -> tuple[str, str]:
+        return _where(self.device)
+
+    def open_weights(self, path: str, world: int) -> tuple[str, int]:
+        """This host's end of the weight path; (address, port) of the weight group's store
+        (broadcast: served here on a free port, for rank 0 and ``world - 1`` receivers)."""
+        self.weights = WeightSource(path, self.device, WEIGHT_TIMEOUT_S)
+        host = _ray().util.get_node_ip_address()
+        return host, self.weights.rendezvous(host, world) if path == "broadcast" else 0
 
     def sent(self) -> tuple[int, dict]:
         """The last exported update's version and expected receipt (small: the controller
@@ -474,18 +477,11 @@ def _check_built(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'placement.colocate' = {p.colocate}: only separate pools are built yet"
         )
-    path, gpus = weight_path(cfg), (p.actor.gpus > 0, p.rollout.gpus > 0)
-    if path == "broadcast" and gpus[0] != gpus[1]:
+    if p.weights == "broadcast" and (p.actor.gpus > 0) != (p.rollout.gpus > 0):
         raise ConfigError(
             f"config key 'placement.weights' = {p.weights!r}: a broadcast needs the actor and "
             f"the rollout both on GPUs (NCCL) or both on CPUs (gloo); placement.actor.gpus="
             f"{p.actor.gpus:g}, placement.rollout.gpus={p.rollout.gpus:g}"
-        )
-    if path == "ipc" and any(gpus):
-        raise ConfigError(
-            f"config key 'placement.weights' = {p.weights!r}: CUDA IPC needs the actor and the "
-            "rollout on one GPU (placement.colocate, not built yet); on separate GPUs use "
-            "broadcast"
         )
 
 
@@ -493,22 +489,42 @@ def _check_built(cfg: Config) -> None:
 WEIGHT_TIMEOUT_S = 300.0
 
 
-def weight_path(cfg: Config) -> str:
-    """``placement.weights`` resolved: ``auto`` is IPC when the actor and the rollout share a
-    GPU, a broadcast (NCCL) when both are on GPUs apart, else the object store."""
-    p = cfg.placement
-    if p.weights != "auto":
-        return p.weights
-    if p.actor.gpus > 0 and p.rollout.gpus > 0:
-        return "ipc" if p.colocate else "broadcast"
-    return "object_store"
+def _where(device: torch.device) -> tuple[str, str]:
+    """(Ray node, GPU UUID or "" on the CPU) of a host's device."""
+    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+    return _ray().get_runtime_context().get_node_id(), gpu
 
 
-def _connect_weights(actor_host, rollout_host) -> None:
-    """The actor host serves the weight group's store on a free port, the rollout host (rank
-    1 of 2) learns where: the group forms at the first sync."""
-    host, port, node = _get(actor_host.weight_endpoint.remote(2))
-    _get(rollout_host.join_weights.remote(host, port, 1, 2, node))
+def weight_path(cfg: Config, actor: tuple[str, str], rollout: tuple[str, str]) -> str:
+    """``placement.weights`` resolved for hosts placed at ``actor`` and ``rollout`` (node,
+    GPU): ``auto`` is IPC when they share a GPU (fractional pools can land on one), a
+    broadcast (NCCL) when both are on GPUs apart, else the object store. A path that cannot
+    run where they are is a ConfigError."""
+    p, key = cfg.placement, f"config key 'placement.weights' = {cfg.placement.weights!r}"
+    one_gpu = actor == rollout and actor[1] != ""
+    path = p.weights
+    if path == "auto":
+        path = ("ipc" if one_gpu else "broadcast") if actor[1] and rollout[1] else "object_store"
+    if path == "ipc" and actor[0] != rollout[0]:
+        why = "the actor and the rollout run on different nodes; IPC handles open only there"
+        raise ConfigError(f"{key}: {why} (use broadcast)")
+    if path == "ipc" and (actor[1] or rollout[1]) and not one_gpu:
+        gpus = f"{actor[1] or 'none'} and {rollout[1] or 'none'}"
+        raise ConfigError(f"{key}: CUDA IPC needs the actor and the rollout on one GPU: {gpus}")
+    if path == "broadcast" and one_gpu:
+        why = f"the actor and the rollout share GPU {actor[1]}, and NCCL cannot run two ranks"
+        raise ConfigError(f"{key}: {why} on one GPU; use ipc (or auto)")
+    return path
+
+
+def _connect_weights(cfg: Config, actor_host, rollout_host) -> str:
+    """Each host's end of the weight path; returns the path. Broadcast: the actor host serves
+    the group's store on a free port, the rollout host (rank 1 of 2) learns where; the group
+    forms at the first sync."""
+    path = weight_path(cfg, _get(actor_host.where.remote()), _get(rollout_host.where.remote()))
+    host, port = _get(actor_host.open_weights.remote(path, 2))
+    _get(rollout_host.open_weights.remote(path, host, port, 1, 2))
+    return path
 
 
 def _check_fits(cfg: Config) -> None:
@@ -635,9 +651,7 @@ def build_ray(cfg: Config) -> Engines:
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
-        actor = RemoteActor(actor_host, weight_path(cfg))
-        if weight_path(cfg) != "object_store":
-            _connect_weights(actor_host, rollout_host)
+        actor = RemoteActor(actor_host, _connect_weights(cfg, actor_host, rollout_host))
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:

@@ -190,21 +190,24 @@ def test_weights_by_broadcast_and_ipc_equal_local(tiny_checkpoint, tmp_path):
     assert all_released()
 
 
-@pytest.mark.parametrize(
-    "over, message",
-    [
-        (["placement.weights=broadcast", "placement.actor.gpus=1"], "both on GPUs"),
-        (["placement.weights=ipc", "placement.actor.gpus=1", "placement.rollout.gpus=1"],
-         "CUDA IPC needs"),
-    ],
-)  # fmt: skip
-def test_weight_paths_that_cannot_run_are_config_errors(over, message):
+def test_weight_paths_resolve_where_the_hosts_are_or_refuse():
+    """auto picks by where the hosts landed (node, GPU); a path that cannot run there is a
+    ConfigError naming the key (the GPU cases with made-up UUIDs: CI has no GPU)."""
     from diffrl.backends.ray import _check_built, weight_path
 
-    cfg = load_config(RECIPE, ["run.backend=ray", *over])
-    with pytest.raises(ConfigError, match=message):
-        _check_built(cfg)
-    gpus = ["placement.actor.gpus=1", "placement.rollout.gpus=1"]
-    assert weight_path(load_config(RECIPE, gpus)) == "broadcast"
-    assert weight_path(load_config(RECIPE, [])) == "object_store"
-    assert weight_path(load_config(RECIPE, [*gpus, "placement.colocate=true"])) == "ipc"
+    cfg = lambda *o: load_config(RECIPE, ["run.backend=ray", *o])  # noqa: E731
+    cpu, gpu0, gpu1, far = ("n1", ""), ("n1", "GPU-0"), ("n1", "GPU-1"), ("n2", "")
+    assert weight_path(cfg(), cpu, cpu) == "object_store"
+    assert weight_path(cfg(), gpu0, gpu1) == "broadcast"
+    assert weight_path(cfg(), gpu0, gpu0) == "ipc"  # fractional pools on one GPU
+    assert weight_path(cfg("placement.weights=broadcast"), cpu, cpu) == "broadcast"  # gloo
+    refused = [
+        ("ipc", cpu, far, "different nodes"),
+        ("ipc", gpu0, gpu1, "CUDA IPC needs the actor and the rollout on one GPU"),
+        ("broadcast", gpu0, gpu0, "NCCL cannot run two ranks on one GPU"),
+    ]
+    for path, actor, rollout, message in refused:
+        with pytest.raises(ConfigError, match=f"placement.weights' = '{path}'.*{message}"):
+            weight_path(cfg(f"placement.weights={path}"), actor, rollout)
+    with pytest.raises(ConfigError, match="both on GPUs"):
+        _check_built(cfg("placement.weights=broadcast", "placement.actor.gpus=1"))
