@@ -16,8 +16,11 @@ at the same seed (``tests/backends/test_ray.py``).
 
 Records: a rollout's micro-batches stream to the controller through Ray's object store (a
 streaming generator) or through TransferQueue (``ray.channel``), and leave the host on the
-CPU. Weights: ``export_weights`` returns a handle to the update in the object store; the rollout
-host fetches it directly, so the tensors never pass through the controller.
+CPU. Weights take the path ``placement.weights`` names (``weight_path``; ``sync/transport.py``):
+``export_weights`` stages the update on the actor host and returns a small handle; at
+``load_weights`` the rollout host fetches it from the object store, opens the actor's IPC
+handles, or takes the actor host's broadcast over a weight group of their own. The tensors
+never pass through the controller, and every path is checked before anything is applied.
 
 What waits on what: the proxies' ``train_step`` and ``load_weights`` block their caller (the
 controller runs the update in a worker thread, as with the local actor); ``stream``, ``generate``
@@ -55,7 +58,8 @@ from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.bound import check_bound
 from diffrl.sync.receipt import SyncReceipt, expected_of
-from diffrl.sync.weights import SyncReport, WeightUpdate
+from diffrl.sync.transport import WeightSink, WeightSource
+from diffrl.sync.weights import SyncReport
 from diffrl.tasks import build_task, prompt_source
 from diffrl.types import (
     PromptBatch,
@@ -137,9 +141,11 @@ class RolloutHost(Host):
     role = "rollout"
 
     def build(self, cfg: Config, threads: int) -> None:
-        side = rollout_side(cfg, setup_process(cfg, threads))
+        device = setup_process(cfg, threads)
+        side = rollout_side(cfg, device)
         self.side = side
         self.engines = {"rollout": side.rollout, "evaluator": side.evaluator}
+        self.device = device
 
     def describe(self) -> dict:
         s = self.side
@@ -174,9 +180,19 @@ class RolloutHost(Host):
         self.check_received(prompts)
         return to_device(await self.engines[which].generate(prompts, seed, **kw), CPU)
 
-    async def load_weights(self, which: str, update: WeightUpdate) -> SyncReport:
-        # runs on the host's event loop between batches: the controller never syncs mid-batch
-        return self.engines[which].load_weights(update)
+    async def load_weights(self, which: str, handle: Any) -> SyncReport:
+        # runs on the host's event loop between batches: the controller never syncs mid-batch.
+        # The transport's checks first (a broadcast receive blocks until the actor sends)
+        return self.engines[which].load_weights(self.weights.receive(which, handle))
+
+    def where(self) -> tuple[str, str]:
+        return _where(self.device)
+
+    def open_weights(self, path: str, host: str, port: int, rank: int, world: int) -> None:
+        """This host's end of the weight path (broadcast: rank ``rank`` of the group whose
+        store the actor host serves at ``host:port``; it forms at the first sync)."""
+        self.weights = WeightSink(path, self.device, WEIGHT_TIMEOUT_S)
+        self.weights.join(host, port, rank, world)
 
     async def receipt(self, which: str) -> SyncReceipt:
         return self.engines[which].receipt()
@@ -214,6 +230,7 @@ class ActorHost(Host):
     def build(self, cfg: Config, threads: int) -> None:
         device = setup_process(cfg, threads)
         self.actor = actor_side(cfg, load_model(cfg.model, device), device)
+        self.device = device
 
     def describe(self) -> dict:
         return {
@@ -239,10 +256,26 @@ class ActorHost(Host):
     def update_old(self, decay: float) -> None:
         self.actor.update_old(decay)
 
-    def export_weights(self, adapter: str) -> WeightUpdate:
+    def export_weights(self, adapter: str) -> Any:
+        """The object-store handle, or (broadcast, ipc) the key ``send_weights`` takes."""
         update = self.actor.export_weights(adapter)
         self.last_sent = (update.version, expected_of(update))  # what its receipt must show
-        return update
+        return self.weights.stage(update)
+
+    def send_weights(self, key: int) -> Any:
+        """An export on its way: the IPC handle, or the broadcast (returns once every receiver
+        took it)."""
+        return self.weights.send(key)
+
+    def where(self) -> tuple[str, str]:
+        return _where(self.device)
+
+    def open_weights(self, path: str, world: int) -> tuple[str, int]:
+        """This host's end of the weight path; (address, port) of the weight group's store
+        (broadcast: served here on a free port, for rank 0 and ``world - 1`` receivers)."""
+        self.weights = WeightSource(path, self.device, WEIGHT_TIMEOUT_S)
+        host = _ray().util.get_node_ip_address()
+        return host, self.weights.rendezvous(host, world) if path == "broadcast" else 0
 
     def sent(self) -> tuple[int, dict]:
         """The last exported update's version and expected receipt (small: the controller
@@ -288,11 +321,14 @@ async def _await(ref):
 
 @dataclass(frozen=True)
 class RemoteWeights:
-    """A weight update held in Ray's object store (what the remote actor's
-    ``export_weights`` returns); the rollout host fetches it itself."""
+    """An export of the remote actor (what its ``export_weights`` returns): the object-store
+    handle, or the key to the update it holds (broadcast, ipc); the rollout host gets the
+    tensors itself."""
 
     ref: Any
     sent_ref: Any = None  # (version, expected receipt), computed by the actor host
+    path: str = "object_store"
+    actor: Any = None  # the actor host, which sends a staged export (broadcast, ipc)
 
     def sent(self) -> tuple[int, dict]:
         return _get(self.sent_ref)
@@ -344,8 +380,11 @@ class RemoteRollout:
         return await _await(self.host.generate.remote(self.which, prompts, seed, kw))
 
     def load_weights(self, update) -> SyncReport:
-        arg = update.ref if isinstance(update, RemoteWeights) else update
-        report = _get(self.host.load_weights.remote(self.which, arg))
+        if isinstance(update, RemoteWeights) and update.path != "object_store":
+            report = _send_and_load(update, self.host, self.which)
+        else:
+            arg = update.ref if isinstance(update, RemoteWeights) else update
+            report = _get(self.host.load_weights.remote(self.which, arg))
         self.version = report.version
         return report
 
@@ -357,6 +396,20 @@ class RemoteRollout:
 
     def take_synced(self) -> dict[str, float]:
         return _get(self.host.take_synced.remote(self.which))
+
+
+def _send_and_load(update: RemoteWeights, host, which: str) -> SyncReport:
+    """A staged export sent and loaded. IPC: the actor's handle is the load's argument (Ray
+    passes it on). Broadcast: send and receive run at once (a collective); whichever side
+    fails first raises its own error, not its peer's timeout."""
+    sending = update.actor.send_weights.remote(update.ref)
+    if update.path == "ipc":
+        return _get(host.load_weights.remote(which, sending))
+    loading = host.load_weights.remote(which, None)
+    first, _ = _ray().wait([sending, loading], num_returns=1)
+    _get(first[0])
+    _get(sending)
+    return _get(loading)
 
 
 class RemoteRewards:
@@ -381,8 +434,8 @@ class RemoteActor:
     """The actor engine on an ``ActorHost``, as ``ActorEngineProtocol``. ``version`` is the
     host's after the last call that changes it."""
 
-    def __init__(self, host) -> None:
-        self.host = host
+    def __init__(self, host, weights: str = "object_store") -> None:
+        self.host, self.weights = host, weights
         info = _get(host.info.remote())
         self.version, self._eval_adapter = info["version"], info["eval_adapter"]
         self.bound = info["bound"]  # the modules its adapter is on (the bound-module gate)
@@ -411,7 +464,7 @@ class RemoteActor:
     def export_weights(self, adapter: str = "default") -> RemoteWeights:
         # the host runs one call at a time, in order: sent() describes this export
         ref = self.host.export_weights.remote(adapter)
-        return RemoteWeights(ref, self.host.sent.remote())
+        return RemoteWeights(ref, self.host.sent.remote(), self.weights, self.host)
 
     def adapter_tensors(self) -> dict:
         return _get(self.host.adapter_tensors.remote())
@@ -439,12 +492,58 @@ def _check_built(cfg: Config) -> None:
                 f"config key 'placement.{name}.replicas' = {getattr(p, name).replicas}: "
                 "more than one replica is not built yet; set it to 1"
             )
-    if p.colocate or p.weights not in ("auto", "object_store"):
+    if p.colocate:
         raise ConfigError(
-            f"config keys 'placement.colocate' = {p.colocate}, 'placement.weights' = "
-            f"{p.weights!r}: only separate pools with weights through the object store are "
-            "built yet"
+            f"config key 'placement.colocate' = {p.colocate}: only separate pools are built yet"
         )
+    if p.weights == "broadcast" and (p.actor.gpus > 0) != (p.rollout.gpus > 0):
+        raise ConfigError(
+            f"config key 'placement.weights' = {p.weights!r}: a broadcast needs the actor and "
+            f"the rollout both on GPUs (NCCL) or both on CPUs (gloo); placement.actor.gpus="
+            f"{p.actor.gpus:g}, placement.rollout.gpus={p.rollout.gpus:g}"
+        )
+
+
+# how long a weight group waits for a peer (joining, or one send) before it raises
+WEIGHT_TIMEOUT_S = 300.0
+
+
+def _where(device: torch.device) -> tuple[str, str]:
+    """(Ray node, GPU UUID or "" on the CPU) of a host's device."""
+    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+    return _ray().get_runtime_context().get_node_id(), gpu
+
+
+def weight_path(cfg: Config, actor: tuple[str, str], rollout: tuple[str, str]) -> str:
+    """``placement.weights`` resolved for hosts placed at ``actor`` and ``rollout`` (node,
+    GPU): ``auto`` is IPC when they share a GPU (fractional pools can land on one), a
+    broadcast (NCCL) when both are on GPUs apart, else the object store. A path that cannot
+    run where they are is a ConfigError."""
+    p, key = cfg.placement, f"config key 'placement.weights' = {cfg.placement.weights!r}"
+    one_gpu = actor == rollout and actor[1] != ""
+    path = p.weights
+    if path == "auto":
+        path = ("ipc" if one_gpu else "broadcast") if actor[1] and rollout[1] else "object_store"
+    if path == "ipc" and actor[0] != rollout[0]:
+        why = "the actor and the rollout run on different nodes; IPC handles open only there"
+        raise ConfigError(f"{key}: {why} (use broadcast)")
+    if path == "ipc" and (actor[1] or rollout[1]) and not one_gpu:
+        gpus = f"{actor[1] or 'none'} and {rollout[1] or 'none'}"
+        raise ConfigError(f"{key}: CUDA IPC needs the actor and the rollout on one GPU: {gpus}")
+    if path == "broadcast" and one_gpu:
+        why = f"the actor and the rollout share GPU {actor[1]}, and NCCL cannot run two ranks"
+        raise ConfigError(f"{key}: {why} on one GPU; use ipc (or auto)")
+    return path
+
+
+def _connect_weights(cfg: Config, actor_host, rollout_host) -> str:
+    """Each host's end of the weight path; returns the path. Broadcast: the actor host serves
+    the group's store on a free port, the rollout host (rank 1 of 2) learns where; the group
+    forms at the first sync."""
+    path = weight_path(cfg, _get(actor_host.where.remote()), _get(rollout_host.where.remote()))
+    host, port = _get(actor_host.open_weights.remote(path, 2))
+    _get(rollout_host.open_weights.remote(path, host, port, 1, 2))
+    return path
 
 
 def _check_fits(cfg: Config) -> None:
@@ -575,7 +674,7 @@ def build_ray(cfg: Config) -> Engines:
 
             rewards.edges = TransferQueueEdges(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
-        actor = RemoteActor(actor_host)
+        actor = RemoteActor(actor_host, _connect_weights(cfg, actor_host, rollout_host))
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:

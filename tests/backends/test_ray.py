@@ -173,3 +173,49 @@ def test_a_host_refuses_ids_changed_on_the_way(host, tiny_checkpoint, tmp_path, 
     with pytest.raises(ContractError, match=message):
         run(tiny(tiny_checkpoint, tmp_path, 1, "run.backend=ray"))
     assert all_released()
+
+
+def test_weights_by_broadcast_and_ipc_equal_local(tiny_checkpoint, tmp_path):
+    """placement.weights on CPU pools: a gloo weight group of the actor host and the rollout
+    host (the rollout and the evaluator both load through it), and shared-memory IPC handles,
+    carry the local run's updates (and so the object store's: the default recipe's test)."""
+    rows = {
+        path: untimed(
+            run(
+                tiny(
+                    tiny_checkpoint,
+                    tmp_path / path,
+                    1,
+                    *([] if path == "local" else ["run.backend=ray", f"placement.weights={path}"]),
+                ),
+                RECIPE,
+            )
+        )  # fmt: skip
+        for path in ("local", "broadcast", "ipc")
+    }
+    assert rows["local"][-1]["sync/version"] == 1 and "eval/overall" in rows["ipc"][-1]
+    assert rows["broadcast"] == rows["local"] == rows["ipc"]
+    assert all_released()
+
+
+def test_weight_paths_resolve_where_the_hosts_are_or_refuse():
+    """auto picks by where the hosts landed (node, GPU); a path that cannot run there is a
+    ConfigError naming the key (the GPU cases with made-up UUIDs: CI has no GPU)."""
+    from diffrl.backends.ray import _check_built, weight_path
+
+    cfg = lambda *o: load_config(RECIPE, ["run.backend=ray", *o])  # noqa: E731
+    cpu, gpu0, gpu1, far = ("n1", ""), ("n1", "GPU-0"), ("n1", "GPU-1"), ("n2", "")
+    assert weight_path(cfg(), cpu, cpu) == "object_store"
+    assert weight_path(cfg(), gpu0, gpu1) == "broadcast"
+    assert weight_path(cfg(), gpu0, gpu0) == "ipc"  # fractional pools on one GPU
+    assert weight_path(cfg("placement.weights=broadcast"), cpu, cpu) == "broadcast"  # gloo
+    refused = [
+        ("ipc", cpu, far, "different nodes"),
+        ("ipc", gpu0, gpu1, "CUDA IPC needs the actor and the rollout on one GPU"),
+        ("broadcast", gpu0, gpu0, "NCCL cannot run two ranks on one GPU"),
+    ]
+    for path, actor, rollout, message in refused:
+        with pytest.raises(ConfigError, match=f"placement.weights' = '{path}'.*{message}"):
+            weight_path(cfg(f"placement.weights={path}"), actor, rollout)
+    with pytest.raises(ConfigError, match="both on GPUs"):
+        _check_built(cfg("placement.weights=broadcast", "placement.actor.gpus=1"))
