@@ -175,3 +175,39 @@ def test_what_cannot_share_is_refused(tiny_model, lora_names) -> None:
     meta = torch.device("meta")
     with pytest.raises(ConfigError, match="not wholly on meta"):
         RolloutEngine(tiny_model, RolloutConfig(share_base=True), names, meta, lora_rank=RANK)
+
+
+def test_a_diffusers_family_samples_alike_shared_or_merged() -> None:
+    """sd35-tiny: the merged copy in SD3's serving layout, the shared one beside its base."""
+    from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
+    from diffrl.algorithms.diffusion_nft import NFTConfig
+    from diffrl.algorithms.registry import get_algorithm
+    from diffrl.build import expanded_targets
+    from diffrl.models.registry import ModelConfig, load_model, lora_targets
+
+    pytest.importorskip("diffusers")
+    mcfg = ModelConfig(family="sd3", preset="sd35-tiny", resolution=32)
+    model = load_model(mcfg, "cpu")
+    targets = list(lora_targets(mcfg))
+    merged, shared = engines(model, expanded_targets(model, targets))
+    actor = ActorEngine(
+        model, ActorConfig(lora=AdapterConfig(rank=RANK, alpha=float(RANK))), targets,
+        get_algorithm("diffusion_nft"), NFTConfig(), CPU,
+    )  # fmt: skip
+    texts = ["a red circle", "a blue square"]
+    prompts = PromptSet([Prompt(t) for t in texts], model.family.tokenize).all()
+    v0 = sample(shared, prompts)
+    assert torch.equal(v0, sample(merged, prompts))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # an adapter far from its zero start, as training would leave it
+        for layer in actor.layers.values():
+            w = layer.lora_B["default"].weight
+            w.copy_(torch.randn(w.shape, generator=g))
+    assert torch.equal(sample(shared, prompts), v0)  # not before a sync
+    update = actor.export_weights("default")
+    load_verified(merged, update)
+    load_verified(shared, update)
+    after, want = sample(shared, prompts), sample(merged, prompts)
+    moved = float((want - v0).abs().max())  # the random tiny SD3 moves little with its LoRA
+    assert moved > 1e-4
+    torch.testing.assert_close(after, want, rtol=0, atol=min(ATOL, moved / 20))
