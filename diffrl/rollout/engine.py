@@ -1,7 +1,9 @@
 """The rollout engine: samples G trajectories per prompt with its own copy of the weights.
 
-It holds a frozen base model plus the LoRA delta merged in (a fused serving layout), and
-changes weights only through ``load_weights`` (versioned, verified; see ``diffrl.sync``).
+It holds a frozen base model plus the LoRA delta merged in (a fused serving layout), or, with
+``rollout.share_base``, an alias of the loaded model's weights with the LoRA held beside them as
+factors (``diffrl/sync/shared_base.py``), and changes weights only through ``load_weights``
+(versioned, verified; see ``diffrl.sync``).
 Generation runs in a worker thread (torch releases the GIL), so the event loop stays free for
 scorers of the previous step.
 """
