@@ -119,10 +119,14 @@ class SharedBaseTarget:
         self.expected = sorted(expected)
         self.rank = rank
         modules = dict(model.named_modules())
-        for name in self.expected:
-            m = modules.get(name)
+        linears = [modules.get(name) for name in self.expected]
+        for name, m in zip(self.expected, linears, strict=True):  # all checked, then installed
             if not isinstance(m, nn.Linear):
                 raise SyncError(f"rollout.share_base: {name!r} is not a Linear of the rollout copy")
+            if _hooked(m):  # a second hook would apply the LoRA twice
+                raise SyncError(f"rollout.share_base: {name!r} already holds shared factors")
+        for m in linears:
+            assert isinstance(m, nn.Linear)  # (checked above)
             w = m.weight
             m.register_buffer(A_NAME, w.new_zeros(rank, w.shape[1]), persistent=False)
             m.register_buffer(B_NAME, w.new_zeros(w.shape[0], rank), persistent=False)

@@ -269,3 +269,65 @@ def test_the_run_config_refuses_what_cannot_share() -> None:
     for dp, tp in ((2, 1), (1, 2)):
         with pytest.raises(ConfigError, match="FSDP2-sharded .* or TP-sharded"):
             check_share_ranks(ranks(dp, tp))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_factors_held_in_the_model_dtype_verify_and_apply(dtype) -> None:
+    """A bf16 model holds its factors in bf16 (the scale folded into B): the prints' and the
+    checksum's tolerances cover that rounding, and still see two swapped rows."""
+    from diffrl.sync.receipt import check_receipt, expected_of
+    from diffrl.sync.shared_base import SharedBaseTarget, receipt_of_shared
+    from diffrl.sync.weights import BasePrints
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96)).to(dtype)
+    before = model[0].weight.clone()
+    target = SharedBaseTarget(model, ["0"], 8, BasePrints.of_model(model, ["0"]))
+    delta = LoraDelta(torch.randn(8, 64) * 0.1, torch.randn(96, 8) * 0.1, scale=0.75)
+    update = WeightUpdate.build(1, "default", {"0": delta}, target.verified)
+    report = target.apply(update)
+    assert report.applied == 1
+    if dtype == torch.bfloat16:  # the cast's rounding shows, inside its tolerance
+        assert 0 < report.max_print_frac < 1
+    check_receipt(1, expected_of(update), receipt_of_shared(target, 1))
+    assert torch.equal(model[0].weight, before)  # the base is never written
+    x = torch.randn(5, 64)
+    want = x @ (before.float() + delta.delta()).T + model[0].bias.float()
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(model(x.to(dtype)).float(), want, rtol=0, atol=tol)
+    with pytest.raises(SyncError, match="row print"):
+        target.apply(dataclasses.replace(_swap_rows(update), version=2))
+
+
+def test_a_target_refuses_what_it_cannot_hold_or_verify() -> None:
+    from diffrl.sync.shared_base import SharedBaseTarget
+    from diffrl.sync.weights import BasePrints
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU())
+    other = torch.nn.Sequential(torch.nn.Linear(16, 24))  # another base of the same shapes
+    prints = BasePrints.of_model(model, ["0"])
+    with pytest.raises(ConfigError, match="rank 0"):
+        SharedBaseTarget(model, ["0"], 0, prints)
+    with pytest.raises(SyncError, match="'1' is not a Linear"):
+        SharedBaseTarget(model, ["0", "1"], 4, prints)
+    assert not model[0]._forward_hooks  # nothing installed by a target that failed its checks
+    with pytest.raises(SyncError, match="holds other base weights"):
+        SharedBaseTarget(copy_of(model), ["0"], 4, BasePrints.of_model(other, ["0"]))
+    target = SharedBaseTarget(copy_of(model), ["0"], 4, prints)
+    with pytest.raises(SyncError, match="already holds shared factors"):
+        SharedBaseTarget(target.model, ["0"], 4, prints)
+    delta = LoraDelta(torch.randn(4, 16), torch.randn(24, 4), scale=1.0)
+    # an actor that trains another base: its prints differ from the shared base's
+    update = WeightUpdate.build(1, "default", {"0": delta}, BasePrints.of_model(other, ["0"]))
+    with pytest.raises(SyncError, match="against the actor's base"):
+        target.apply(update)
+    assert not target.model[0].shared_lora_b.any()  # nothing committed
+    target.apply(WeightUpdate.build(1, "default", {"0": delta}, prints))
+    assert target.model[0].shared_lora_b.any()
+
+
+def copy_of(model: torch.nn.Module) -> torch.nn.Module:
+    from diffrl.parallel.tp_sync import alias_copy
+
+    return alias_copy(model)
