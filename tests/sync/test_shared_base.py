@@ -331,3 +331,19 @@ def copy_of(model: torch.nn.Module) -> torch.nn.Module:
     from diffrl.parallel.tp_sync import alias_copy
 
     return alias_copy(model)
+
+
+def test_bench_runs_a_shared_base_recipe_against_its_own_baseline(tiny_checkpoint, tmp_path):
+    """``diffrl bench rollout`` on a run with share_base: the run's engines share, and the
+    plain-loop baseline (its own freshly loaded model, share_model) is built without it."""
+    from tiny_runs import tiny_run
+
+    from diffrl.bench import mfu
+    from diffrl.config import load_config
+
+    over = tiny_run(
+        tiny_checkpoint, tmp_path, 1, "rollout.num_steps=2", "rollout.share_base=true",
+        "data.prompts_per_step=1", "rollout.group_size=2",
+    )  # fmt: skip
+    result = mfu.bench("rollout", load_config("recipes/shapes_nft.yaml", over), repeats=1)
+    assert result.seconds > 0 and result.baseline_seconds > 0
