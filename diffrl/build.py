@@ -37,7 +37,7 @@ from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.rollout.samplers import euler_step, sigma_schedule
 from diffrl.sync.bound import BoundReport, check_bound, match_targets
-from diffrl.sync.shared_base import check_share_base, check_share_ranks
+from diffrl.sync.shared_base import SharedBaseTarget, check_share_base, check_share_ranks
 from diffrl.tasks import PromptSet, PromptSource, Task, build_task, prompt_source
 from diffrl.tasks.base import ConditionedTask, ProbeData
 
@@ -288,6 +288,15 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
         ode_dtype="float32",
     )
     evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device, **kw)
+    if cfg.rollout.share_base:
+        targets = [e.target for e in (rollout, evaluator)]
+        held = sum(t.factor_bytes() for t in targets if isinstance(t, SharedBaseTarget))
+        dit = sum(p.nbytes for p in base.parameters())
+        contracts.info(  # (their shared base's row prints checked: contract 2)
+            "rollout.share_base: the rollout and the evaluator alias the loaded model's %.2f "
+            "MiB of weights (base row prints verified) and hold %.2f MiB of LoRA factors "
+            "between them", dit / 2**20, held / 2**20,
+        )  # fmt: skip
     return RolloutSide(task, base, train, eval_set, probe, rollout, evaluator, etp)
 
 
