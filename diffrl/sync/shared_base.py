@@ -134,23 +134,30 @@ class SharedBaseTarget:
         self.verified: BasePrints | None = None
         self.check_base(base_prints, "the loaded model's base")
 
-    def _module(self, name: str) -> nn.Linear:
-        """The live module of trained module ``name`` (looked up by name, not cached)."""
-        m = dict(self.model.named_modules()).get(name)
-        if not isinstance(m, nn.Linear) or not hasattr(m, A_NAME):
-            raise SyncError(f"rollout.share_base: the rollout copy holds no factors for {name!r}")
-        return m
+    def live(self) -> dict[str, nn.Linear]:
+        """Trained module name -> its live Linear in the model (looked up by name again, not
+        cached: the receipt reads what the model uses now)."""
+        modules = dict(self.model.named_modules())
+        out = {}
+        for name in self.expected:
+            m = modules.get(name)
+            if not isinstance(m, nn.Linear) or not hasattr(m, A_NAME):
+                raise SyncError(
+                    f"rollout.share_base: the rollout copy holds no factors for {name!r}"
+                )
+            out[name] = m
+        return out
 
     @torch.no_grad()
     def check_base(self, prints: BasePrints, source: str) -> float:
         """Raise SyncError unless every trained module's shared base weight prints as
         ``prints`` says; return the worst error as a fraction of its tolerance."""
-        worst = 0.0
+        worst, live = 0.0, self.live()
         for name in self.expected:
             want = prints.rows.get(name)
             if want is None:
                 raise SyncError(f"{source}: no base row prints for trained module {name}")
-            w = self._module(name).weight
+            w = live[name].weight
             if len(want) != w.shape[0]:
                 raise SyncError(
                     f"{source}: {name} has {len(want)} base rows, the shared base {w.shape[0]}"
@@ -171,8 +178,9 @@ class SharedBaseTarget:
             self.check_base(update.base, f"the actor's base (update v{update.version})")
         staged: dict[str, tuple[Tensor, Tensor]] = {}
         max_err, max_frac = 0.0, 0.0
+        live = self.live()
         for name in self.expected:
-            d, m = update.deltas[name], self._module(name)
+            d, m = update.deltas[name], live[name]
             a_held, b_held = m.get_buffer(A_NAME), m.get_buffer(B_NAME)
             if d.a.shape != a_held.shape or d.b.shape != b_held.shape:
                 raise SyncError(
@@ -209,7 +217,7 @@ class SharedBaseTarget:
             max_err = max(max_err, err)
             staged[name] = (a, b)
         for name, (a, b) in staged.items():  # commit only after every module verified
-            m = self._module(name)
+            m = live[name]
             m.get_buffer(A_NAME).copy_(a)
             m.get_buffer(B_NAME).copy_(b)
         n = len(self.expected)
@@ -217,11 +225,7 @@ class SharedBaseTarget:
 
     def factor_bytes(self) -> int:
         """Bytes of the factors this target holds (what an alias copy adds to the shared base)."""
-        total = 0
-        for name in self.expected:
-            m = self._module(name)
-            total += sum(m.get_buffer(k).nbytes for k in (A_NAME, B_NAME))
-        return total
+        return sum(m.get_buffer(k).nbytes for m in self.live().values() for k in (A_NAME, B_NAME))
 
 
 def factor_prints(a: Tensor, b: Tensor, r: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -250,9 +254,10 @@ def receipt_of_shared(target: SharedBaseTarget, version: int) -> SyncReceipt:
     if target.verified is None:
         raise SyncError("no base row prints: the receipt cannot size the trained modules")
     held, tol = {}, {}
+    live = target.live()
     with torch.no_grad():
         for name in target.expected:
-            m = target._module(name)
+            m = live[name]
             a, b, w = m.get_buffer(A_NAME), m.get_buffer(B_NAME), m.weight
             rows, u = receipt_rows(name, w.shape[0])
             r = probe(name, w.shape[1]).to(w.device)
