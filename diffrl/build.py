@@ -37,6 +37,7 @@ from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.rollout.samplers import euler_step, sigma_schedule
 from diffrl.sync.bound import BoundReport, check_bound, match_targets
+from diffrl.sync.shared_base import SharedBaseTarget, check_share_base, check_share_ranks
 from diffrl.tasks import PromptSet, PromptSource, Task, build_task, prompt_source
 from diffrl.tasks.base import ConditionedTask, ProbeData
 
@@ -267,11 +268,15 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
             f"{n} prompt rows encoded at start-up, the encode cache sealed"
         )
     rollout_targets = expanded_targets(base, actor_targets(cfg))
+    # rollout.share_base: both copies alias the loaded model and hold the LoRA beside it;
     # parallel.rollout=sharded under tp: both copies sharded with the actor's plan and tp group
-    tp = {}
-    if ranks.rollout_tp:
-        tp = dict(tp_mesh=ranks.tp_mesh, tp_plan=family_spec(cfg.model.resolved_family).tp_plan)
-    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device, **tp)
+    kw: dict = {}
+    if cfg.rollout.share_base:
+        check_share_ranks(ranks)
+        kw = dict(lora_rank=cfg.actor.lora.rank)
+    elif ranks.rollout_tp:
+        kw = dict(tp_mesh=ranks.tp_mesh, tp_plan=family_spec(cfg.model.resolved_family).tp_plan)
+    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device, **kw)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent
     # initial noise for every sample even when the rollout shares it within a group (DanceGRPO)
     eval_rollout = dataclasses.replace(
@@ -282,7 +287,16 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
         tree_noise=False,
         ode_dtype="float32",
     )
-    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device, **tp)
+    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device, **kw)
+    if cfg.rollout.share_base:
+        targets = [e.target for e in (rollout, evaluator)]
+        held = sum(t.factor_bytes() for t in targets if isinstance(t, SharedBaseTarget))
+        dit = sum(p.nbytes for p in base.parameters())
+        contracts.info(  # (their shared base's row prints checked: contract 2)
+            "rollout.share_base: the rollout and the evaluator alias the loaded model's %.2f "
+            "MiB of weights (base row prints verified) and hold %.2f MiB of LoRA factors "
+            "between them", dit / 2**20, held / 2**20,
+        )  # fmt: skip
     return RolloutSide(task, base, train, eval_set, probe, rollout, evaluator, etp)
 
 
@@ -327,6 +341,7 @@ def check_config(cfg: Config) -> Algorithm:
     """The rules that span components, checked before any backend builds an engine; returns
     the run's algorithm."""
     cfg.check_across()  # load_config ran it too; a config built in code may not have been
+    check_share_base(cfg)
     return get_algorithm(cfg.algorithm.name)
 
 

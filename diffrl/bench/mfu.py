@@ -283,8 +283,9 @@ def _plain_loop_seconds(parts: Engines, repeats: int) -> float:
     cfg = parts.cfg
     model = load_model(cfg.model, parts.device)
     one_prompt = replace(
-        cfg.rollout, max_batch=cfg.rollout.group_size, compile=False, cuda_graphs=False
-    )
+        cfg.rollout, max_batch=cfg.rollout.group_size, compile=False, cuda_graphs=False,
+        share_base=False,  # samples with its own freshly loaded model (share_model)
+    )  # fmt: skip
     plain = RolloutEngine(
         model, one_prompt, [], parts.device, serving_layout=False, share_model=True
     )

@@ -36,7 +36,10 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
   when ``parallel.rollout`` is "sharded" (the default) and whole on every rank when
   "replicated" (``--rollout`` overrides the key); the rollout's no-grad forward is counted at
   the actor's per-rank widths either way. ``--share-rollout`` samples with the actor's own
-  weights instead (``RolloutEngine(share_model=True)``: no copy, no sync).
+  weights instead (``RolloutEngine(share_model=True)``: no copy, no sync). With
+  ``rollout.share_base`` the copies alias the actor's frozen weights and hold only their
+  synced LoRA factors, in the model's dtype, and no sync base copy (``sync/shared_base.py``;
+  one process, tp 1, no FSDP, LoRA training).
 - *Text encoders*: sharded by ``etp`` where the family's ``FamilySpec.etp_plans`` has a plan
   for the encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
   moves the whole encoder onto the GPU for each encode, which the encode phase counts.
@@ -506,6 +509,8 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
             Row("rollout + eval copies", "resident", 0.0, "shared: sample with the actor's")
         )
         return rows
+    if cfg.rollout.share_base:
+        return rows + _shared_base_rows(dit, cfg, opts, dims, targets)
     host = cfg.rollout.base_copy == "cpu"
     # parallel.rollout: the copies in the actor's TP layout, or whole on every rank
     sharded = opts.rollout_layout(cfg) == "sharded" or dims.tp == 1
@@ -522,6 +527,33 @@ def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes)
             Row(f"{name} sync base copy", "resident", 0.0 if host else base / GIB,
                 f"LoRA-targeted weights, frozen (rollout.base_copy={cfg.rollout.base_copy!r})",
                 base / GIB if host else 0.0)
+        )  # fmt: skip
+    return rows
+
+
+def _shared_base_rows(dit: nn.Module, cfg, opts: PlanOptions, dims, targets) -> list[Row]:
+    """``rollout.share_base``: the copies alias the actor's frozen base and hold their synced
+    LoRA as factors in the model's dtype (``sync/shared_base.py``), no base copy; what cannot
+    share is refused as ``build`` refuses it."""
+    if opts.train != "lora":
+        raise ConfigError(
+            "plan: rollout.share_base=true with --train full: a fully fine-tuned actor changes "
+            "the base the rollout would share; share_base needs LoRA training"
+        )
+    if dims.tp > 1 or dims.dp > 1:
+        raise ConfigError(
+            f"plan: rollout.share_base=true at tp {dims.tp}, {dims.dp} data-parallel ranks: the "
+            "actor's base is then TP- or FSDP2-sharded and cannot be shared (parallel.tp=1 and "
+            "one data-parallel rank)"
+        )
+    numel, n_mod = _lora_numel(dit, targets, cfg.actor.lora.rank, {}, 1)
+    size = next(dit.parameters()).element_size()
+    rows = []
+    for name in ("rollout", "eval") if opts.eval_copy else ("rollout",):
+        rows.append(
+            Row(f"{name} LoRA factors (shared base)", "resident", numel * size / GIB,
+                f"r={cfg.actor.lora.rank} on {n_mod} Linears in {cfg.model.dtype}; the DiT's "
+                "weights are the actor's (rollout.share_base)")
         )  # fmt: skip
     return rows
 
@@ -641,9 +673,12 @@ def _knobs(cfg, opts: PlanOptions, dims: ParallelDims, facts: ModelFacts):
             cfg,
             rep(opts, rollout="sharded"),
         )
+    if not opts.share_rollout and not cfg.rollout.share_base and dims.tp == 1 and dims.dp == 1:
+        rollout = rep(cfg.rollout, share_base=True)
+        yield "share the frozen base (rollout.share_base=true)", rep(cfg, rollout=rollout), opts
     if not opts.share_rollout:
         yield "share the rollout copy (plan: --share-rollout)", cfg, rep(opts, share_rollout=True)
-        if cfg.rollout.base_copy != "cpu":
+        if cfg.rollout.base_copy != "cpu" and not cfg.rollout.share_base:
             rollout = rep(cfg.rollout, base_copy="cpu")
             yield (
                 "move the sync base copies to the host (rollout.base_copy=cpu)",

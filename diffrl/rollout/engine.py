@@ -1,7 +1,9 @@
 """The rollout engine: samples G trajectories per prompt with its own copy of the weights.
 
-It holds a frozen base model plus the LoRA delta merged in (a fused serving layout), and
-changes weights only through ``load_weights`` (versioned, verified; see ``diffrl.sync``).
+It holds a frozen base model plus the LoRA delta merged in (a fused serving layout), or, with
+``rollout.share_base``, an alias of the loaded model's weights with the LoRA held beside them as
+factors (``diffrl/sync/shared_base.py``), and changes weights only through ``load_weights``
+(versioned, verified; see ``diffrl.sync``).
 Generation runs in a worker thread (torch releases the GIL), so the event loop stays free for
 scorers of the previous step.
 
@@ -51,6 +53,7 @@ from diffrl.rollout.samplers import (
 from diffrl.rollout.scheduler import ContinuousBatcher
 from diffrl.sync.bound import bound_of, linear_weights
 from diffrl.sync.receipt import SyncReceipt, load_verified, receipt_of
+from diffrl.sync.shared_base import SharedBaseTarget, receipt_of_shared
 from diffrl.sync.weights import (
     BasePrints,
     MergedLoraTarget,
@@ -123,6 +126,11 @@ class RolloutConfig:
     # its own, while the next micro-batch denoises; trajectories still stream in order. Off by
     # default: its gain on an H200 is not measured yet
     overlap_decode: bool = False
+    # the rollout and the evaluator alias the loaded model's frozen weights instead of holding
+    # copies of the DiT, and apply the synced LoRA unmerged, as factors of their own beside the
+    # shared weight (diffrl/sync/shared_base.py): two DiTs fewer in memory. One process only
+    # (run.backend=local, no FSDP or TP base); no serving layout; base_copy is unused
+    share_base: bool = False
 
     def validate(self) -> None:
         check(self.graph_cache >= 1, "graph_cache", self.graph_cache, "must be >= 1")
@@ -233,6 +241,7 @@ class RolloutEngine:
         share_model: bool = False,
         tp_mesh: DeviceMesh | None = None,
         tp_plan: Plan | None = None,
+        lora_rank: int = 0,
     ) -> None:
         """Holds its own copy of ``model`` (the family's frozen encoders are shared, not
         copied), re-laid out for serving by the family (fused QKV, sharded FCs; contract 2)
@@ -246,7 +255,22 @@ class RolloutEngine:
         (fused Q/K/V over column shards; ``tp_sync.shard_rollout``), its layout checked
         against what the sync expects, and updates land through
         ``parallel/tp_sync.py``'s verified sharded sync; sampling, syncs and receipts are then
-        collectives of the tp group, whose ranks sample the same rows."""
+        collectives of the tp group, whose ranks sample the same rows.
+
+        ``cfg.share_base``: the copy aliases ``model``'s weights (no memory; ``model`` must be
+        on ``device``) and holds the synced LoRA as factors of rank ``lora_rank`` beside them,
+        unmerged (``diffrl/sync/shared_base.py``); no serving layout."""
+        if cfg.share_base and (share_model or tp_mesh is not None or lora_rank < 1):
+            raise ConfigError(
+                "rollout.share_base aliases one process's whole base and needs the actor's LoRA "
+                f"rank (given {lora_rank}); it excludes a TP-sharded rollout copy "
+                "(parallel.rollout=sharded under tp) and sampling with the actor's own model"
+            )
+        if cfg.share_base and not _held_on(model, device):
+            raise ConfigError(
+                f"rollout.share_base: the loaded model is not wholly on {device}, so the "
+                "rollout cannot alias its weights there; set rollout.share_base=false"
+            )
         if share_model and (serving_layout or lora_targets or tp_mesh is not None):
             raise ValueError("share_model samples with the model as given: no layout, no sync")
         if tp_mesh is not None and (cfg.compile or cfg.cuda_graphs):
@@ -268,6 +292,9 @@ class RolloutEngine:
                 layout = serving_slot_map(model, device)
             source = model if _held_on(model, device) else None
             self.model = alias_copy(model) if source else copy.deepcopy(model).to(device)
+        elif cfg.share_base:
+            self.model = alias_copy(model)
+            serving_layout = False  # fusions would need storage of their own
         else:
             self.model = model if share_model else copy.deepcopy(model).to(device)
         self.model.eval().requires_grad_(False)
@@ -286,8 +313,10 @@ class RolloutEngine:
         # what updates merge into, named and shaped before the serving layout: the rollout's
         # half of the bound-module gate (diffrl/sync/bound.py), compared with the actor's
         self.bound = bound_of(linear_weights(self.model, lora_targets))
-        self.target: MergedLoraTarget | ShardedLoraTarget
-        if tp_mesh is not None:
+        self.target: MergedLoraTarget | ShardedLoraTarget | SharedBaseTarget
+        if cfg.share_base:
+            self.target = SharedBaseTarget(self.model, lora_targets, lora_rank, base_prints)
+        elif tp_mesh is not None:
             self.target = shard_rollout(
                 self.model, tp_mesh, tp_plan, lora_targets, cfg.base_copy, base_prints, layout,
                 source=source,
@@ -370,6 +399,8 @@ class RolloutEngine:
             raise SyncError("this rollout engine shares the actor's model: it has no copy to sync")
         if isinstance(self.target, ShardedLoraTarget):  # a collective of the tp group
             return receipt_of_sharded(self.target, self.version)
+        if isinstance(self.target, SharedBaseTarget):
+            return receipt_of_shared(self.target, self.version)
         return receipt_of(self.target, self.version)
 
     async def stream(
