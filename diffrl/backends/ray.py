@@ -414,12 +414,15 @@ def _bundle(pool: PoolConfig) -> dict[str, float]:
 def _check_built(cfg: Config) -> None:
     """What of the ``placement`` section this backend carries out today."""
     p = cfg.placement
-    for name in ("rollout", "actor"):
-        if getattr(p, name).replicas != 1:
-            raise ConfigError(
-                f"config key 'placement.{name}.replicas' = {getattr(p, name).replicas}: "
-                "more than one replica is not built yet; set it to 1"
-            )
+    if p.rollout.replicas != 1:
+        raise ConfigError(
+            f"config key 'placement.rollout.replicas' = {p.rollout.replicas}: "
+            "more than one replica is not built yet; set it to 1"
+        )
+    if p.actor.replicas > 1:  # an actor group (backends/ray_actor_group.py)
+        from diffrl.backends.ray_actor_group import check_group
+
+        check_group(cfg)
     if p.colocate or p.weights not in ("auto", "object_store"):
         raise ConfigError(
             f"config keys 'placement.colocate' = {p.colocate}, 'placement.weights' = "
@@ -547,12 +550,17 @@ def build_ray(cfg: Config) -> Engines:
         device = setup_process(cfg)  # the controller's own draws (prompt order) match local
         rollout_host = host(RolloutHost, "rollout", cfg.placement.rollout, threads)
         rewards_host = host(RewardHost, "reward", cfg.placement.reward, threads)
-        actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
+        if cfg.placement.actor.replicas > 1:  # a torch.distributed group of Ray workers
+            from diffrl.backends.ray_actor_group import start_group, worker_options
+
+            group = start_group(cfg, threads, worker_options(cfg), actors)
+        else:
+            actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
         info = _get(rollout_host.info.remote())
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
-        actor = RemoteActor(actor_host)
+        actor = group() if cfg.placement.actor.replicas > 1 else RemoteActor(actor_host)
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:
