@@ -436,12 +436,16 @@ def _check_fits(cfg: Config) -> None:
     ray = _ray()
     have = ray.cluster_resources()
     for kind in ("CPU", "GPU"):
-        want = {
-            name: _bundle(getattr(cfg.placement, name)).get(kind, 0.0)
-            for name in ("rollout", "reward", "actor")
-        }
+        pools = {name: getattr(cfg.placement, name) for name in ("rollout", "reward", "actor")}
+        # per replica (an actor group's workers each take the pool's cpus and gpus)
+        want = {n: _bundle(p).get(kind, 0.0) * p.replicas for n, p in pools.items()}
         if sum(want.values()) > have.get(kind, 0.0) + 1e-9:
-            asks = ", ".join(f"placement.{n}.{kind.lower()}s={v:g}" for n, v in want.items() if v)
+            asks = ", ".join(
+                f"placement.{n}.{kind.lower()}s={_bundle(pools[n])[kind]:g}"
+                + (f" x {pools[n].replicas} replicas" if pools[n].replicas > 1 else "")
+                for n, v in want.items()
+                if v
+            )
             raise ConfigError(
                 f"the engines' pools ask for {sum(want.values()):g} {kind} ({asks}) and the Ray "
                 f"cluster has {have.get(kind, 0.0):g}; lower them, or start Ray with more "

@@ -73,17 +73,10 @@ def check_group(cfg: Config) -> None:
 
 
 def worker_options(cfg: Config) -> list[dict]:
-    """Ray actor options, one per worker: ``placement.actor``'s cpus and gpus each. The
-    placement step (rollout replicas, placement groups) replaces this with its own list."""
-    pool, ray = cfg.placement.actor, _ray()
-    have = ray.cluster_resources()
-    for kind, each in (("CPU", pool.cpus), ("GPU", pool.gpus)):
-        if each * pool.replicas > have.get(kind, 0.0) + 1e-9:
-            raise ConfigError(
-                f"config key 'placement.actor.{kind.lower()}s' = {each:g} per worker x "
-                f"placement.actor.replicas={pool.replicas}: the Ray cluster has "
-                f"{have.get(kind, 0.0):g} {kind}; lower them"
-            )
+    """Ray actor options, one per worker: ``placement.actor``'s cpus and gpus each (the
+    backend's ``_check_fits`` counted them, replicas included). The placement step (placement
+    groups for every pool) replaces this with its own list."""
+    pool = cfg.placement.actor
     return [{"num_cpus": pool.cpus, "num_gpus": pool.gpus}] * pool.replicas
 
 

@@ -103,6 +103,16 @@ def test_a_worker_that_fails_to_build_raises_its_own_error(tiny_checkpoint, tmp_
     assert all_released()
 
 
+def test_a_group_that_does_not_fit_is_a_config_error(tiny_checkpoint, tmp_path):
+    """Each worker takes the pool's cpus: 2 workers of 1 CPU beside the rollout's 1 do not fit
+    2 CPUs (unchecked, the second worker would wait for a CPU forever)."""
+    over = ["run.backend=ray", "placement.actor.replicas=2", "placement.actor.cpus=1"]
+    cfg = load_config(RECIPE, tiny(tiny_checkpoint, tmp_path, 1, *over))
+    with pytest.raises(ConfigError, match=r"ask for 3 CPU.*placement.actor.cpus=1 x 2 replicas"):
+        build_engines(cfg)
+    assert all_released()
+
+
 @pytest.mark.parametrize(
     "extra, key",
     [
