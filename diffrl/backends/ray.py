@@ -560,11 +560,13 @@ def build_ray(cfg: Config) -> Engines:
             group = start_group(cfg, threads, worker_options(cfg), actors)
         else:
             actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
+        # the group's builds first: a worker's error ends the run while its peers wait for it
+        group_actor = group() if cfg.placement.actor.replicas > 1 else None
         info = _get(rollout_host.info.remote())
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
-        actor = group() if cfg.placement.actor.replicas > 1 else RemoteActor(actor_host)
+        actor = group_actor or RemoteActor(actor_host)
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:
