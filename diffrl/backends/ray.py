@@ -486,12 +486,15 @@ def _bundle(pool: PoolConfig) -> dict[str, float]:
 def _check_built(cfg: Config) -> None:
     """What of the ``placement`` section this backend carries out today."""
     p = cfg.placement
-    for name in ("rollout", "actor"):
-        if getattr(p, name).replicas != 1:
-            raise ConfigError(
-                f"config key 'placement.{name}.replicas' = {getattr(p, name).replicas}: "
-                "more than one replica is not built yet; set it to 1"
-            )
+    if p.rollout.replicas != 1:
+        raise ConfigError(
+            f"config key 'placement.rollout.replicas' = {p.rollout.replicas}: "
+            "more than one replica is not built yet; set it to 1"
+        )
+    if p.actor.replicas > 1:  # an actor group (backends/ray_actor_group.py)
+        from diffrl.backends.ray_actor_group import check_group
+
+        check_group(cfg)
     if p.colocate:
         raise ConfigError(
             f"config key 'placement.colocate' = {p.colocate}: only separate pools are built yet"
@@ -551,12 +554,16 @@ def _check_fits(cfg: Config) -> None:
     ray = _ray()
     have = ray.cluster_resources()
     for kind in ("CPU", "GPU"):
-        want = {
-            name: _bundle(getattr(cfg.placement, name)).get(kind, 0.0)
-            for name in ("rollout", "reward", "actor")
-        }
+        pools = {name: getattr(cfg.placement, name) for name in ("rollout", "reward", "actor")}
+        # per replica (an actor group's workers each take the pool's cpus and gpus)
+        want = {n: _bundle(p).get(kind, 0.0) * p.replicas for n, p in pools.items()}
         if sum(want.values()) > have.get(kind, 0.0) + 1e-9:
-            asks = ", ".join(f"placement.{n}.{kind.lower()}s={v:g}" for n, v in want.items() if v)
+            asks = ", ".join(
+                f"placement.{n}.{kind.lower()}s={_bundle(pools[n])[kind]:g}"
+                + (f" x {pools[n].replicas} replicas" if pools[n].replicas > 1 else "")
+                for n, v in want.items()
+                if v
+            )
             raise ConfigError(
                 f"the engines' pools ask for {sum(want.values()):g} {kind} ({asks}) and the Ray "
                 f"cluster has {have.get(kind, 0.0):g}; lower them, or start Ray with more "
@@ -665,7 +672,14 @@ def build_ray(cfg: Config) -> Engines:
         device = setup_process(cfg)  # the controller's own draws (prompt order) match local
         rollout_host = host(RolloutHost, "rollout", cfg.placement.rollout, threads)
         rewards_host = host(RewardHost, "reward", cfg.placement.reward, threads)
-        actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
+        if cfg.placement.actor.replicas > 1:  # a torch.distributed group of Ray workers
+            from diffrl.backends.ray_actor_group import start_group, worker_options
+
+            group = start_group(cfg, threads, worker_options(cfg), actors)
+        else:
+            actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
+        # the group's builds first: a worker's error ends the run while its peers wait for it
+        group_actor = group() if cfg.placement.actor.replicas > 1 else None
         info = _get(rollout_host.info.remote())
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
@@ -674,7 +688,11 @@ def build_ray(cfg: Config) -> Engines:
 
             rewards.edges = TransferQueueEdges(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
-        actor = RemoteActor(actor_host, _connect_weights(cfg, actor_host, rollout_host))
+        if group_actor is not None:  # rank 0 holds the group's end of the weight path
+            group_actor.weights = _connect_weights(cfg, group_actor.workers[0], rollout_host)
+        actor = group_actor or RemoteActor(
+            actor_host, _connect_weights(cfg, actor_host, rollout_host)
+        )
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:

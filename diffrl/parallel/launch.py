@@ -245,9 +245,11 @@ def local_device(name: str) -> str:
     return name
 
 
-def start(cfg) -> Ranks:
+def start(cfg, actor_group: bool = False) -> Ranks:
     """Validate ``cfg.parallel`` against the world, join the process group and build the
-    meshes; ``SOLO`` without torchrun."""
+    meshes; ``SOLO`` without torchrun. ``actor_group``: the ranks are the Ray backend's actor
+    workers (``backends/ray_actor_group.py``), which hold the actor alone: one controller and
+    one rollout elsewhere, so the checks on each rank's own rollout and loop do not apply."""
     dims = cfg.parallel.dims()
     if dims.world_size == 1:
         return SOLO
@@ -255,7 +257,7 @@ def start(cfg) -> Ranks:
         check_sp(cfg, dims)
     if dims.tp > 1:
         check_tp(cfg, dims)
-    rollout_tp = dims.tp > 1 and cfg.parallel.rollout == "sharded"
+    rollout_tp = dims.tp > 1 and cfg.parallel.rollout == "sharded" and not actor_group
     if dims.etp > 1:
         from diffrl.models.registry import family
 
@@ -265,12 +267,13 @@ def start(cfg) -> Ranks:
                 f"{KEY}.etp={dims.etp}: model family {spec.name!r} declares no ETP plan for "
                 f"its text encoder(s) (FamilySpec.etp_plans is empty); set {KEY}.etp=1"
             )
-    if cfg.run.backend != "local":
+    if cfg.run.backend != "local" and not actor_group:
         raise ConfigError(
             f"config key 'run.backend' = {cfg.run.backend!r}: under torchrun diffrl train runs "
             "its engines in each rank's process; set run.backend=local"
         )
-    check_overlap(cfg)
+    if not actor_group:
+        check_overlap(cfg)
     if cfg.actor.minibatches != 1:
         raise ConfigError(
             f"config key 'actor.minibatches' = {cfg.actor.minibatches}: under torchrun the "

@@ -1,0 +1,204 @@
+"""The actor as a torch.distributed group of Ray workers (``placement.actor.replicas=2``,
+``backends/ray_actor_group.py``) on a local Ray instance with 2 CPUs and gloo: a tiny run
+samples what the local backend samples (rewards and evals bit for bit) and updates as the
+data-parallel ranks do (loss and grad norm within torchrun's rtol 1e-4); async mode keeps its
+bound; a worker that fails to build stops the run with its own error; each data-parallel rank
+gets a torchrun rank's rows, whole batches and streamed parts alike; the layouts the group
+does not run are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+import torch
+from tiny_runs import tiny_run
+
+from diffrl.backends import build_engines
+from diffrl.config import load_config
+from diffrl.controller.loop import train
+from diffrl.controller.run_dir import read_metrics
+from diffrl.errors import ConfigError, ContractError, DiffrlError
+
+ray = pytest.importorskip("ray")
+
+RECIPE = "recipes/shapes_nft.yaml"
+PARTIAL = "reward.scorers=[{name: shapes, weight: 1.0, required: true, params: {mode: partial}}]"
+GROUP = ["run.backend=ray", "placement.actor.replicas=2", "placement.actor.cpus=0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def tiny(checkpoint, out, steps, *extra):
+    # shared_noise: a row's training draws follow its prompt group, not the rank or the
+    # micro-batch that trains it (as in the torchrun dp tests)
+    over = ["rollout.num_steps=2", "actor.lr=1e-2", "run.eval_every=1", PARTIAL]
+    return tiny_run(checkpoint, out, steps, *over, "algorithm.shared_noise=true", *extra)
+
+
+def run(overrides: list[str]) -> list[dict]:
+    return read_metrics(asyncio.run(train(load_config(RECIPE, overrides))))
+
+
+def all_released() -> bool:
+    for _ in range(50):
+        if ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]:
+            return True
+        asyncio.run(asyncio.sleep(0.1))
+    return False
+
+
+UPDATE = ("actor/loss", "actor/grad_norm")
+
+
+def test_a_group_of_two_trains_as_the_local_run(tiny_checkpoint, tmp_path):
+    """Staleness 0 (sync): the same samples, so every reward and eval key equal bit for bit;
+    the update is the one-process one up to summation order (the one-process actor means all
+    rows in one micro-batch, the ranks sum their own and all-reduce), so loss and grad norm
+    agree within torchrun's rtol 1e-4 and the rest of the keys are the same keys. Async at
+    max_staleness=1 stays within its bound on the group."""
+    local = run(tiny(tiny_checkpoint, tmp_path / "local", 2))
+    group = run(tiny(tiny_checkpoint, tmp_path / "group", 2, *GROUP))
+    assert [r["step"] for r in group] == [0, 1, 2]
+    for one, two in zip(local, group, strict=True):
+        # the diagnostics too (the group runs them on every rank); perf/* are this process's
+        untimed = lambda r: {k for k in r if not k.startswith("perf/")}  # noqa: E731
+        assert untimed(one) == untimed(two)
+        for k in one:
+            if k.startswith(("reward/", "eval/")):
+                assert two[k] == one[k], k
+            elif k in UPDATE:
+                assert two[k] == pytest.approx(one[k], rel=1e-4), k
+    assert group[2]["actor/grad_norm"] > 0
+    over = [*GROUP, "run.mode=async", "run.max_staleness=1"]
+    asynced = run(tiny(tiny_checkpoint, tmp_path / "async", 2, *over))
+    assert [r["step"] for r in asynced] == [0, 1, 2]
+    assert max(r["async/staleness_max"] for r in asynced[1:]) <= 1
+    assert asynced[-1]["actor/grad_norm"] > 0
+    assert all_released()
+
+
+def test_a_worker_that_fails_to_build_raises_its_own_error(tiny_checkpoint, tmp_path):
+    """Rank 1 fails while rank 0 waits for it in the rendezvous: the run stops with rank 1's
+    error at once, and the group is gone."""
+    plugin = tmp_path / "rank1_fails.py"
+    plugin.write_text(
+        "import os\nfrom diffrl.errors import DiffrlError\n"
+        "if os.environ.get('RANK') == '1':\n    raise DiffrlError('rank 1 cannot build')\n"
+    )
+    from diffrl.backends.ray_actor_group import start_group, worker_options
+
+    over = tiny(tiny_checkpoint, tmp_path, 1, *GROUP, f"ray.imports=[{plugin}]")
+    cfg = load_config(RECIPE, over)
+    started: list = []  # the group alone: build_ray kills them as these lines do
+    try:
+        with pytest.raises(DiffrlError, match="rank 1 cannot build") as info:
+            start_group(cfg, 1, worker_options(cfg), started)()
+    finally:
+        for worker in started:
+            ray.kill(worker)
+    assert len(started) == 2 and not isinstance(info.value, ray.exceptions.RayError)
+
+
+def test_a_group_that_does_not_fit_is_a_config_error(tiny_checkpoint, tmp_path):
+    """Each worker takes the pool's cpus: 2 workers of 1 CPU beside the rollout's 1 do not fit
+    2 CPUs (unchecked, the second worker would wait for a CPU forever)."""
+    over = ["run.backend=ray", "placement.actor.replicas=2", "placement.actor.cpus=1"]
+    cfg = load_config(RECIPE, tiny(tiny_checkpoint, tmp_path, 1, *over))
+    with pytest.raises(ConfigError, match=r"ask for 3 CPU.*placement.actor.cpus=1 x 2 replicas"):
+        build_engines(cfg)
+    assert all_released()
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["parallel.etp=2"], "parallel.etp"),
+        (["parallel.tp=2"], "parallel.rollout"),
+        (["actor.minibatches=2"], "actor.minibatches"),
+    ],
+)
+def test_what_a_group_does_not_run_is_refused(extra, key, tiny_checkpoint, tmp_path):
+    from diffrl.backends.ray_actor_group import check_group
+
+    cfg = load_config(RECIPE, tiny(tiny_checkpoint, tmp_path, 1, *GROUP, *extra))
+    with pytest.raises(ConfigError, match=rf"'{key}'"):
+        check_group(cfg)
+
+
+# --- the proxy's split and rounds, against recorded calls (no workers) ---------------------
+
+
+class Recorded:
+    """A ``RemoteActorGroup`` over 2 data-parallel ranks whose calls are recorded."""
+
+    def __new__(cls, prompts: int, versions=(0, 0)):
+        from diffrl.backends.ray_actor_group import RemoteActorGroup
+
+        infos = [
+            {"dp_rank": r, "dp_size": 2, "version": v, "eval_adapter": "default", "bound": None}
+            for r, v in enumerate(versions)
+        ]
+        group = RemoteActorGroup([None, None], infos, prompts)
+        group.calls = []
+
+        def call(method, *args, each=None):
+            group.calls.append((method, [args if each is None else each(r) for r in range(2)]))
+            return [(({}, 1) if method == "end_stream" else {}) for _ in range(2)]
+
+        group._call = call
+        return group
+
+
+def batch_of(groups: list[int], per: int = 2):
+    """A train batch of ``per`` rows for each prompt of the step in ``groups``."""
+    from conftest import make_train_batch
+
+    group = torch.tensor(groups).repeat_interleave(per)
+    return dataclasses.replace(make_train_batch(len(group)), group=group)
+
+
+def test_each_dp_rank_gets_its_torchrun_slice():
+    group = Recorded(prompts=4)
+    batch = batch_of([0, 1, 2, 3])  # 2 rows per prompt; rank 0 holds prompts 0-1
+    assert group.rows(batch, 0).tolist() == [0, 1, 2, 3]
+    assert group.rows(batch, 1).tolist() == [4, 5, 6, 7]
+    filtered = batch.select(torch.tensor([0, 1, 6, 7]))  # prompts 1 and 2 dropped
+    assert group.rows(filtered, 0).tolist() == [0, 1]
+    assert group.rows(filtered, 1).tolist() == [2, 3]
+    with pytest.raises(DiffrlError, match="prompt group 5"):
+        group.rows(batch_of([5]), 0)
+
+
+def test_streamed_parts_train_in_rounds_as_torchrun_ranks_do():
+    """Parts arrive prompt by prompt (rank 0's two, then rank 1's two): each round trains the
+    k-th part of every rank together; one rank's leftovers meet an empty part."""
+    group = Recorded(prompts=4)
+    group.begin_stream(8)
+    for p in range(4):
+        group.train_part(batch_of([p]))
+    rounds = [c for c in group.calls if c[0] == "train_part"]
+    groups = [[a[0].group.unique().tolist() for a in args] for _, args in rounds]
+    assert groups == [[[0], [2]], [[1], [3]]]
+    assert [c[0] for c in group.calls].count("diagnostics") == 1  # on the first part only
+    group.calls.clear()
+    group.begin_stream(8)
+    group.train_part(batch_of([0, 1]))  # rank 1's prompts filtered out
+    group.end_stream()
+    ((_, args),) = [c for c in group.calls if c[0] == "train_part"]
+    assert len(args[0][0]) == 4 and len(args[1][0]) == 0
+
+
+def test_ranks_that_disagree_on_their_version_are_a_contract_error():
+    with pytest.raises(ContractError, match=r"disagree on their version: \[0, 1\]"):
+        Recorded(prompts=2, versions=(0, 1))
