@@ -197,9 +197,10 @@ class RolloutHost(Host):
     async def receipt(self, which: str) -> SyncReceipt:
         return self.engines[which].receipt()
 
-    async def offer(self, which: str, update: WeightUpdate) -> None:
-        # served while a stream samples (an async actor): applied at the next step boundary
-        self.engines[which].offer(update)
+    async def offer(self, which: str, handle: Any) -> None:
+        # served while a stream samples (an async actor): applied at the next step boundary,
+        # after the transport's checks (the object-store path: a send-free handle)
+        self.engines[which].offer(self.weights.receive(which, handle))
 
     async def take_synced(self, which: str) -> dict[str, float]:
         return self.engines[which].take_synced()
@@ -392,6 +393,12 @@ class RemoteRollout:
         return _get(self.host.receipt.remote(self.which))
 
     def offer(self, update) -> None:  # run.async_sync=step (RolloutEngine.offer)
+        if isinstance(update, RemoteWeights) and update.path != "object_store":
+            raise ConfigError(
+                f"config key 'placement.weights' resolved to {update.path!r}: run.async_sync=step "
+                "offers weights to a sampling rollout host, which takes them through the object "
+                "store only; set placement.weights=object_store (or run.async_sync=batch)"
+            )
         _get(self.host.offer.remote(self.which, getattr(update, "ref", update)))
 
     def take_synced(self) -> dict[str, float]:
