@@ -30,6 +30,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import sys
 import uuid
@@ -39,6 +40,14 @@ from typing import Any
 
 import torch
 
+from diffrl.backends.ray_placement import ROLES, Placed, place
+from diffrl.backends.ray_rollout import (
+    ENGINES,
+    RayReplica,
+    ReplicaSet,
+    RolloutReplicas,
+    check_same_prompts,
+)
 from diffrl.build import (
     Engines,
     actor_side,
@@ -51,7 +60,6 @@ from diffrl.channel import Channel
 from diffrl.config import Config
 from diffrl.errors import ConfigError, DiffrlError
 from diffrl.models.registry import load_model
-from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.bound import check_bound
 from diffrl.sync.receipt import SyncReceipt, expected_of
@@ -105,14 +113,14 @@ class Host:
     error: DiffrlError | None = None
     role = "engine"
 
-    def __init__(self, cfg: Config, threads: int) -> None:
+    def __init__(self, cfg: Config, threads: int, **kw) -> None:
         try:
             import_plugins(cfg.ray.imports)
-            self.build(cfg, threads)
+            self.build(cfg, threads, **kw)
         except DiffrlError as e:
             self.error = e
 
-    def build(self, cfg: Config, threads: int) -> None:
+    def build(self, cfg: Config, threads: int, **kw) -> None:
         raise NotImplementedError
 
     def info(self) -> dict:
@@ -132,8 +140,8 @@ class Host:
 class RolloutHost(Host):
     role = "rollout"
 
-    def build(self, cfg: Config, threads: int) -> None:
-        side = rollout_side(cfg, setup_process(cfg, threads))
+    def build(self, cfg: Config, threads: int, probe: bool = True) -> None:
+        side = rollout_side(cfg, setup_process(cfg, threads), probe=probe)
         self.side = side
         self.engines = {"rollout": side.rollout, "evaluator": side.evaluator}
 
@@ -407,69 +415,25 @@ class RemoteActor:
 # --- the factory --------------------------------------------------------------------------------
 
 
-def _bundle(pool: PoolConfig) -> dict[str, float]:
-    return {k: v for k, v in (("CPU", pool.cpus), ("GPU", pool.gpus)) if v > 0}
-
-
 def _check_built(cfg: Config) -> None:
     """What of the ``placement`` section this backend carries out today."""
     p = cfg.placement
-    for name in ("rollout", "actor"):
-        if getattr(p, name).replicas != 1:
-            raise ConfigError(
-                f"config key 'placement.{name}.replicas' = {getattr(p, name).replicas}: "
-                "more than one replica is not built yet; set it to 1"
-            )
-    if p.colocate or p.weights not in ("auto", "object_store"):
+    if p.actor.replicas != 1:
         raise ConfigError(
-            f"config keys 'placement.colocate' = {p.colocate}, 'placement.weights' = "
-            f"{p.weights!r}: only separate pools with weights through the object store are "
-            "built yet"
+            f"config key 'placement.actor.replicas' = {p.actor.replicas}: "
+            "more than one replica is not built yet; set it to 1"
         )
-
-
-def _check_fits(cfg: Config) -> None:
-    """Every pool's resources against the cluster's, before anything is placed."""
-    ray = _ray()
-    have = ray.cluster_resources()
-    for kind in ("CPU", "GPU"):
-        want = {
-            name: _bundle(getattr(cfg.placement, name)).get(kind, 0.0)
-            for name in ("rollout", "reward", "actor")
-        }
-        if sum(want.values()) > have.get(kind, 0.0) + 1e-9:
-            asks = ", ".join(f"placement.{n}.{kind.lower()}s={v:g}" for n, v in want.items() if v)
-            raise ConfigError(
-                f"the engines' pools ask for {sum(want.values()):g} {kind} ({asks}) and the Ray "
-                f"cluster has {have.get(kind, 0.0):g}; lower them, or start Ray with more "
-                "(ray.num_cpus for a local instance)"
-            )
-
-
-def _placed(name: str, pool: PoolConfig, timeout: float) -> dict:
-    """Ray actor options that put an engine on its own pool: one placement group of one
-    bundle, waited for (a clear error instead of an actor that never starts)."""
-    ray = _ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    bundle = _bundle(pool)
-    if not bundle:
-        return {"num_cpus": 0}
-    pg = placement_group([bundle], strategy="PACK", name=f"diffrl-{name}-{uuid.uuid4().hex[:6]}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout)
-    if not ready:
-        remove_placement_group(pg)
+    if p.rollout.replicas > 1 and cfg.ray.channel != "object_store":
         raise ConfigError(
-            f"config key 'placement.{name}': the pool {bundle} could not be placed within "
-            f"{timeout:g} s (free now: {ray.available_resources()}); lower it or add nodes"
+            f"config keys 'placement.rollout.replicas' = {p.rollout.replicas}, 'ray.channel' = "
+            f"{cfg.ray.channel!r}: several rollout replicas send their micro-batches through "
+            "the object store only yet; set ray.channel=object_store or one replica"
         )
-    return {
-        "num_cpus": pool.cpus,
-        "num_gpus": pool.gpus,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        "_pg": pg,
-    }
+    if p.weights not in ("auto", "object_store"):
+        raise ConfigError(
+            f"config key 'placement.weights' = {p.weights!r}: only weights through the object "
+            "store are built yet (auto or object_store)"
+        )
 
 
 def _start_ray(cfg: Config) -> bool:
@@ -482,6 +446,11 @@ def _start_ray(cfg: Config) -> bool:
         kw["address"] = cfg.ray.address
     elif cfg.ray.num_cpus:
         kw["num_cpus"] = cfg.ray.num_cpus
+    else:  # all cores, or as many logical CPUs as the pools ask for (they share the cores)
+        asks = sum(
+            getattr(cfg.placement, r).replicas * getattr(cfg.placement, r).cpus for r in ROLES
+        )
+        kw["num_cpus"] = max(os.cpu_count() or 1, math.ceil(asks))
     ray.init(**kw)
     return True
 
@@ -505,13 +474,11 @@ def build_ray(cfg: Config) -> Engines:
     algorithm = check_config(cfg)
     ray = _ray()
     started = _start_ray(cfg)
-    groups, actors = [], []
+    actors: list = []
+    placed: Placed | None = None
 
-    def host(cls, name: str, pool: PoolConfig, threads: int, **extra):
-        opts = _placed(name, pool, cfg.ray.place_timeout_s)
-        if "_pg" in opts:
-            groups.append(opts.pop("_pg"))
-        handle = ray.remote(cls).options(**opts, **extra).remote(cfg, threads)
+    def host(cls, opts: dict, threads: int, **kw):
+        handle = ray.remote(cls).options(**opts).remote(cfg, threads, **kw)
         actors.append(handle)
         return handle
 
@@ -524,12 +491,10 @@ def build_ray(cfg: Config) -> Engines:
     tq_started = False
 
     def shutdown() -> None:
-        from ray.util.placement_group import remove_placement_group
-
         for a in actors:
             ray.kill(a)
-        for g in groups:
-            remove_placement_group(g)
+        if placed is not None:
+            placed.remove()
         if tq_started:
             from diffrl.channel.transferqueue import stop_transferqueue
 
@@ -539,22 +504,34 @@ def build_ray(cfg: Config) -> Engines:
 
     try:
         _check_built(cfg)
-        _check_fits(cfg)
+        placed = place(cfg.placement, cfg.ray.place_timeout_s)
         if cfg.ray.channel == "transferqueue":
             tq_started = _start_transferqueue()
         # the threads a local run would use, unless run.threads says: the same numerics
         threads = cfg.run.threads or torch.get_num_threads()
         device = setup_process(cfg)  # the controller's own draws (prompt order) match local
-        rollout_host = host(RolloutHost, "rollout", cfg.placement.rollout, threads)
-        rewards_host = host(RewardHost, "reward", cfg.placement.reward, threads)
-        actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
-        info = _get(rollout_host.info.remote())
+        # replica 0 runs the start-up probe; the others load the same model and config, so its
+        # result stands for them (and a replacement starts sooner)
+        rollout_hosts = [
+            host(RolloutHost, opts, threads, probe=i == 0) for i, opts in enumerate(placed.rollout)
+        ]
+        rewards_host = host(RewardHost, placed.reward, threads)
+        actor_host = host(ActorHost, {**placed.actor[0], "max_concurrency": 1}, threads)
+        info = _get(rollout_hosts[0].info.remote())
+        for i, h in enumerate(rollout_hosts[1:], 1):  # contract 3 across replicas
+            check_same_prompts(info, _get(h.info.remote()), f"rollout replica {i}")
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
         actor = RemoteActor(actor_host)
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
+        rollout, evaluator = rollout_engines(
+            cfg,
+            rollout_hosts,
+            info,
+            lambda i: host(RolloutHost, placed.rollout[i], threads, probe=False),
+        )
     except BaseException:
         shutdown()
         raise
@@ -564,8 +541,8 @@ def build_ray(cfg: Config) -> Engines:
         build_task(cfg.data),
         prompt_source(info["train"], cfg.data, cfg.run.seed),
         info["eval_set"],
-        RemoteRollout(rollout_host, "rollout", info["produces"], cfg.ray.channel),
-        RemoteRollout(rollout_host, "evaluator", info["produces"], cfg.ray.channel),
+        rollout,
+        evaluator,
         rewards,
         actor,
         algorithm,
@@ -573,3 +550,21 @@ def build_ray(cfg: Config) -> Engines:
         close=close,
         bound=bound,
     )
+
+
+def rollout_engines(cfg: Config, hosts: list, info: dict, start) -> tuple:
+    """The training rollout and the evaluator: on the one host, or (several replicas) behind
+    one dispatcher each over the same replicas; ``start(i)`` starts replica i again."""
+    if len(hosts) == 1:
+        return tuple(RemoteRollout(hosts[0], w, info["produces"], cfg.ray.channel) for w in ENGINES)
+    ray = _ray()
+
+    def restart(i: int) -> RayReplica:
+        ray.kill(replicas.replicas[i].host)  # dead; or hung, and then its bundle is freed
+        handle = start(i)
+        check_same_prompts(info, _get(handle.info.remote()), f"rollout replica {i}")
+        return RayReplica(handle)
+
+    died = (ray.exceptions.RayActorError,)
+    replicas = ReplicaSet([RayReplica(h) for h in hosts], restart, died, cfg.rollout)
+    return tuple(RolloutReplicas(replicas, w, info["produces"]) for w in ENGINES)

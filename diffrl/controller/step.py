@@ -60,6 +60,8 @@ async def rollout_and_score(
         k: sum(v * n for v, n in vals) / sum(n for _, n in vals) for k, vals in extra.items()
     }
     metrics["reward/tied_groups"] = tied_fraction(batch.rewards, batch.traj.group, batch.valid)
+    # what a rollout that is several engines reports of itself (Ray replicas: rollout/replaced)
+    metrics.update(getattr(parts.rollout, "step_metrics", dict)())
     return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
 
 

@@ -1,0 +1,315 @@
+"""N rollout replicas behind one dispatcher (``placement.rollout.replicas`` > 1 on the Ray
+backend): ``RolloutReplicas`` is a ``RolloutEngineProtocol`` for the training rollout and one for
+the held-out evaluator, over one ``ReplicaSet`` (each replica holds both engines, as one
+``RolloutHost`` does).
+
+Same rows as one process. ``RolloutEngine.stream`` cuts its prompts into micro-batches of
+``max_batch // G`` whole groups and gives micro-batch k's samples the seeds, group ids and SDE
+window of the whole batch (``first_prompt``, the step seed, ``iteration``). The dispatcher
+makes exactly those cuts and sends each to one replica as a batch of its own, with
+``first_prompt`` moved to the cut's start and the same seed, iteration and keywords: the
+replica's engine then samples it as one micro-batch, bit for bit the one-process engine's. The
+replicas are built from one config and seed (same weights, same data stage: the controller
+checks their prompt sets' token hashes agree), and every weight update goes to all of them.
+
+Load: each replica samples one micro-batch at a time (a second one beside it would only share
+its device); a free replica takes the next cut, so the cuts go to the replicas with the fewest
+in flight. Trajectories enter the channel in cut order, whichever replica finishes first.
+
+A replica that dies (its call raises one of ``died``: Ray's ``RayActorError``) is started again
+on its own bundle (``restart``), given the last weight update of each engine (kept for this,
+and checked by its receipt), and the cuts it lost are sampled again: the seeds fix them, so the
+results do not change. A slot is replaced at most once per call; a replacement that fails to
+start, or dies in the same call, fails the call with a DiffrlError naming the replica (the run
+stops before its update: checkpoints untouched, ``run.resume=true`` continues).
+``rollout/replaced`` counts the replacements since the run started.
+
+What waits on what: ``stream`` and ``generate`` wait on the replicas' calls and on channel
+back-pressure; ``load_weights``, ``receipt`` and a replacement outside a call block their
+caller (the controller's thread), one thread per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import torch
+
+from diffrl.channel import Channel
+from diffrl.errors import ContractError, DiffrlError
+from diffrl.rollout.engine import RolloutConfig
+from diffrl.sync.receipt import SyncReceipt, check_receipt, sent
+from diffrl.sync.weights import SyncError, SyncReport
+from diffrl.types import PromptBatch, Trajectory
+
+
+class Replica(Protocol):
+    """One replica: both rollout engines (``which``: "rollout" or "evaluator") in one place."""
+
+    async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict) -> Trajectory:
+        """``prompts`` (one micro-batch's worth) as one trajectory."""
+
+    def load_weights(self, which: str, update: Any) -> SyncReport: ...
+
+    def receipt(self, which: str) -> SyncReceipt: ...
+
+
+ENGINES = ("rollout", "evaluator")  # what each replica holds
+
+
+def cuts(n: int, group_size: int, max_batch: int) -> list[tuple[int, int]]:
+    """The [start, end) prompt ranges of ``RolloutEngine.stream``'s micro-batches."""
+    per = max(1, max_batch // group_size)
+    return [(k, min(k + per, n)) for k in range(0, n, per)]
+
+
+class ReplicaSet:
+    """The replicas, what each has in flight, and the last update of each engine.
+    ``restart(i)`` builds replica i again (blocking) on its own resources."""
+
+    def __init__(
+        self,
+        replicas: list[Replica],
+        restart: Callable[[int], Replica],
+        died: tuple[type[BaseException], ...],
+        cfg: RolloutConfig,
+    ) -> None:
+        self.replicas, self.restart, self.died, self.cfg = list(replicas), restart, died, cfg
+        self.inflight = [0] * len(replicas)
+        self.last: dict[str, Any] = {}  # which -> the last update sent (a replacement loads it)
+        self.replaced = 0
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    # --- a replacement ----------------------------------------------------------------------
+
+    def replace(self, i: int, why: BaseException) -> None:
+        """Replica i again, holding the last update of each engine (checked by its receipt);
+        DiffrlError naming the replica when it cannot be."""
+        try:
+            rep = self.restart(i)
+            for which, update in self.last.items():
+                rep.load_weights(which, update)
+                check_receipt(*sent(update), rep.receipt(which), f"rollout replica {i}'s {which}")
+        except Exception as e:
+            raise DiffrlError(
+                f"rollout replica {i} died ({type(why).__name__}) and its replacement failed "
+                f"too: {e}. The step stops before its update; the checkpoints are untouched "
+                "(run.resume=true continues from the last)"
+            ) from e
+        self.replicas[i] = rep
+        self.inflight[i] = 0
+        self.replaced += 1
+
+    def each(self, call: Callable[[Replica], Any]) -> list[Any]:
+        """``call`` on every replica at once (a thread each), a dead one replaced first and
+        called again."""
+
+        def one(i: int):
+            try:
+                return call(self.replicas[i])
+            except self.died as e:
+                self.replace(i, e)
+                return call(self.replicas[i])
+
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            return list(pool.map(one, range(len(self.replicas))))
+
+    # --- sampling -------------------------------------------------------------------------------
+
+    async def run(self, which: str, prompts: PromptBatch, seed: int, kw: dict, emit) -> None:
+        """Samples ``prompts`` as the one-process engine would, cut by cut over the replicas;
+        awaits ``emit(traj)`` for each cut in order."""
+        kw = dict(kw)
+        first = kw.pop("first_prompt", 0)
+        todo = cuts(len(prompts), kw.get("group_size") or self.cfg.group_size, self.cfg.max_batch)
+        pending = collections.deque(range(len(todo)))
+        done: dict[int, Trajectory] = {}
+        calls: dict[asyncio.Task, tuple[int, int]] = {}  # call -> (replica, cut)
+        fixing: dict[asyncio.Task, int] = {}  # replacement -> replica
+        replaced: set[int] = set()  # slots replaced in this call (once each)
+        emitted = 0
+        try:
+            while emitted < len(todo):
+                while pending:
+                    free = [i for i in range(len(self)) if i not in fixing.values()]
+                    i = min(free, key=lambda j: self.inflight[j], default=None)
+                    if i is None or self.inflight[i] >= 1:
+                        break
+                    c = pending.popleft()
+                    a, b = todo[c]
+                    sub = prompts.select(torch.arange(a, b))
+                    task = asyncio.create_task(
+                        self.replicas[i].generate(
+                            which, sub, seed, {**kw, "first_prompt": first + a}
+                        )
+                    )
+                    calls[task], self.inflight[i] = (i, c), self.inflight[i] + 1
+                finished, _ = await asyncio.wait(
+                    [*calls, *fixing], return_when=asyncio.FIRST_COMPLETED
+                )
+                for t in finished:
+                    if t in fixing:
+                        fixing.pop(t)
+                        t.result()  # a failed replacement's DiffrlError stops the call
+                        continue
+                    i, c = calls.pop(t)
+                    self.inflight[i] -= 1
+                    err = t.exception()
+                    if err is None:
+                        done[c] = t.result()
+                    elif isinstance(err, self.died):
+                        pending.appendleft(c)  # lost: sampled again, first
+                        if i in fixing.values():
+                            continue
+                        if i in replaced:
+                            raise DiffrlError(
+                                f"rollout replica {i} died again in the same call after its "
+                                f"replacement ({type(err).__name__}: {err}). The step stops "
+                                "before its update; the checkpoints are untouched "
+                                "(run.resume=true continues from the last)"
+                            ) from err
+                        replaced.add(i)
+                        fixing[asyncio.create_task(asyncio.to_thread(self.replace, i, err))] = i
+                    else:
+                        raise err
+                while emitted in done:
+                    await emit(done.pop(emitted))
+                    emitted += 1
+        finally:
+            rest = [*calls, *fixing]
+            for t in calls:
+                t.cancel()
+            if rest:  # a replacement in its thread runs to its end: wait for it
+                await asyncio.gather(*rest, return_exceptions=True)
+            for i, _ in calls.values():
+                self.inflight[i] = max(0, self.inflight[i] - 1)
+
+
+class RolloutReplicas:
+    """One of the replicas' engines (``which``) as ``RolloutEngineProtocol``."""
+
+    def __init__(self, replicas: ReplicaSet, which: str, produces: frozenset[str]) -> None:
+        self.set, self.which, self._produces = replicas, which, produces
+        self.version = 0
+
+    @property
+    def produces(self) -> frozenset[str]:
+        return self._produces
+
+    async def stream(
+        self, prompts: PromptBatch, seed: int, channel: Channel, *, iteration: int = 0, **kw
+    ) -> None:
+        """Puts the cuts' trajectories into ``channel`` in order, then closes it."""
+
+        async def emit(traj: Trajectory) -> None:
+            await channel.put(traj, traj.policy_version)
+
+        try:
+            await self.set.run(self.which, prompts, seed, {**kw, "iteration": iteration}, emit)
+        finally:
+            channel.close()
+
+    async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory:
+        parts: list[Trajectory] = []
+
+        async def emit(traj: Trajectory) -> None:
+            parts.append(traj)
+
+        await self.set.run(self.which, prompts, seed, kw, emit)
+        return Trajectory.concat(parts)
+
+    def load_weights(self, update: Any) -> SyncReport:
+        """``update`` to every replica; each must report its version."""
+        self.set.last[self.which] = update  # first: a replica replaced meanwhile loads it
+        reports = self.set.each(lambda r: r.load_weights(self.which, update))
+        versions = [r.version for r in reports]
+        if len(set(versions)) != 1:
+            raise SyncError(
+                f"rollout replicas report versions {versions} after one update: replica "
+                f"{next(i for i, v in enumerate(versions) if v != versions[0])} differs"
+            )
+        self.version = versions[0]
+        return reports[0]
+
+    def receipt(self) -> SyncReceipt:
+        """Replica 0's receipt, once every replica's agrees with it (SyncError naming the
+        first that does not): the sender checks one receipt against what it sent."""
+        receipts = self.set.each(lambda r: r.receipt(self.which))
+        ref = receipts[0]
+        for i, got in enumerate(receipts[1:], 1):
+            agree_or_raise(ref, got, f"rollout replica {i}'s {self.which}")
+        return ref
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"rollout/replaced": float(self.set.replaced)}
+
+
+def agree_or_raise(ref: SyncReceipt, got: SyncReceipt, who: str) -> None:
+    """SyncError unless ``got`` shows the weights ``ref`` shows: the same version and modules,
+    each probe within the two receipts' rounding tolerances."""
+    if got.version != ref.version:
+        raise SyncError(f"{who} holds weights v{got.version}, replica 0 v{ref.version}")
+    if set(got.held) != set(ref.held):
+        diff = sorted(set(got.held) ^ set(ref.held))
+        raise SyncError(f"{who}'s receipt names other modules than replica 0's: {diff[:5]}")
+    for name in sorted(ref.held):
+        err = (got.held[name] - ref.held[name]).abs()
+        bad = (err > ref.tol[name] + got.tol[name]).nonzero()
+        if len(bad):
+            j = int(bad[0, 0])
+            raise SyncError(
+                f"{who} holds other weights than replica 0 after v{ref.version}: {name} "
+                f"receipt {float(got.held[name][j]):.9g} vs {float(ref.held[name][j]):.9g} "
+                f"(probe {j})"
+            )
+
+
+class RayReplica:
+    """A ``RolloutHost`` (``backends/ray.py``) as a ``Replica``."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict) -> Trajectory:
+        from diffrl.backends.ray import _await
+
+        return await _await(self.host.generate.remote(which, prompts, seed, kw))
+
+    def load_weights(self, which: str, update: Any) -> SyncReport:
+        from diffrl.backends.ray import RemoteWeights, _get
+
+        arg = update.ref if isinstance(update, RemoteWeights) else update
+        return _get(self.host.load_weights.remote(which, arg))
+
+    def receipt(self, which: str) -> SyncReceipt:
+        from diffrl.backends.ray import _get
+
+        return _get(self.host.receipt.remote(which))
+
+
+def check_same_prompts(ref: dict, got: dict, who: str) -> None:
+    """Contract 3 across replicas: ``who``'s data stage (its host's ``info``) tokenized the
+    train and held-out prompts to the same token (and condition) hashes as replica 0's."""
+    for split in ("train", "eval_set"):
+        a, b = ref[split], got[split]
+        for field in ("hashes", "cond_hashes"):
+            x, y = getattr(a, field), getattr(b, field)
+            if x is None and y is None:
+                continue
+            if x is None or y is None or tuple(x) != tuple(y):
+                rows = (
+                    []
+                    if x is None or y is None or len(x) != len(y)
+                    else [i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q]
+                )
+                raise ContractError(
+                    f"token drift across rollout replicas: {who}'s {split} prompts have other "
+                    f"{field} than replica 0's (rows {rows[:5] or 'all'}); every replica must "
+                    "tokenize the same prompts to the same ids"
+                )
