@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -59,6 +60,9 @@ class Replica(Protocol):
 
 
 ENGINES = ("rollout", "evaluator")  # what each replica holds
+# micro-batches one replica samples at once: a second beside the first would only share its
+# device (and hold a second micro-batch's activations)
+IN_FLIGHT = 1
 
 
 def cuts(n: int, group_size: int, max_batch: int) -> list[tuple[int, int]]:
@@ -80,6 +84,11 @@ class ReplicaSet:
     ) -> None:
         self.replicas, self.restart, self.died, self.cfg = list(replicas), restart, died, cfg
         self.inflight = [0] * len(replicas)
+        self.lock = threading.Lock()  # one replacement at a time
+        # slots being replaced, and the calls waiting for a slot: the training rollout and the
+        # evaluator share the replicas, and may sample at once (async mode)
+        self.fixing: collections.Counter[int] = collections.Counter()
+        self.waiters: list[asyncio.Future] = []
         self.last: dict[str, Any] = {}  # which -> the last update sent (a replacement loads it)
         self.replaced = 0
 
@@ -88,9 +97,15 @@ class ReplicaSet:
 
     # --- a replacement ----------------------------------------------------------------------
 
-    def replace(self, i: int, why: BaseException) -> None:
-        """Replica i again, holding the last update of each engine (checked by its receipt);
+    def replace(self, i: int, why: BaseException, dead: Replica) -> None:
+        """Replica i again, holding the last update of each engine (checked by its receipt),
+        unless another caller (the evaluator's, a sync) has replaced ``dead`` already;
         DiffrlError naming the replica when it cannot be."""
+        with self.lock:
+            if self.replicas[i] is dead:
+                self._replace(i, why)
+
+    def _replace(self, i: int, why: BaseException) -> None:
         try:
             rep = self.restart(i)
             for which, update in self.last.items():
@@ -103,7 +118,6 @@ class ReplicaSet:
                 "(run.resume=true continues from the last)"
             ) from e
         self.replicas[i] = rep
-        self.inflight[i] = 0
         self.replaced += 1
 
     def each(self, call: Callable[[Replica], Any]) -> list[Any]:
@@ -111,10 +125,11 @@ class ReplicaSet:
         called again."""
 
         def one(i: int):
+            rep = self.replicas[i]
             try:
-                return call(self.replicas[i])
+                return call(rep)
             except self.died as e:
-                self.replace(i, e)
+                self.replace(i, e, rep)
                 return call(self.replicas[i])
 
         with ThreadPoolExecutor(len(self.replicas)) as pool:
@@ -124,71 +139,89 @@ class ReplicaSet:
 
     async def run(self, which: str, prompts: PromptBatch, seed: int, kw: dict, emit) -> None:
         """Samples ``prompts`` as the one-process engine would, cut by cut over the replicas;
-        awaits ``emit(traj)`` for each cut in order."""
+        awaits ``emit(traj)`` for each cut in order. Waits on the replicas' calls, on a
+        replacement's thread and on ``emit``."""
         kw = dict(kw)
         first = kw.pop("first_prompt", 0)
         todo = cuts(len(prompts), kw.get("group_size") or self.cfg.group_size, self.cfg.max_batch)
-        pending = collections.deque(range(len(todo)))
-        done: dict[int, Trajectory] = {}
-        calls: dict[asyncio.Task, tuple[int, int]] = {}  # call -> (replica, cut)
-        fixing: dict[asyncio.Task, int] = {}  # replacement -> replica
+        pending = collections.deque(range(len(todo)))  # cuts not handed out yet (or lost)
+        done: dict[int, Trajectory] = {}  # finished cuts not emitted yet
+        calls: dict[asyncio.Task, tuple[int, int, Replica]] = {}  # -> (slot, cut, replica)
+        fixing: dict[asyncio.Task, int] = {}  # a replacement's thread -> its slot
         replaced: set[int] = set()  # slots replaced in this call (once each)
         emitted = 0
         try:
             while emitted < len(todo):
-                while pending:
-                    free = [i for i in range(len(self)) if i not in fixing.values()]
-                    i = min(free, key=lambda j: self.inflight[j], default=None)
-                    if i is None or self.inflight[i] >= 1:
-                        break
-                    c = pending.popleft()
+                while pending and (i := self._free()) is not None:
+                    c, rep = pending.popleft(), self.replicas[i]
                     a, b = todo[c]
                     sub = prompts.select(torch.arange(a, b))
-                    task = asyncio.create_task(
-                        self.replicas[i].generate(
-                            which, sub, seed, {**kw, "first_prompt": first + a}
-                        )
-                    )
-                    calls[task], self.inflight[i] = (i, c), self.inflight[i] + 1
+                    call = rep.generate(which, sub, seed, {**kw, "first_prompt": first + a})
+                    calls[asyncio.create_task(call)] = (i, c, rep)
+                    self.inflight[i] += 1
+                freed = asyncio.get_running_loop().create_future()  # by another caller
+                self.waiters.append(freed)
                 finished, _ = await asyncio.wait(
-                    [*calls, *fixing], return_when=asyncio.FIRST_COMPLETED
+                    [*calls, *fixing, freed], return_when="FIRST_COMPLETED"
                 )
+                freed.cancel()
                 for t in finished:
+                    if t is freed:
+                        continue
                     if t in fixing:
-                        fixing.pop(t)
+                        self.fixing[fixing.pop(t)] -= 1
+                        self._wake()
                         t.result()  # a failed replacement's DiffrlError stops the call
                         continue
-                    i, c = calls.pop(t)
-                    self.inflight[i] -= 1
+                    i, c, rep = calls.pop(t)
+                    self.inflight[i] = max(0, self.inflight[i] - 1)
+                    self._wake()
                     err = t.exception()
                     if err is None:
                         done[c] = t.result()
-                    elif isinstance(err, self.died):
-                        pending.appendleft(c)  # lost: sampled again, first
-                        if i in fixing.values():
-                            continue
-                        if i in replaced:
-                            raise DiffrlError(
-                                f"rollout replica {i} died again in the same call after its "
-                                f"replacement ({type(err).__name__}: {err}). The step stops "
-                                "before its update; the checkpoints are untouched "
-                                "(run.resume=true continues from the last)"
-                            ) from err
-                        replaced.add(i)
-                        fixing[asyncio.create_task(asyncio.to_thread(self.replace, i, err))] = i
-                    else:
+                        continue
+                    if not isinstance(err, self.died):
                         raise err
+                    pending.appendleft(c)  # lost: sampled again, first
+                    if self.fixing[i] > 0 or rep is not self.replicas[i]:
+                        continue  # being replaced, or replaced by another call already
+                    if i in replaced:
+                        raise DiffrlError(
+                            f"rollout replica {i} died again in the same call after its "
+                            f"replacement ({type(err).__name__}: {err}). The step stops "
+                            "before its update; the checkpoints are untouched "
+                            "(run.resume=true continues from the last)"
+                        ) from err
+                    replaced.add(i)
+                    fixing[asyncio.create_task(asyncio.to_thread(self.replace, i, err, rep))] = i
+                    self.fixing[i] += 1
                 while emitted in done:
                     await emit(done.pop(emitted))
                     emitted += 1
         finally:
-            rest = [*calls, *fixing]
             for t in calls:
                 t.cancel()
-            if rest:  # a replacement in its thread runs to its end: wait for it
-                await asyncio.gather(*rest, return_exceptions=True)
-            for i, _ in calls.values():
+            if calls or fixing:  # a replacement in its thread runs to its end: wait for it
+                await asyncio.gather(*calls, *fixing, return_exceptions=True)
+            for i, _, _ in calls.values():
                 self.inflight[i] = max(0, self.inflight[i] - 1)
+            for i in fixing.values():
+                self.fixing[i] -= 1
+            self._wake()
+
+    def _wake(self) -> None:
+        """A slot may be free now: every waiting caller looks again."""
+        for f in self.waiters:
+            if not f.done():
+                f.set_result(None)
+        self.waiters.clear()
+
+    def _free(self) -> int | None:
+        """The slot with the fewest calls in flight, if it has room for one more (IN_FLIGHT)
+        and is not being replaced."""
+        ready = [i for i in range(len(self)) if self.fixing[i] <= 0]
+        i = min(ready, key=lambda j: self.inflight[j], default=None)
+        return i if i is not None and self.inflight[i] < IN_FLIGHT else None
 
 
 class RolloutReplicas:

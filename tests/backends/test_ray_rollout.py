@@ -215,3 +215,19 @@ def test_a_replacement_is_given_the_last_update_and_checked_by_its_receipt() -> 
     message = r"rollout replica 1 died \(Died\) and its replacement failed too: rollout replica"
     with pytest.raises(DiffrlError, match=message + r" 1's evaluator after update v3: blk\.q"):
         disp.load_weights(Sent(3, 0.5))
+
+
+def test_two_callers_replace_a_dead_replica_once(tiny_model, prompts) -> None:
+    """The training rollout and the evaluator share the replicas: both lose a call to the dead
+    one, one replacement serves both, and both get the one engine's rows."""
+    one = RolloutEngine(tiny_model, CFG, [], torch.device("cpu"))
+    want = asyncio.run(one.generate(prompts, 11))
+    rollout = replicas(tiny_model, (), (1,))
+    evaluator = RolloutReplicas(rollout.set, "evaluator", frozenset())
+
+    async def both():
+        return await asyncio.gather(rollout.generate(prompts, 11), evaluator.generate(prompts, 11))
+
+    for got in asyncio.run(both()):
+        assert_same(got, want)
+    assert rollout.set.replaced == 1
