@@ -176,22 +176,30 @@ def test_two_rollout_replicas_equal_local_and_survive_a_killed_one(
     tiny_checkpoint, tmp_path, monkeypatch
 ):
     """placement.rollout.replicas=2, two micro-batches a step (max_batch = G): the rows equal
-    the local backend's. At step 2, replica 1 is killed as it is handed its micro-batch (after
-    it sampled others, in step 1 and the evals): it is replaced on its bundle, given the
-    current weights, the lost micro-batch is sampled again, and the rows still equal local's."""
+    the local backend's. In step 2, replica 1 is killed as it is handed its micro-batch (after
+    it sampled others, in step 1 and the evals): it is replaced on its bundle and given the
+    weights the rollout holds (trained ones by then: NFT samples with an EMA of the policy),
+    the lost micro-batch is sampled again (by the replacement: replica 0 is held until it is
+    up), and the rows still equal local's."""
     from diffrl.backends.ray_rollout import RayReplica
 
     over = ["rollout.max_batch=4"]
     local = run(tiny(tiny_checkpoint, tmp_path / "local", 2, *over), RECIPE)
-    generate, killed = RayReplica.generate, []
+    generate, init, killed, made = RayReplica.generate, RayReplica.__init__, [], []
 
     async def kill_one(self, which, prompts, seed, kw):
-        if which == "rollout" and kw["iteration"] == 1 and kw["first_prompt"] == 1 and not killed:
+        # a step's first micro-batch (1 prompt each) goes to replica 0, its second to replica 1
+        step2 = which == "rollout" and kw["iteration"] == 1
+        if step2 and kw["first_prompt"] == 1 and not killed:
             killed.append(self.host)
             ray.kill(self.host)
-        return await generate(self, which, prompts, seed, kw)
+        out = await generate(self, which, prompts, seed, kw)
+        while step2 and kw["first_prompt"] == 0 and len(made) < 3:  # the replacement is up
+            await asyncio.sleep(0.05)
+        return out
 
     monkeypatch.setattr(RayReplica, "generate", kill_one)
+    monkeypatch.setattr(RayReplica, "__init__", lambda self, h: init(self, h) or made.append(h))
     over += ["run.backend=ray", "placement.rollout.replicas=2", *CPU_POOLS]
     rows = run(tiny(tiny_checkpoint, tmp_path / "ray", 2, *over), RECIPE)
     assert killed and [r.get("rollout/replaced") for r in rows] == [None, 0.0, 1.0]
