@@ -1,12 +1,14 @@
 """The Ray backend (``run.backend=ray``): the rollout, reward and actor engines run as Ray
-actors, each on its own resource pool (a placement group), behind the engine Protocols the
-controller is written against (``diffrl.engines``). The controller is the same file in both
-backends; only this factory differs.
+actors on the ``placement`` section's pools (placement groups, ``backends/ray_placement.py``),
+behind the engine Protocols the controller is written against (``diffrl.engines``). The
+controller is the same file in both backends; only this factory differs.
 
-Three hosts, one process each:
+Three kinds of host, one process each:
 - ``RolloutHost`` loads the model, runs the data stage (tokenize once, contract 3) and the
   start-up probe, and holds the two rollout engines: the training rollout and the held-out
-  evaluator. The controller gets the tokenized prompt sets from it.
+  evaluator. The controller gets the tokenized prompt sets from it. With
+  ``placement.rollout.replicas`` > 1 there is one per replica, behind one dispatcher
+  (``backends/ray_rollout.py``; replica 0 runs the probe).
 - ``RewardHost`` holds the scorer pool.
 - ``ActorHost`` loads the model and holds the actor engine.
 
