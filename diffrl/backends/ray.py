@@ -45,7 +45,6 @@ import torch
 from diffrl.backends.ray_placement import ROLES, Placed, place
 from diffrl.backends.ray_rollout import (
     ENGINES,
-    RayReplica,
     ReplicaSet,
     RolloutReplicas,
     check_same_prompts,
@@ -350,6 +349,24 @@ class RemoteRollout:
 
     def receipt(self) -> SyncReceipt:
         return _get(self.host.receipt.remote(self.which))
+
+
+class RayReplica:
+    """A ``RolloutHost`` as one of several rollout replicas (``backends/ray_rollout.py``'s
+    ``Replica``)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict) -> Trajectory:
+        return await _await(self.host.generate.remote(which, prompts, seed, kw))
+
+    def load_weights(self, which: str, update) -> SyncReport:
+        arg = update.ref if isinstance(update, RemoteWeights) else update
+        return _get(self.host.load_weights.remote(which, arg))
+
+    def receipt(self, which: str) -> SyncReceipt:
+        return _get(self.host.receipt.remote(which))
 
 
 class RemoteRewards:

@@ -1,7 +1,8 @@
 """N rollout replicas behind one dispatcher (``placement.rollout.replicas`` > 1 on the Ray
 backend): ``RolloutReplicas`` is a ``RolloutEngineProtocol`` for the training rollout and one for
 the held-out evaluator, over one ``ReplicaSet`` (each replica holds both engines, as one
-``RolloutHost`` does).
+``RolloutHost`` does). It imports no Ray: a replica is anything with the ``Replica`` methods
+(``backends/ray.py``'s ``RayReplica`` over a host; in-process ones in the tests).
 
 Same rows as one process. ``RolloutEngine.stream`` cuts its prompts into micro-batches of
 ``max_batch // G`` whole groups and gives micro-batch k's samples the seeds, group ids and SDE
@@ -301,29 +302,6 @@ def agree_or_raise(ref: SyncReceipt, got: SyncReceipt, who: str) -> None:
                 f"receipt {float(got.held[name][j]):.9g} vs {float(ref.held[name][j]):.9g} "
                 f"(probe {j})"
             )
-
-
-class RayReplica:
-    """A ``RolloutHost`` (``backends/ray.py``) as a ``Replica``."""
-
-    def __init__(self, host) -> None:
-        self.host = host
-
-    async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict) -> Trajectory:
-        from diffrl.backends.ray import _await
-
-        return await _await(self.host.generate.remote(which, prompts, seed, kw))
-
-    def load_weights(self, which: str, update: Any) -> SyncReport:
-        from diffrl.backends.ray import RemoteWeights, _get
-
-        arg = update.ref if isinstance(update, RemoteWeights) else update
-        return _get(self.host.load_weights.remote(which, arg))
-
-    def receipt(self, which: str) -> SyncReceipt:
-        from diffrl.backends.ray import _get
-
-        return _get(self.host.receipt.remote(which))
 
 
 def check_same_prompts(ref: dict, got: dict, who: str) -> None:

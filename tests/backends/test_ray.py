@@ -181,7 +181,7 @@ def test_two_rollout_replicas_equal_local_and_survive_a_killed_one(
     weights the rollout holds (trained ones by then: NFT samples with an EMA of the policy),
     the lost micro-batch is sampled again (by the replacement: replica 0 is held until it is
     up), and the rows still equal local's."""
-    from diffrl.backends.ray_rollout import RayReplica
+    from diffrl.backends.ray import RayReplica
 
     over = ["rollout.max_batch=4"]
     local = run(tiny(tiny_checkpoint, tmp_path / "local", 2, *over), RECIPE)
