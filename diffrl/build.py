@@ -247,7 +247,11 @@ def setup_process(cfg: Config, threads: int = 0) -> torch.device:
     return pick_device(local_device(cfg.run.device))
 
 
-def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> RolloutSide:
+def rollout_side(
+    cfg: Config, device: torch.device, ranks: Ranks = SOLO, probe: bool = True
+) -> RolloutSide:
+    """``probe=False``: no start-up probe (a further Ray rollout replica of the same model and
+    config, whose first replica ran it; ``backends/ray.py``)."""
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
     sharded = []
@@ -258,7 +262,7 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
     if cfg.data.eval_prompts:
         test_prompts = test_prompts[: cfg.data.eval_prompts]
     eval_set = prompt_set(task, base, test_prompts)
-    probe = run_probe(cfg, task, base)
+    checked = run_probe(cfg, task, base) if probe else ProbeResult(skipped=True)
     etp = ""
     if ranks.etp_size > 1:  # every row the run can ask for, in step on the ETP group; sealed
         rows = [train.input_ids, eval_set.input_ids, base.family.null_ids()]
@@ -297,7 +301,7 @@ def rollout_side(cfg: Config, device: torch.device, ranks: Ranks = SOLO) -> Roll
             "MiB of weights (base row prints verified) and hold %.2f MiB of LoRA factors "
             "between them", dit / 2**20, held / 2**20,
         )  # fmt: skip
-    return RolloutSide(task, base, train, eval_set, probe, rollout, evaluator, etp)
+    return RolloutSide(task, base, train, eval_set, checked, rollout, evaluator, etp)
 
 
 def actor_targets(cfg: Config) -> list[str]:

@@ -17,7 +17,8 @@ from diffrl.errors import check, check_choice
 class PoolConfig:
     """One engine's resource pool. ``cpus`` and ``gpus`` are per replica (a fraction of a GPU
     is allowed: several Ray actors then time-share it); all zero = no placement group, the
-    replica takes no resources and lands anywhere.
+    replica takes no resources and lands anywhere. Colocated, they stay each engine's own
+    share of the bundle its replica shares with the other pool's (``backends/ray_placement.py``).
 
     ``replicas``: for the rollout, independent copies behind one dispatcher that balances
     micro-batches by load; for the actor, the size of its torch.distributed group (the run's
@@ -62,7 +63,8 @@ class RayConfig:
     # "" starts a local Ray instance (and stops it at the end); "auto" or host:port joins a
     # running cluster (left running)
     address: str = ""
-    num_cpus: int = 0  # a local instance's logical CPUs; 0 = Ray's default (all cores)
+    # a local instance's logical CPUs; 0 = all cores, or what the pools ask for if more
+    num_cpus: int = 0
     # how trajectories reach the controller: Ray's object store (a streaming generator), or
     # TransferQueue (the data layer verl-omni uses; backends/ray.py, channel/transferqueue.py)
     channel: str = "object_store"  # object_store | transferqueue

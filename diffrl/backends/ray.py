@@ -1,12 +1,14 @@
 """The Ray backend (``run.backend=ray``): the rollout, reward and actor engines run as Ray
-actors, each on its own resource pool (a placement group), behind the engine Protocols the
-controller is written against (``diffrl.engines``). The controller is the same file in both
-backends; only this factory differs.
+actors on the ``placement`` section's pools (placement groups, ``backends/ray_placement.py``),
+behind the engine Protocols the controller is written against (``diffrl.engines``). The
+controller is the same file in both backends; only this factory differs.
 
-Three hosts, one process each:
+Three kinds of host, one process each:
 - ``RolloutHost`` loads the model, runs the data stage (tokenize once, contract 3) and the
   start-up probe, and holds the two rollout engines: the training rollout and the held-out
-  evaluator. The controller gets the tokenized prompt sets from it.
+  evaluator. The controller gets the tokenized prompt sets from it. With
+  ``placement.rollout.replicas`` > 1 there is one per replica, behind one dispatcher
+  (``backends/ray_rollout.py``; replica 0 runs the probe).
 - ``RewardHost`` holds the scorer pool.
 - ``ActorHost`` loads the model and holds the actor engine.
 
@@ -33,6 +35,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import sys
 import uuid
@@ -42,6 +45,13 @@ from typing import Any
 
 import torch
 
+from diffrl.backends.ray_placement import ROLES, Placed, place
+from diffrl.backends.ray_rollout import (
+    ENGINES,
+    ReplicaSet,
+    RolloutReplicas,
+    check_same_prompts,
+)
 from diffrl.build import (
     Engines,
     actor_side,
@@ -54,7 +64,6 @@ from diffrl.channel import Channel
 from diffrl.config import Config
 from diffrl.errors import ConfigError, DiffrlError
 from diffrl.models.registry import load_model
-from diffrl.placement import PoolConfig
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.sync.bound import check_bound
 from diffrl.sync.receipt import SyncReceipt, expected_of
@@ -109,14 +118,14 @@ class Host:
     error: DiffrlError | None = None
     role = "engine"
 
-    def __init__(self, cfg: Config, threads: int) -> None:
+    def __init__(self, cfg: Config, threads: int, **kw) -> None:
         try:
             import_plugins(cfg.ray.imports)
-            self.build(cfg, threads)
+            self.build(cfg, threads, **kw)
         except DiffrlError as e:
             self.error = e
 
-    def build(self, cfg: Config, threads: int) -> None:
+    def build(self, cfg: Config, threads: int, **kw) -> None:
         raise NotImplementedError
 
     def info(self) -> dict:
@@ -140,9 +149,9 @@ class Host:
 class RolloutHost(Host):
     role = "rollout"
 
-    def build(self, cfg: Config, threads: int) -> None:
+    def build(self, cfg: Config, threads: int, probe: bool = True) -> None:
         device = setup_process(cfg, threads)
-        side = rollout_side(cfg, device)
+        side = rollout_side(cfg, device, probe=probe)
         self.side = side
         self.engines = {"rollout": side.rollout, "evaluator": side.evaluator}
         self.device = device
@@ -419,6 +428,30 @@ def _send_and_load(update: RemoteWeights, host, which: str) -> SyncReport:
     return _get(loading)
 
 
+class RayReplica:
+    """A ``RolloutHost`` as one of several rollout replicas (``backends/ray_rollout.py``'s
+    ``Replica``)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict) -> Trajectory:
+        return await _await(self.host.generate.remote(which, prompts, seed, kw))
+
+    def load_weights(self, which: str, update) -> SyncReport:
+        arg = update.ref if isinstance(update, RemoteWeights) else update
+        return _get(self.host.load_weights.remote(which, arg))
+
+    def receipt(self, which: str) -> SyncReceipt:
+        return _get(self.host.receipt.remote(which))
+
+    def offer(self, which: str, update) -> None:  # run.async_sync=step
+        _get(self.host.offer.remote(which, getattr(update, "ref", update)))
+
+    def take_synced(self, which: str) -> dict[str, float]:
+        return _get(self.host.take_synced.remote(which))
+
+
 class RemoteRewards:
     """The scorer pool on a ``RewardHost``, as ``RewardEngineProtocol``."""
 
@@ -486,25 +519,25 @@ class RemoteActor:
 # --- the factory --------------------------------------------------------------------------------
 
 
-def _bundle(pool: PoolConfig) -> dict[str, float]:
-    return {k: v for k, v in (("CPU", pool.cpus), ("GPU", pool.gpus)) if v > 0}
-
-
 def _check_built(cfg: Config) -> None:
     """What of the ``placement`` section this backend carries out today."""
     p = cfg.placement
-    if p.rollout.replicas != 1:
-        raise ConfigError(
-            f"config key 'placement.rollout.replicas' = {p.rollout.replicas}: "
-            "more than one replica is not built yet; set it to 1"
-        )
     if p.actor.replicas > 1:  # an actor group (backends/ray_actor_group.py)
         from diffrl.backends.ray_actor_group import check_group
 
         check_group(cfg)
-    if p.colocate:
+    if p.rollout.replicas > 1 and cfg.ray.channel != "object_store":
         raise ConfigError(
-            f"config key 'placement.colocate' = {p.colocate}: only separate pools are built yet"
+            f"config keys 'placement.rollout.replicas' = {p.rollout.replicas}, 'ray.channel' = "
+            f"{cfg.ray.channel!r}: several rollout replicas send their micro-batches through "
+            "the object store only yet; set ray.channel=object_store or one replica"
+        )
+    if p.rollout.replicas > 1 and p.weights not in ("auto", "object_store"):
+        raise ConfigError(
+            f"config keys 'placement.weights' = {p.weights!r}, 'placement.rollout.replicas' = "
+            f"{p.rollout.replicas}: several rollout replicas take weights through the object "
+            "store only yet (a broadcast to N replicas and IPC per replica are not built); set "
+            "placement.weights=object_store (or auto) or one replica"
         )
     if p.weights == "broadcast" and (p.actor.gpus > 0) != (p.rollout.gpus > 0):
         raise ConfigError(
@@ -546,62 +579,20 @@ def weight_path(cfg: Config, actor: tuple[str, str], rollout: tuple[str, str]) -
     return path
 
 
-def _connect_weights(cfg: Config, actor_host, rollout_host) -> str:
+def _connect_weights(cfg: Config, actor_host, rollout_hosts: list) -> str:
     """Each host's end of the weight path; returns the path. Broadcast: the actor host serves
     the group's store on a free port, the rollout host (rank 1 of 2) learns where; the group
-    forms at the first sync."""
-    path = weight_path(cfg, _get(actor_host.where.remote()), _get(rollout_host.where.remote()))
-    host, port = _get(actor_host.open_weights.remote(path, 2))
-    _get(rollout_host.open_weights.remote(path, host, port, 1, 2))
+    forms at the first sync. Several replicas take the object store (``_check_built`` refuses
+    another path for them)."""
+    where = _get(actor_host.where.remote())
+    path = weight_path(cfg, where, _get(rollout_hosts[0].where.remote()))
+    if len(rollout_hosts) > 1:
+        path = "object_store"
+    world = 1 + len(rollout_hosts)
+    host, port = _get(actor_host.open_weights.remote(path, world))
+    for rank, h in enumerate(rollout_hosts, 1):
+        _get(h.open_weights.remote(path, host, port, rank, world))
     return path
-
-
-def _check_fits(cfg: Config) -> None:
-    """Every pool's resources against the cluster's, before anything is placed."""
-    ray = _ray()
-    have = ray.cluster_resources()
-    for kind in ("CPU", "GPU"):
-        pools = {name: getattr(cfg.placement, name) for name in ("rollout", "reward", "actor")}
-        # per replica (an actor group's workers each take the pool's cpus and gpus)
-        want = {n: _bundle(p).get(kind, 0.0) * p.replicas for n, p in pools.items()}
-        if sum(want.values()) > have.get(kind, 0.0) + 1e-9:
-            asks = ", ".join(
-                f"placement.{n}.{kind.lower()}s={_bundle(pools[n])[kind]:g}"
-                + (f" x {pools[n].replicas} replicas" if pools[n].replicas > 1 else "")
-                for n, v in want.items()
-                if v
-            )
-            raise ConfigError(
-                f"the engines' pools ask for {sum(want.values()):g} {kind} ({asks}) and the Ray "
-                f"cluster has {have.get(kind, 0.0):g}; lower them, or start Ray with more "
-                "(ray.num_cpus for a local instance)"
-            )
-
-
-def _placed(name: str, pool: PoolConfig, timeout: float) -> dict:
-    """Ray actor options that put an engine on its own pool: one placement group of one
-    bundle, waited for (a clear error instead of an actor that never starts)."""
-    ray = _ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    bundle = _bundle(pool)
-    if not bundle:
-        return {"num_cpus": 0}
-    pg = placement_group([bundle], strategy="PACK", name=f"diffrl-{name}-{uuid.uuid4().hex[:6]}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout)
-    if not ready:
-        remove_placement_group(pg)
-        raise ConfigError(
-            f"config key 'placement.{name}': the pool {bundle} could not be placed within "
-            f"{timeout:g} s (free now: {ray.available_resources()}); lower it or add nodes"
-        )
-    return {
-        "num_cpus": pool.cpus,
-        "num_gpus": pool.gpus,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        "_pg": pg,
-    }
 
 
 def _start_ray(cfg: Config) -> bool:
@@ -614,6 +605,11 @@ def _start_ray(cfg: Config) -> bool:
         kw["address"] = cfg.ray.address
     elif cfg.ray.num_cpus:
         kw["num_cpus"] = cfg.ray.num_cpus
+    else:  # all cores, or as many logical CPUs as the pools ask for (they share the cores)
+        asks = sum(
+            getattr(cfg.placement, r).replicas * getattr(cfg.placement, r).cpus for r in ROLES
+        )
+        kw["num_cpus"] = max(os.cpu_count() or 1, math.ceil(asks))
     ray.init(**kw)
     return True
 
@@ -637,13 +633,11 @@ def build_ray(cfg: Config) -> Engines:
     algorithm = check_config(cfg)
     ray = _ray()
     started = _start_ray(cfg)
-    groups, actors = [], []
+    actors: list = []
+    placed: Placed | None = None
 
-    def host(cls, name: str, pool: PoolConfig, threads: int, **extra):
-        opts = _placed(name, pool, cfg.ray.place_timeout_s)
-        if "_pg" in opts:
-            groups.append(opts.pop("_pg"))
-        handle = ray.remote(cls).options(**opts, **extra).remote(cfg, threads)
+    def host(cls, opts: dict, threads: int, **kw):
+        handle = ray.remote(cls).options(**opts).remote(cfg, threads, **kw)
         actors.append(handle)
         return handle
 
@@ -656,12 +650,10 @@ def build_ray(cfg: Config) -> Engines:
     tq_started = False
 
     def shutdown() -> None:
-        from ray.util.placement_group import remove_placement_group
-
         for a in actors:
             ray.kill(a)
-        for g in groups:
-            remove_placement_group(g)
+        if placed is not None:
+            placed.remove()
         if tq_started:
             from diffrl.channel.transferqueue import stop_transferqueue
 
@@ -671,23 +663,29 @@ def build_ray(cfg: Config) -> Engines:
 
     try:
         _check_built(cfg)
-        _check_fits(cfg)
+        placed = place(cfg.placement, cfg.ray.place_timeout_s)
         if cfg.ray.channel == "transferqueue":
             tq_started = _start_transferqueue()
         # the threads a local run would use, unless run.threads says: the same numerics
         threads = cfg.run.threads or torch.get_num_threads()
         device = setup_process(cfg)  # the controller's own draws (prompt order) match local
-        rollout_host = host(RolloutHost, "rollout", cfg.placement.rollout, threads)
-        rewards_host = host(RewardHost, "reward", cfg.placement.reward, threads)
+        # replica 0 runs the start-up probe; the others load the same model and config, so its
+        # result stands for them (and a replacement starts sooner)
+        rollout_hosts = [
+            host(RolloutHost, opts, threads, probe=i == 0) for i, opts in enumerate(placed.rollout)
+        ]
+        rewards_host = host(RewardHost, placed.reward, threads)
+        group_actor = None
         if cfg.placement.actor.replicas > 1:  # a torch.distributed group of Ray workers
-            from diffrl.backends.ray_actor_group import start_group, worker_options
+            from diffrl.backends.ray_actor_group import start_group
 
-            group = start_group(cfg, threads, worker_options(cfg), actors)
+            # the group's builds first: a worker's error ends the run while its peers wait
+            group_actor = start_group(cfg, threads, placed.actor, actors)()
         else:
-            actor_host = host(ActorHost, "actor", cfg.placement.actor, threads, max_concurrency=1)
-        # the group's builds first: a worker's error ends the run while its peers wait for it
-        group_actor = group() if cfg.placement.actor.replicas > 1 else None
-        info = _get(rollout_host.info.remote())
+            actor_host = host(ActorHost, {**placed.actor[0], "max_concurrency": 1}, threads)
+        info = _get(rollout_hosts[0].info.remote())
+        for i, h in enumerate(rollout_hosts[1:], 1):  # contract 3 across replicas
+            check_same_prompts(info, _get(h.info.remote()), f"rollout replica {i}")
         _get(rewards_host.info.remote())
         rewards = RemoteRewards(rewards_host)
         if cfg.ray.channel == "transferqueue":  # both edges on TransferQueue, past the controller
@@ -696,12 +694,18 @@ def build_ray(cfg: Config) -> Engines:
             rewards.edges = TransferQueueEdges(rewards_host)
         rewards.check_inputs(produced=set(info["produces"]))
         if group_actor is not None:  # rank 0 holds the group's end of the weight path
-            group_actor.weights = _connect_weights(cfg, group_actor.workers[0], rollout_host)
+            group_actor.weights = _connect_weights(cfg, group_actor.workers[0], rollout_hosts)
         actor = group_actor or RemoteActor(
-            actor_host, _connect_weights(cfg, actor_host, rollout_host)
+            actor_host, _connect_weights(cfg, actor_host, rollout_hosts)
         )
         # the bound-module gate across hosts: the actor's adapter and the rollout's copy
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
+        rollout, evaluator = rollout_engines(
+            cfg,
+            rollout_hosts,
+            info,
+            lambda i: _sink(host(RolloutHost, placed.rollout[i], threads, probe=False)),
+        )
     except BaseException:
         shutdown()
         raise
@@ -711,8 +715,8 @@ def build_ray(cfg: Config) -> Engines:
         build_task(cfg.data),
         prompt_source(info["train"], cfg.data, cfg.run.seed),
         info["eval_set"],
-        RemoteRollout(rollout_host, "rollout", info["produces"], cfg.ray.channel),
-        RemoteRollout(rollout_host, "evaluator", info["produces"], cfg.ray.channel),
+        rollout,
+        evaluator,
         rewards,
         actor,
         algorithm,
@@ -720,3 +724,27 @@ def build_ray(cfg: Config) -> Engines:
         close=close,
         bound=bound,
     )
+
+
+def _sink(rollout_host):
+    """A replacement replica's end of the weight path (several replicas: the object store)."""
+    _get(rollout_host.open_weights.remote("object_store", "", 0, 1, 2))
+    return rollout_host
+
+
+def rollout_engines(cfg: Config, hosts: list, info: dict, start) -> tuple:
+    """The training rollout and the evaluator: on the one host, or (several replicas) behind
+    one dispatcher each over the same replicas; ``start(i)`` starts replica i again."""
+    if len(hosts) == 1:
+        return tuple(RemoteRollout(hosts[0], w, info["produces"], cfg.ray.channel) for w in ENGINES)
+    ray = _ray()
+
+    def restart(i: int) -> RayReplica:
+        ray.kill(replicas.replicas[i].host)  # dead; or hung, and then its bundle is freed
+        handle = start(i)
+        check_same_prompts(info, _get(handle.info.remote()), f"rollout replica {i}")
+        return RayReplica(handle)
+
+    died = (ray.exceptions.RayActorError,)
+    replicas = ReplicaSet([RayReplica(h) for h in hosts], restart, died, cfg.rollout)
+    return tuple(RolloutReplicas(replicas, w, info["produces"]) for w in ENGINES)

@@ -49,6 +49,8 @@ async def rollout_and_score(
     parts.prompts.observe(step, batch.traj.prompts.prompt_ids, batch.rewards, batch.valid)
     metrics = got.metrics()  # scorer-specific metrics: sample-weighted over pool calls
     metrics["reward/tied_groups"] = tied_fraction(batch.rewards, batch.traj.group, batch.valid)
+    # what a rollout that is several engines reports of itself (Ray replicas: rollout/replaced)
+    metrics.update(getattr(parts.rollout, "step_metrics", dict)())
     return batch, {**metrics, **reward_summary(batch)}  # reward means over all valid samples
 
 

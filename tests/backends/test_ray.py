@@ -219,3 +219,74 @@ def test_weight_paths_resolve_where_the_hosts_are_or_refuse():
             weight_path(cfg(f"placement.weights={path}"), actor, rollout)
     with pytest.raises(ConfigError, match="both on GPUs"):
         _check_built(cfg("placement.weights=broadcast", "placement.actor.gpus=1"))
+
+
+# --- placement and rollout replicas (backends/ray_placement.py, backends/ray_rollout.py) ------
+
+CPU_POOLS = ["placement.rollout.cpus=0", "placement.actor.cpus=0"]  # 2 replicas + actor fit
+
+
+def test_two_rollout_replicas_equal_local_and_survive_a_killed_one(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """placement.rollout.replicas=2, two micro-batches a step (max_batch = G): the rows equal
+    the local backend's. In step 2, replica 1 is killed as it is handed its micro-batch (after
+    it sampled others, in step 1 and the evals): it is replaced on its bundle and given the
+    weights the rollout holds (trained ones by then: NFT samples with an EMA of the policy),
+    the lost micro-batch is sampled again (by the replacement: replica 0 is held until it is
+    up), and the rows still equal local's."""
+    from diffrl.backends.ray import RayReplica
+
+    over = ["rollout.max_batch=4"]
+    local = run(tiny(tiny_checkpoint, tmp_path / "local", 2, *over), RECIPE)
+    generate, init, killed, made = RayReplica.generate, RayReplica.__init__, [], []
+
+    async def kill_one(self, which, prompts, seed, kw):
+        # a step's first micro-batch (1 prompt each) goes to replica 0, its second to replica 1
+        step2 = which == "rollout" and kw["iteration"] == 1
+        if step2 and kw["first_prompt"] == 1 and not killed:
+            killed.append(self.host)
+            ray.kill(self.host)
+        out = await generate(self, which, prompts, seed, kw)
+        while step2 and kw["first_prompt"] == 0 and len(made) < 3:  # the replacement is up
+            await asyncio.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(RayReplica, "generate", kill_one)
+    monkeypatch.setattr(RayReplica, "__init__", lambda self, h: init(self, h) or made.append(h))
+    over += ["run.backend=ray", "placement.rollout.replicas=2", *CPU_POOLS]
+    rows = run(tiny(tiny_checkpoint, tmp_path / "ray", 2, *over), RECIPE)
+    assert killed and [r.get("rollout/replaced") for r in rows] == [None, 0.0, 1.0]
+    assert untimed([{k: v for k, v in r.items() if k != "rollout/replaced"} for r in rows]) == (
+        untimed(local)
+    )
+    assert all_released()
+
+
+def test_placement_groups_colocated_and_a_timeout(monkeypatch):
+    """Colocated: rollout replica i and actor worker i on bundle i of one group, each with its
+    own share; a pool that fits the cluster but not what is free now times out clearly."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from diffrl.backends.ray_placement import place
+    from diffrl.placement import PlacementConfig, PoolConfig
+
+    half = PoolConfig(cpus=0.5)
+    p = place(PlacementConfig(rollout=half, actor=half, colocate=True), timeout=10)
+    try:
+        assert len(p.groups) == 1 and p.groups[0].bundle_specs == [{"CPU": 1.0}]
+        for opts in (p.rollout[0], p.actor[0]):
+            assert opts["num_cpus"] == 0.5
+            assert opts["scheduling_strategy"].placement_group == p.groups[0]
+            assert opts["scheduling_strategy"].placement_group_bundle_index == 0
+        assert p.reward == {"num_cpus": 0, "num_gpus": 0}
+    finally:
+        p.remove()
+    hold = placement_group([{"CPU": 2.0}])
+    ray.get(hold.ready())
+    try:
+        with pytest.raises(ConfigError, match=r"rollout: 1 x \{'CPU': 1.0\}.*within 1 s"):
+            place(PlacementConfig(), timeout=1)
+    finally:
+        remove_placement_group(hold)
+    assert all_released()
