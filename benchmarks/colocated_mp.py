@@ -41,10 +41,11 @@ One JSON line per variant: ``s_per_epoch`` (mean of the timed epochs) and its pa
 queue), ``update_s`` (prepare and train), ``sync_s`` (weight plan, export, transport, load,
 receipt); per process, the peak of ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` read at the end (the CUDA context itself not included; "n/a" on the
-CPU) and the host's peak RSS; the reward mean of every epoch, the warm-up's first (the two
-variants sample with the same seeds and the same weights, so a reader can compare them). The
-reward is a weight-free scorer (JPEG incompressibility), so nothing is downloaded. Not run in
-CI.
+CPU) and the host's peak RSS; the reward mean of every epoch, the warm-up's first. The two
+variants sample with the same seeds from the same weights (the parent builds its actor from
+the RNG state the child reached: ``two_process_engines``), so their rewards should agree; on
+the CPU smoke check they do to the last digit. The reward is a weight-free scorer (JPEG
+incompressibility), so nothing is downloaded. Not run in CI.
 """
 
 from __future__ import annotations
@@ -128,6 +129,17 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
     }
 
 
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.random.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 def wait_reply(replies: Any, peer: Any, who: str) -> tuple[str, Any]:
     """The next (kind, value) from ``replies``; raises when ``peer`` died first or sent an
     error (its traceback)."""
@@ -160,7 +172,7 @@ def rollout_main(cfg: Config, requests: Any, replies: Any) -> None:
     replies.put(("ready", {
         "train": side.train, "eval_set": side.eval_set, "probe": side.probe,
         "produces": frozenset(side.rollout.produces), "family": side.base.family.name,
-        "bound": side.rollout.bound,
+        "bound": side.rollout.bound, "rng": rng_state(device),
     }))  # fmt: skip
     engine = side.rollout
     while True:
@@ -226,7 +238,9 @@ class ChildRollout:
         return self.info["produces"]
 
     async def stream(self, prompts: PromptBatch, seed: int, channel, **kw) -> None:
-        """Puts the child's micro-batches into ``channel`` as each arrives, then closes it."""
+        """Puts the child's micro-batches into ``channel`` as each arrives, then closes it.
+        Waits (in a worker thread, so scoring goes on meanwhile) on the child's next reply;
+        the child's "done" after its last micro-batch ends it, an error or its exit raises."""
         self.requests.put(("stream", (prompts, seed, kw)))
         try:
             while True:
@@ -254,14 +268,20 @@ class ChildRollout:
 
 def two_process_engines(cfg: Config) -> tuple[Engines, ChildRollout]:
     """The parent's engines: the actor and the reward pool here, the rollout in the child.
-    The child starts first, so the two build their models at the same time."""
+    The child starts first, so the two load their models at the same time; the parent builds
+    its actor once the child has built the rollout side, from the global RNG state the child
+    reached there (that of one process at the same point: the same LoRA init)."""
     algorithm = check_config(cfg)
     device = setup_process(cfg)
     child = ChildRollout(cfg, device)
     try:
-        actor = actor_side(cfg, load_model(cfg.model, device), device)
-        rewards = RewardPool(cfg.reward)
+        base = load_model(cfg.model, device)  # the same weights: the same first draws
         info = child.ready()
+        # the RNG where one process builds its actor: the rollout side draws in between (the
+        # serving layout's fused Linears), and the LoRA init draws next
+        set_rng_state(info["rng"], device)
+        actor = actor_side(cfg, base, device)
+        rewards = RewardPool(cfg.reward)
         rewards.check_inputs(produced=set(info["produces"]))
         bound = check_bound(actor_targets(cfg), info["family"], actor.bound, info["bound"])
     except BaseException:
@@ -332,7 +352,9 @@ def run_variant(variant: str, args: argparse.Namespace, out: Any) -> None:
             "epochs_total_s": round(total, 2),
             "peak_memory": peaks,
             "synced_version": rows[-1]["synced"],
-            "worst_receipt_frac": max(r["receipt_frac"] for r in rows),
+            "worst_receipt_frac": max(
+                (r["receipt_frac"] for r in rows if r["synced"] >= 0), default=None
+            ),
             "rewards": [round(r["reward"], 6) for r in rows],  # the warm-up's first
         }))  # fmt: skip
     except BaseException:
