@@ -368,13 +368,18 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="sd35-tiny on the CPU: a smoke check")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = p.parse_args()
+    if args.epochs < 1:
+        p.error(f"--epochs must be >= 1 (timed epochs after the warm-up), got {args.epochs}")
     ctx = mp.get_context("spawn")
     for variant in args.variants:
         start = time.time()
         out = ctx.Queue()
         proc = ctx.Process(target=run_variant, args=(variant, args, out))  # may spawn a child
         proc.start()
-        _, row = wait_reply(out, proc, variant)
+        try:
+            _, row = wait_reply(out, proc, variant)
+        except RuntimeError as e:  # report it and go on: the other variant's row still counts
+            row = {"run": variant, "algo": args.algo, "error": str(e)[-3000:]}
         proc.join()
         print(json.dumps({**row, "total_s": round(time.time() - start, 1)}), flush=True)
 
