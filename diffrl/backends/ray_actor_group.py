@@ -110,6 +110,7 @@ class ActorWorker(ActorHost):
         self.ranks = start_ranks(cfg, actor_group=True)
         device = setup_process(cfg, self.threads)
         self.actor = actor_side(cfg, load_model(cfg.model, device), device, self.ranks)
+        self.device = device  # where its end of the weight path stages (rank 0)
         return {
             "rank": self.rank,
             "dp_rank": self.ranks.dp_rank,

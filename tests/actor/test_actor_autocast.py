@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_actor, make_tiny_model, make_train_batch
+from tiny_models import make_actor, make_tiny_model, make_train_batch
 
 from diffrl.config import ConfigError, load_config
 

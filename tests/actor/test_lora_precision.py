@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from conftest import make_actor, make_tiny_model, make_train_batch
+from tiny_models import make_actor, make_tiny_model, make_train_batch
 
 # bf16 factors against fp32 ones on the same bf16 base: the LoRA branch rounded to 8 bits
 LOSS_RTOL = 2e-2

@@ -162,7 +162,7 @@ class Recorded:
 
 def batch_of(groups: list[int], per: int = 2):
     """A train batch of ``per`` rows for each prompt of the step in ``groups``."""
-    from conftest import make_train_batch
+    from tiny_models import make_train_batch
 
     group = torch.tensor(groups).repeat_interleave(per)
     return dataclasses.replace(make_train_batch(len(group)), group=group)

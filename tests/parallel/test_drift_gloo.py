@@ -36,7 +36,7 @@ DEADLINE_S = 60.0  # a rank left waiting in a collective fails here
 
 
 def _batch():
-    from conftest import make_train_batch
+    from tiny_models import make_train_batch
 
     from diffrl.types import hash_cond_rows
 
@@ -46,7 +46,7 @@ def _batch():
 
 
 def _worker(rank: int, port: int, out: str, axis: str) -> None:
-    from conftest import make_tiny_model
+    from tiny_models import make_tiny_model
 
     from diffrl.actor.engine import ActorConfig, ActorEngine, AdapterConfig
     from diffrl.algorithms.diffusion_nft import NFTConfig

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_actor, make_tiny_model
+from tiny_models import make_actor, make_tiny_model
 
 from diffrl.algorithms import flow_grpo
 from diffrl.algorithms.registry import WeightPlan, get_algorithm
