@@ -22,6 +22,7 @@ from diffrl.errors import ConfigError, ContractError, DiffrlError
 ray = pytest.importorskip("ray")
 
 RECIPE = "recipes/shapes_nft.yaml"
+CPU_POOLS = ["placement.rollout.cpus=0", "placement.actor.cpus=0"]  # 2 replicas + actor fit
 PARTIAL = "reward.scorers=[{name: shapes, weight: 1.0, required: true, params: {mode: partial}}]"
 
 
@@ -55,22 +56,42 @@ def all_released() -> bool:
     return False
 
 
-def test_default_recipe_on_ray_equals_local(tmp_path):
-    """The issue's check: `diffrl train run.backend=ray run.steps=3`, the default recipe."""
-    rows = {
-        backend: run(
-            [
-                "run.steps=3",
-                f"run.out_dir={tmp_path / backend}",
-                "run.tensorboard=false",
-                f"run.backend={backend}",
-            ]
-        )
-        for backend in ("local", "ray")
-    }
-    assert [r["step"] for r in rows["ray"]] == [0, 1, 2, 3]
-    assert untimed(rows["ray"]) == untimed(rows["local"])
-    assert "eval/overall" in rows["ray"][-1] and rows["ray"][-1]["actor/grad_norm"] > 0
+def test_default_recipe_on_two_replicas_equals_local_and_survives_a_killed_one(
+    tmp_path, monkeypatch
+):
+    """The issue's check, `diffrl train run.backend=ray placement.rollout.replicas=2
+    run.steps=3` on the default recipe: two rollout replicas behind one dispatcher give the
+    local backend's rows bit for bit. In step 2, replica 1 is killed as it is handed its
+    micro-batch (after it sampled others, in step 1 and the evals): it is replaced on its
+    bundle and given the weights the rollout holds (trained ones by then: NFT samples with an
+    EMA of the policy), the lost micro-batch is sampled again (by the replacement: replica 0 is
+    held until it is up), and the rows still equal local's."""
+    from diffrl.backends.ray import RayReplica
+
+    generate, init, killed, made = RayReplica.generate, RayReplica.__init__, [], []
+
+    async def kill_one(self, which, prompts, seed, kw):
+        # a step's micro-batches alternate between the replicas; kill the one handed the second
+        step2 = which == "rollout" and kw["iteration"] == 1
+        if step2 and kw["first_prompt"] > 0 and not killed:
+            killed.append(self.host)
+            ray.kill(self.host)
+        out = await generate(self, which, prompts, seed, kw)
+        while step2 and kw["first_prompt"] == 0 and len(made) < 3:  # the replacement is up
+            await asyncio.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(RayReplica, "generate", kill_one)
+    monkeypatch.setattr(RayReplica, "__init__", lambda self, h: init(self, h) or made.append(h))
+    common = ["run.steps=3", "run.tensorboard=false"]
+    local = run([*common, f"run.out_dir={tmp_path / 'local'}"])
+    over = ["run.backend=ray", "placement.rollout.replicas=2", *CPU_POOLS]
+    rows = run([*common, f"run.out_dir={tmp_path / 'ray'}", *over])
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert killed and [r.get("rollout/replaced") for r in rows] == [None, 0.0, 1.0, 1.0]
+    same = untimed([{k: v for k, v in r.items() if k != "rollout/replaced"} for r in rows])
+    assert same == untimed(local)
+    assert "eval/overall" in rows[-1] and rows[-1]["actor/grad_norm"] > 0
     assert all_released()
 
 
@@ -222,45 +243,6 @@ def test_weight_paths_resolve_where_the_hosts_are_or_refuse():
 
 
 # --- placement and rollout replicas (backends/ray_placement.py, backends/ray_rollout.py) ------
-
-CPU_POOLS = ["placement.rollout.cpus=0", "placement.actor.cpus=0"]  # 2 replicas + actor fit
-
-
-def test_two_rollout_replicas_equal_local_and_survive_a_killed_one(
-    tiny_checkpoint, tmp_path, monkeypatch
-):
-    """placement.rollout.replicas=2, two micro-batches a step (max_batch = G): the rows equal
-    the local backend's. In step 2, replica 1 is killed as it is handed its micro-batch (after
-    it sampled others, in step 1 and the evals): it is replaced on its bundle and given the
-    weights the rollout holds (trained ones by then: NFT samples with an EMA of the policy),
-    the lost micro-batch is sampled again (by the replacement: replica 0 is held until it is
-    up), and the rows still equal local's."""
-    from diffrl.backends.ray import RayReplica
-
-    over = ["rollout.max_batch=4"]
-    local = run(tiny(tiny_checkpoint, tmp_path / "local", 2, *over), RECIPE)
-    generate, init, killed, made = RayReplica.generate, RayReplica.__init__, [], []
-
-    async def kill_one(self, which, prompts, seed, kw):
-        # a step's first micro-batch (1 prompt each) goes to replica 0, its second to replica 1
-        step2 = which == "rollout" and kw["iteration"] == 1
-        if step2 and kw["first_prompt"] == 1 and not killed:
-            killed.append(self.host)
-            ray.kill(self.host)
-        out = await generate(self, which, prompts, seed, kw)
-        while step2 and kw["first_prompt"] == 0 and len(made) < 3:  # the replacement is up
-            await asyncio.sleep(0.05)
-        return out
-
-    monkeypatch.setattr(RayReplica, "generate", kill_one)
-    monkeypatch.setattr(RayReplica, "__init__", lambda self, h: init(self, h) or made.append(h))
-    over += ["run.backend=ray", "placement.rollout.replicas=2", *CPU_POOLS]
-    rows = run(tiny(tiny_checkpoint, tmp_path / "ray", 2, *over), RECIPE)
-    assert killed and [r.get("rollout/replaced") for r in rows] == [None, 0.0, 1.0]
-    assert untimed([{k: v for k, v in r.items() if k != "rollout/replaced"} for r in rows]) == (
-        untimed(local)
-    )
-    assert all_released()
 
 
 def test_placement_groups_colocated_and_a_timeout(monkeypatch):
