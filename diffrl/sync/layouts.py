@@ -43,12 +43,28 @@ def _replace(model: nn.Module, name: str, new: nn.Module | None) -> None:
         setattr(owner, leaf, new)
 
 
+def _blank_linear(
+    n_in: int, n_out: int, bias: bool, device: torch.device, dtype: torch.dtype | None = None
+) -> nn.Linear:
+    """An ``nn.Linear`` whose weights the caller fills, made without drawing from the RNG
+    (no init: its tensors are empty): the serving layout then leaves the global generator
+    where it was, so the actor's LoRA init, drawn after the rollout is built, is the same
+    whether the rollout copy was laid out in this process or in another (the Ray backend)."""
+    out = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(out)
+    out.in_features, out.out_features = n_in, n_out
+    out.weight = nn.Parameter(torch.empty(n_out, n_in, device=device, dtype=dtype))
+    b = nn.Parameter(torch.empty(n_out, device=device, dtype=dtype)) if bias else None
+    out.register_parameter("bias", b)
+    return out
+
+
 def _concat_linear(parts: list[nn.Linear]) -> nn.Linear:
     w = torch.cat([p.weight.detach() for p in parts])  # (sum out, in)
     has_bias = parts[0].bias is not None
     if any((p.bias is not None) != has_bias or p.in_features != w.shape[1] for p in parts):
         raise SyncError("serving layout: parts to fuse differ in input width or in having a bias")
-    out = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    out = _blank_linear(w.shape[1], w.shape[0], has_bias, w.device, w.dtype)
     with torch.no_grad():
         out.weight.copy_(w)
         if has_bias:
@@ -154,7 +170,7 @@ class SwappedShards(nn.Module):
         for j in range(n_shards):
             logical = slice((n_shards - 1 - j) * h, (n_shards - j) * h)
             bias = linear.bias is not None
-            s = nn.Linear(linear.in_features, h, bias=bias, device=linear.weight.device)
+            s = _blank_linear(linear.in_features, h, bias, linear.weight.device)
             s = s.to(linear.weight.dtype).requires_grad_(False)
             with torch.no_grad():
                 s.weight.copy_(linear.weight[logical])

@@ -65,8 +65,8 @@ def test_perturbed_rollout_log_probs_stop_the_first_step(tiny_checkpoint, tmp_pa
     sample = parts.rollout._sample
 
     def perturbed(*args, **kw):
-        x0, latents, log_probs = sample(*args, **kw)
-        return x0, latents, log_probs + 0.01
+        x0, latents, log_probs, versions = sample(*args, **kw)
+        return x0, latents, log_probs + 0.01, versions
 
     parts.rollout._sample = perturbed  # type: ignore[method-assign]
     with pytest.raises(FirstStepGap, match=r"by 0\.01 .*threshold 0\.0001 for float32"):

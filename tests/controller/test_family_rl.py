@@ -150,8 +150,8 @@ def test_injected_faults_stop_the_first_step(tiny_dir, fault, tmp_path):
         sample = parts.rollout._sample
 
         def perturbed(*args, **kw):
-            x0, latents, log_probs = sample(*args, **kw)
-            return x0, latents, log_probs + 0.01
+            x0, latents, log_probs, versions = sample(*args, **kw)
+            return x0, latents, log_probs + 0.01, versions
 
         parts.rollout._sample = perturbed
         error, match = FirstStepGap, r"differs from the rollout's by 0\.01"
