@@ -8,35 +8,21 @@ does not run are refused."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 
 import pytest
 import torch
+from ray_runs import PARTIAL, RECIPE, all_released, local_ray, run  # noqa: F401
 from tiny_runs import tiny_run
 
 from diffrl.backends import build_engines
 from diffrl.config import load_config
-from diffrl.controller.loop import train
-from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ConfigError, ContractError, DiffrlError
 
 ray = pytest.importorskip("ray")
 
-RECIPE = "recipes/shapes_nft.yaml"
-PARTIAL = "reward.scorers=[{name: shapes, weight: 1.0, required: true, params: {mode: partial}}]"
+UPDATE = ("actor/loss", "actor/grad_norm")
 GROUP = ["run.backend=ray", "placement.actor.replicas=2", "placement.actor.cpus=0"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def tiny(checkpoint, out, steps, *extra):
@@ -44,21 +30,6 @@ def tiny(checkpoint, out, steps, *extra):
     # micro-batch that trains it (as in the torchrun dp tests)
     over = ["rollout.num_steps=2", "actor.lr=1e-2", "run.eval_every=1", PARTIAL]
     return tiny_run(checkpoint, out, steps, *over, "algorithm.shared_noise=true", *extra)
-
-
-def run(overrides: list[str]) -> list[dict]:
-    return read_metrics(asyncio.run(train(load_config(RECIPE, overrides))))
-
-
-def all_released() -> bool:
-    for _ in range(50):
-        if ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]:
-            return True
-        asyncio.run(asyncio.sleep(0.1))
-    return False
-
-
-UPDATE = ("actor/loss", "actor/grad_norm")
 
 
 def test_a_group_of_two_trains_as_the_local_run(tiny_checkpoint, tmp_path):
