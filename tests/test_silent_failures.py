@@ -15,13 +15,13 @@ from sync_faults import family_faults, no_op_apply
 from tiny_runs import tiny_run
 
 from diffrl.build import build
-from diffrl.channel.local import Channel
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.sync import train_sync
 from diffrl.errors import ContractError
 from diffrl.models.registry import FAMILIES
+from diffrl.reward.edges import PerSample
 from diffrl.sync.bound import BoundModuleError
 from diffrl.sync.weights import Slot, SlotMap, SyncError
 from diffrl.tasks.base import PromptSet
@@ -213,7 +213,7 @@ def test_a_retokenised_prompt_stops_the_first_step(preset, where, tmp_path, monk
 
         monkeypatch.setattr(PromptSet, "batch", retokenised)
     else:
-        put = Channel.put
+        put = PerSample.put  # the rollout -> reward edge, a micro-batch at a time
 
         async def drifting(self, record, version):
             if isinstance(record, Trajectory):
@@ -222,7 +222,7 @@ def test_a_retokenised_prompt_stops_the_first_step(preset, where, tmp_path, monk
                 record = dataclasses.replace(record, prompts=prompts)
             await put(self, record, version)
 
-        monkeypatch.setattr(Channel, "put", drifting)
+        monkeypatch.setattr(PerSample, "put", drifting)
     cfg = config(preset, tmp_path, "probe.mode=off", "run.steps=2")
     with pytest.raises(ContractError, match=f"token drift at the {where}: input_ids"):
         asyncio.run(train(cfg))

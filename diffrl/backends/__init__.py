@@ -15,5 +15,10 @@ def build_engines(cfg: Config) -> Engines:
     if cfg.run.backend == "ray":
         from diffrl.backends.ray import build_ray  # ray is an optional extra
 
+        if cfg.placement.actor.replicas > 1:  # the actor as a torch.distributed group
+            from diffrl.backends import ray_actor_group as group
+
+            group.check_group(cfg)  # before anything is placed
+            return build_ray(cfg, group.start_group)
         return build_ray(cfg)
     return build(cfg)

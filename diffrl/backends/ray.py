@@ -522,10 +522,6 @@ class RemoteActor:
 def _check_built(cfg: Config) -> None:
     """What of the ``placement`` section this backend carries out today."""
     p = cfg.placement
-    if p.actor.replicas > 1:  # an actor group (backends/ray_actor_group.py)
-        from diffrl.backends.ray_actor_group import check_group
-
-        check_group(cfg)
     if p.rollout.replicas > 1 and cfg.ray.channel != "object_store":
         raise ConfigError(
             f"config keys 'placement.rollout.replicas' = {p.rollout.replicas}, 'ray.channel' = "
@@ -628,8 +624,12 @@ def _start_transferqueue() -> bool:
     return not running
 
 
-def build_ray(cfg: Config) -> Engines:
-    """The run's engines as Ray actors, behind the local engines' Protocols."""
+def build_ray(cfg: Config, start_group=None) -> Engines:
+    """The run's engines as Ray actors, behind the local engines' Protocols. ``start_group``
+    (``backends/ray_actor_group.start_group``, handed in by ``backends.build_engines``, which
+    checks the group's layout first) starts the actor as a group when
+    ``placement.actor.replicas`` > 1; ray_actor_group builds on this module's hosts, so this
+    module does not import it."""
     algorithm = check_config(cfg)
     ray = _ray()
     started = _start_ray(cfg)
@@ -677,8 +677,11 @@ def build_ray(cfg: Config) -> Engines:
         rewards_host = host(RewardHost, placed.reward, threads)
         group_actor = None
         if cfg.placement.actor.replicas > 1:  # a torch.distributed group of Ray workers
-            from diffrl.backends.ray_actor_group import start_group
-
+            if start_group is None:
+                raise ConfigError(
+                    f"config key 'placement.actor.replicas' = {cfg.placement.actor.replicas}: "
+                    "an actor group is started through diffrl.backends.build_engines"
+                )
             # the group's builds first: a worker's error ends the run while its peers wait
             group_actor = start_group(cfg, threads, placed.actor, actors)()
         else:

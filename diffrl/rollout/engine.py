@@ -216,6 +216,17 @@ class RolloutConfig:
         check_choice("base_copy", self.base_copy, ("", "cpu"))
         check(self.eval_num_steps >= 1, "eval_num_steps", self.eval_num_steps, "must be >= 1")
         check(self.eval_cfg_scale >= 1, "eval_cfg_scale", self.eval_cfg_scale, "must be >= 1")
+        # dynamo does not guard on module hooks (torch._dynamo.config.skip_nnmodule_hook_guards):
+        # a block class compiled before the shared base's LoRA hooks were added (the actor's, an
+        # evaluator's) is reused without them, and the rollout samples the base alone, silently
+        check(
+            not (self.share_base and self.compile),
+            "compile",
+            self.compile,
+            "compiled blocks may not see the LoRA factors rollout.share_base holds beside the "
+            "shared base (dynamo does not guard on the forward hooks that add them); set "
+            "rollout.compile=false with rollout.share_base=true",
+        )
 
 
 def sample_seeds(base_seed: int, n: int) -> Tensor:
@@ -265,6 +276,11 @@ class RolloutEngine:
                 "rollout.share_base aliases one process's whole base and needs the actor's LoRA "
                 f"rank (given {lora_rank}); it excludes a TP-sharded rollout copy "
                 "(parallel.rollout=sharded under tp) and sampling with the actor's own model"
+            )
+        if cfg.share_base and cfg.compile:  # RolloutConfig.validate's rule, for any caller
+            raise ConfigError(
+                "rollout.compile with rollout.share_base: compiled blocks may not see the LoRA "
+                "factors held beside the shared base; set rollout.compile=false"
             )
         if cfg.share_base and not _held_on(model, device):
             raise ConfigError(

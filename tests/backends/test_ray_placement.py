@@ -41,12 +41,18 @@ def test_pools_that_do_not_fit_name_their_replicas() -> None:
 @pytest.mark.parametrize(
     ("over", "message"),
     [
-        (["placement.actor.replicas=2"], r"'placement.actor.replicas' = 2: more than one"),
         (
             ["placement.rollout.replicas=2", "ray.channel=transferqueue"],
             r"'ray.channel' = 'transferqueue': several rollout replicas",
         ),
-        (["placement.weights=broadcast"], r"'placement.weights' = 'broadcast'"),
+        (
+            ["placement.rollout.replicas=2", "placement.weights=broadcast"],
+            r"'placement.weights' = 'broadcast'.*several rollout replicas take weights",
+        ),
+        (
+            ["placement.weights=broadcast", "placement.actor.gpus=1"],
+            r"'placement.weights' = 'broadcast': a broadcast needs the actor and the rollout",
+        ),
     ],
 )
 def test_what_the_ray_backend_does_not_carry_out_is_refused(over, message) -> None:

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from diffrl.build import Engines, build, prompt_set
-from diffrl.channel.local import Channel
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ConfigError, ContractError
 from diffrl.models.family import noised
 from diffrl.models.registry import ModelConfig, load_model
+from diffrl.reward.edges import PerSample
 from diffrl.tasks import TaskConfig, build_task
 from diffrl.types import Trajectory, hash_cond_rows
 
@@ -159,7 +159,7 @@ def test_a_changed_conditioning_frame_stops_the_first_step(
 ) -> None:
     """The rollout's trajectories reach the controller with the first keyframe of row 1
     changed (as a re-encoding in another precision would): the first update refuses."""
-    put = Channel.put
+    put = PerSample.put  # the rollout -> reward edge, a micro-batch at a time
 
     async def drifting_put(self, record, version):
         if isinstance(record, Trajectory) and record.prompts.cond is not None:
@@ -168,7 +168,7 @@ def test_a_changed_conditioning_frame_stops_the_first_step(
             record = replace(record, prompts=replace(record.prompts, cond=frame))
         await put(self, record, version)
 
-    monkeypatch.setattr(Channel, "put", drifting_put)
+    monkeypatch.setattr(PerSample, "put", drifting_put)
     over = [*TINY, "run.steps=1", f"run.out_dir={tmp_path}", "probe.mode=off"]
     message = r"token drift at the actor: cond \(conditioning frames/latents\) of rows \[1\]"
     with pytest.raises(ContractError, match=message):

@@ -13,12 +13,12 @@ import pytest
 import torch
 from tiny_runs import tiny_run
 
-from diffrl.channel.local import Channel
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ContractError
 from diffrl.models.family import TokenBatch, hash_rows
+from diffrl.reward.edges import PerSample
 from diffrl.tasks.base import PromptSet
 from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.tasks.shapes.tokenizer import WordTokenizer
@@ -43,7 +43,7 @@ def test_an_id_changed_in_the_channel_stops_the_first_step(
 ) -> None:
     """The trajectories reach the controller with one id of row 1 changed: the held-out eval
     (which trains nothing) passes, the first update refuses, nothing is trained."""
-    put = Channel.put
+    put = PerSample.put  # the rollout -> reward edge, a micro-batch at a time
 
     async def drifting_put(self, record, version):
         if isinstance(record, Trajectory):
@@ -53,7 +53,7 @@ def test_an_id_changed_in_the_channel_stops_the_first_step(
             )
         await put(self, record, version)
 
-    monkeypatch.setattr(Channel, "put", drifting_put)
+    monkeypatch.setattr(PerSample, "put", drifting_put)
     with pytest.raises(ContractError, match=r"token drift at the actor: input_ids of rows \[1\]"):
         _run(tiny_checkpoint, tmp_path)
     (root,) = [p for p in tmp_path.iterdir() if p.is_dir()]

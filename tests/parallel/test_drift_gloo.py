@@ -138,9 +138,9 @@ def _dp_train_worker(rank: int, port: int, over: list[str]) -> None:
     import os
 
     from diffrl.build import build
-    from diffrl.channel.local import Channel
     from diffrl.config import load_config
     from diffrl.controller.sync import train_sync
+    from diffrl.reward.edges import PerSample
     from diffrl.types import Trajectory
 
     os.environ.update(
@@ -148,7 +148,7 @@ def _dp_train_worker(rank: int, port: int, over: list[str]) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     if rank == 1:
-        put = Channel.put
+        put = PerSample.put  # the rollout -> reward edge, a micro-batch at a time
 
         async def drifting_put(self, record, version):
             if isinstance(record, Trajectory):
@@ -158,7 +158,7 @@ def _dp_train_worker(rank: int, port: int, over: list[str]) -> None:
                 record = dataclasses.replace(record, prompts=prompts)
             await put(self, record, version)
 
-        Channel.put = drifting_put  # this rank's process only
+        PerSample.put = drifting_put  # this rank's process only
     cfg = load_config("recipes/shapes_nft.yaml", over)
     parts = build(cfg)
     asyncio.run(train_sync(cfg, parts))

@@ -20,6 +20,8 @@ from diffrl.sync.weights import LoraDelta, SyncError, WeightUpdate
 from diffrl.tasks import Prompt, PromptSet
 from diffrl.tasks.shapes.prompts import split_prompts
 
+SHARED = ["rollout.share_base=true", "rollout.compile=false"]  # compiled blocks: refused
+
 CPU = torch.device("cpu")
 RANK = 4  # conftest's make_actor default
 # fp32 sampling, 3 Euler steps of the tiny DiT: x W^T + (x A^T) B^T against x (W + BA)^T
@@ -213,40 +215,17 @@ def test_a_diffusers_family_samples_alike_shared_or_merged() -> None:
     torch.testing.assert_close(after, want, rtol=0, atol=min(ATOL, moved / 20))
 
 
-def test_compiled_blocks_read_each_synced_factor(tiny_model, actor_factory, lora_names) -> None:
-    """rollout.compile with share_base: the hooks trace into the compiled blocks, and a sync's
-    in-place factors reach the compiled code (no stale graph)."""
-    from diffrl.models.compile import cpu_toolchain
+def test_compiled_blocks_are_refused(tiny_model, lora_names) -> None:
+    """rollout.compile with share_base is refused: dynamo does not guard on module hooks, so a
+    block compiled before the LoRA hooks were added would be reused without them (in the CI
+    suite it was: samples 0.05 off the eager ones); the config and the engine both say so."""
+    from diffrl.config import load_config
 
-    if cpu_toolchain():
-        pytest.skip("inductor needs a C++ compiler")
-    names = lora_names(tiny_model)
-    cfg = RolloutConfig(group_size=2, num_steps=2, share_base=True)
-    eager = RolloutEngine(tiny_model, cfg, names, CPU, lora_rank=RANK)
-    compiled = RolloutEngine(
-        tiny_model, dataclasses.replace(cfg, compile=True), names, CPU, lora_rank=RANK
-    )
-    assert compiled.compiled == len(tiny_model.net.blocks)
-    actor = actor_factory(tiny_model, rank=RANK)
-    prompts = PromptSet(
-        [Prompt(p.text) for p in split_prompts("train")[:1]], tiny_model.family.tokenize
-    )
-    batch = prompts.all()
-    g = torch.Generator().manual_seed(1)
-    outs = []
-    for _ in range(2):  # two syncs: the second must replace the first in the compiled graph
-        with torch.no_grad():
-            for layer in actor.layers.values():
-                w = layer.lora_B["default"].weight
-                w.copy_(torch.randn(w.shape, generator=g) * 0.1)
-        actor.version += 1
-        update = actor.export_weights("default")
-        load_verified(eager, update)
-        load_verified(compiled, update)
-        want, got = sample(eager, batch), sample(compiled, batch)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        outs.append(got)
-    assert (outs[1] - outs[0]).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="rollout.compile=false with rollout.share_base"):
+        load_config(None, ["rollout.share_base=true", "rollout.compile=true"])
+    cfg = RolloutConfig(group_size=2, num_steps=2, share_base=True, compile=True)
+    with pytest.raises(ConfigError, match="rollout.compile with rollout.share_base"):
+        RolloutEngine(tiny_model, cfg, lora_names(tiny_model), CPU, lora_rank=RANK)
 
 
 def test_the_run_config_refuses_what_cannot_share() -> None:
@@ -257,10 +236,10 @@ def test_the_run_config_refuses_what_cannot_share() -> None:
     from diffrl.sync.shared_base import check_share_ranks
 
     with pytest.raises(ConfigError, match="CUDA IPC of the base, not built"):
-        check_config(load_config(None, ["rollout.share_base=true", "run.backend=ray"]))
+        check_config(load_config(None, [*SHARED, "run.backend=ray"]))
     with pytest.raises(ConfigError, match="rollout.cuda_graphs=true"):
-        check_config(load_config(None, ["rollout.share_base=true", "rollout.cuda_graphs=true"]))
-    check_config(load_config(None, ["rollout.share_base=true"]))  # the default recipe shares
+        check_config(load_config(None, [*SHARED, "rollout.cuda_graphs=true"]))
+    check_config(load_config(None, SHARED))  # the default recipe shares, eager
 
     def ranks(dp: int, tp: int) -> SimpleNamespace:
         return SimpleNamespace(dp_size=dp, meshes=SimpleNamespace(size={"tp": tp}.get))
