@@ -266,11 +266,14 @@ class ActorHost(Host):
     def update_old(self, decay: float) -> None:
         self.actor.update_old(decay)
 
-    def export_weights(self, adapter: str) -> Any:
-        """The object-store handle, or (broadcast, ipc) the key ``send_weights`` takes."""
+    def export_weights(self, adapter: str) -> tuple[Any, tuple[int, dict]]:
+        """The object-store handle, or (broadcast, ipc) the key ``send_weights`` takes; and
+        the export's version and expected receipt (small: the controller checks the
+        rollout's receipt against it without fetching the update). One call returns both (two
+        object refs), so the receipt describes this export whatever order Ray runs calls in."""
         update = self.actor.export_weights(adapter)
-        self.last_sent = (update.version, expected_of(update))  # what its receipt must show
-        return self.weights.stage(update)
+        sent = (update.version, expected_of(update))  # what its receipt must show
+        return self.weights.stage(update), sent
 
     def send_weights(self, key: int) -> Any:
         """An export on its way: the IPC handle, or the broadcast (returns once every receiver
@@ -286,11 +289,6 @@ class ActorHost(Host):
         self.weights = WeightSource(path, self.device, WEIGHT_TIMEOUT_S)
         host = _ray().util.get_node_ip_address()
         return host, self.weights.rendezvous(host, world) if path == "broadcast" else 0
-
-    def sent(self) -> tuple[int, dict]:
-        """The last exported update's version and expected receipt (small: the controller
-        checks the rollout's receipt against it without fetching the update)."""
-        return self.last_sent
 
     def adapter_tensors(self) -> dict:
         return self.actor.adapter_tensors()
@@ -503,8 +501,8 @@ class RemoteActor:
 
     def export_weights(self, adapter: str = "default") -> RemoteWeights:
         # the host runs one call at a time, in order: sent() describes this export
-        ref = self.host.export_weights.remote(adapter)
-        return RemoteWeights(ref, self.host.sent.remote(), self.weights, self.host)
+        ref, sent = self.host.export_weights.options(num_returns=2).remote(adapter)
+        return RemoteWeights(ref, sent, self.weights, self.host)
 
     def adapter_tensors(self) -> dict:
         return _get(self.host.adapter_tensors.remote())

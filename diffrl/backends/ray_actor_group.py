@@ -141,7 +141,7 @@ class ActorWorker(ActorHost):
         if self.rank == 0:
             return super().export_weights(adapter)
         self.actor.export_weights(adapter)
-        return None
+        return None, None
 
     def adapter_tensors(self) -> dict | None:
         tensors = super().adapter_tensors()
@@ -297,10 +297,10 @@ class RemoteActorGroup:
 
     def export_weights(self, adapter: str = "default") -> RemoteWeights:
         with self.lock:  # the update stays in the object store; the rollout host fetches it
-            refs = [w.export_weights.remote(adapter) for w in self.workers]
-            sent = self.workers[0].sent.remote()
-        get_all(refs[1:])  # the other ranks' part of the collective, and their errors
-        return RemoteWeights(refs[0], sent, self.weights, self.workers[0])
+            calls = [w.export_weights.options(num_returns=2) for w in self.workers]
+            refs = [c.remote(adapter) for c in calls]  # (handle, sent) each
+        get_all([r[0] for r in refs[1:]])  # the other ranks' part of the collective, and errors
+        return RemoteWeights(refs[0][0], refs[0][1], self.weights, self.workers[0])
 
     def adapter_tensors(self) -> dict:
         return self._call("adapter_tensors")[0]
