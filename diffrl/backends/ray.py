@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,15 +174,6 @@ class RolloutHost(Host):
         async for traj in channel:
             yield to_device(traj, CPU)
         await producer
-
-    async def stream_to(self, which: str, prompts, seed: int, kw: dict, out) -> None:
-        """The same micro-batches put into ``out``, a channel another process consumes
-        (TransferQueue); closed at the end, or when the rollout fails."""
-        try:
-            async for traj in self.stream(which, prompts, seed, kw):
-                await out.put(traj, traj.policy_version)
-        finally:
-            out.close()
 
     async def generate(self, which: str, prompts: PromptBatch, seed: int, kw: dict):
         self.check_received(prompts)
@@ -344,10 +334,12 @@ class RemoteWeights:
 
 class RemoteRollout:
     """A rollout engine on a ``RolloutHost`` (``which``: the training rollout or the
-    evaluator), as ``RolloutEngineProtocol``."""
+    evaluator), as ``RolloutEngineProtocol``. Its micro-batches reach the controller as a Ray
+    streaming generator; with ``ray.channel=transferqueue`` a step's samples take the
+    TransferQueue edges instead (``backends/ray_edges.py``), past this proxy."""
 
-    def __init__(self, host, which: str, produces: frozenset[str], channel: str) -> None:
-        self.host, self.which, self._produces, self.channel = host, which, produces, channel
+    def __init__(self, host, which: str, produces: frozenset[str]) -> None:
+        self.host, self.which, self._produces = host, which, produces
         self.version = 0
 
     @property
@@ -360,9 +352,6 @@ class RemoteRollout:
         """Puts the host's micro-batches into ``channel`` as each arrives, then closes it."""
         kw = {**kw, "iteration": iteration}
         try:
-            if self.channel == "transferqueue":
-                await self._stream_tq(prompts, seed, kw, channel)
-                return
             gen = self.host.stream.options(num_returns="streaming").remote(
                 self.which, prompts, seed, kw
             )
@@ -371,18 +360,6 @@ class RemoteRollout:
                 await channel.put(traj, traj.policy_version)
         finally:
             channel.close()
-
-    async def _stream_tq(self, prompts, seed: int, kw: dict, channel: Channel) -> None:
-        from diffrl.channel.transferqueue import TransferQueueChannel
-
-        wire = TransferQueueChannel(f"diffrl-{uuid.uuid4().hex[:12]}", capacity=2)
-        done = self.host.stream_to.remote(self.which, prompts, seed, kw, wire)
-        try:
-            async for traj in wire:
-                await channel.put(traj, traj.policy_version)
-            await _await(done)  # the host's error, if the rollout failed
-        finally:
-            wire.delete()  # the partition and its end-of-stream key
 
     async def generate(self, prompts: PromptBatch, seed: int, **kw) -> Trajectory:
         return await _await(self.host.generate.remote(self.which, prompts, seed, kw))
@@ -737,7 +714,7 @@ def rollout_engines(cfg: Config, hosts: list, info: dict, start) -> tuple:
     """The training rollout and the evaluator: on the one host, or (several replicas) behind
     one dispatcher each over the same replicas; ``start(i)`` starts replica i again."""
     if len(hosts) == 1:
-        return tuple(RemoteRollout(hosts[0], w, info["produces"], cfg.ray.channel) for w in ENGINES)
+        return tuple(RemoteRollout(hosts[0], w, info["produces"]) for w in ENGINES)
     ray = _ray()
 
     def restart(i: int) -> RayReplica:
