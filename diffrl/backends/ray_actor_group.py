@@ -18,9 +18,11 @@ prompt groups (``PromptSource.first``: rank k holds prompts k*P/dp .. (k+1)*P/dp
 G samples); the tp and sp ranks of one data-parallel rank get the same rows. So the update is
 the one a torchrun launch with the same layout makes on the same samples. The samples
 themselves are the one-process run's (one rollout), so rewards equal the local backend's bit
-for bit; the update equals the one-process update up to summation order (rel 1e-4, as
-torchrun's: the one-process actor shuffles all rows and means them in one micro-batch, each
-rank here sums its own rows and the ranks' sums are all-reduced; docs/parallel.md).
+for bit, and the step's metrics are merged by ``Ranks.mean``'s rule (``merge_rank_metrics``):
+every metric equals a torchrun launch's of the same layout bit for bit (tested with 2 gloo
+ranks). Against the one-process update it differs in the last bits (rel 1e-4): the
+one-process actor sums every row's gradient in one pass, each rank here sums its own rows
+and the ranks' sums are all-reduced (docs/parallel.md).
 
 What waits on what: each call blocks its caller until every worker has answered, or raises the
 first error any worker raised (a worker that fails while its peers wait in a collective stops
@@ -43,6 +45,7 @@ from diffrl.build import actor_side, setup_process
 from diffrl.config import Config
 from diffrl.errors import ConfigError, ContractError, DiffrlError
 from diffrl.models.registry import load_model
+from diffrl.parallel.launch import merge_rank_metrics
 from diffrl.parallel.launch import start as start_ranks
 from diffrl.types import TrainBatch
 
@@ -239,20 +242,9 @@ class RemoteActorGroup:
         return ((group >= lo) & (group < lo + per)).nonzero().squeeze(1)
 
     def _merge(self, answers: list[dict]) -> dict[str, float]:
-        """The step's metrics as the one-process run reports them: keys every rank holds
-        alike (the averaged loss, grad norm, lr, diagnostics) as they are; "*_max" keys the
-        largest; the rest (each rank's row means over an equal share) their mean, in fp32 as
-        the one-process sums are."""
-        out = {}
-        for k, v in answers[0].items():
-            vals = [a[k] for a in answers]
-            if all(x == v for x in vals):
-                out[k] = v
-            elif k.endswith("_max"):
-                out[k] = max(vals)
-            else:
-                out[k] = float(torch.tensor(vals, dtype=torch.float32).mean())
-        return out
+        """The step's metrics as a torchrun launch of the same layout reports them
+        (``Ranks.mean``'s rule: the float64 mean over ranks, "*_max" the largest)."""
+        return merge_rank_metrics(answers)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         ref = _ray().put(batch)  # once: every worker reads it from the object store

@@ -64,6 +64,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -169,12 +170,18 @@ class Ranks:
         return {a: self.meshes.group(a) for a in ("sp", "tp") if self.meshes.size(a) > 1}
 
     def mean(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Each metric averaged over every rank (all hold the same keys: same loop, same step)."""
+        """Each metric averaged over every rank in float64, a "*_max" metric the largest (all
+        ranks hold the same keys: same loop, same step). ``merge_rank_metrics`` is the same
+        rule over metrics already gathered (the Ray actor group's)."""
         if self.world == 1 or not metrics:
             return metrics
-        keys = sorted(metrics)
-        t = all_reduced(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
-        return dict(zip(keys, (t / self.world).tolist(), strict=True))
+        out = {}
+        for op, keys in metric_reductions(metrics):
+            values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+            t = all_reduced(values, op)
+            t = t if op == dist.ReduceOp.MAX else t / self.world
+            out.update(zip(keys, t.tolist(), strict=True))
+        return out
 
     @property
     def tp_mesh(self):
@@ -219,6 +226,29 @@ class Ranks:
 
 
 SOLO = Ranks()
+
+
+def metric_reductions(metrics: dict[str, float]) -> list[tuple[Any, list[str]]]:
+    """The step metrics' keys by how ranks combine them: (SUM, keys to average), (MAX, the
+    "*_max" keys), each sorted, empty ones left out."""
+    keys = sorted(metrics)
+    split = [
+        (dist.ReduceOp.SUM, [k for k in keys if not k.endswith("_max")]),
+        (dist.ReduceOp.MAX, [k for k in keys if k.endswith("_max")]),
+    ]
+    return [(op, ks) for op, ks in split if ks]
+
+
+def merge_rank_metrics(answers: list[dict[str, float]]) -> dict[str, float]:
+    """Every rank's step metrics combined as ``Ranks.mean`` combines them (the float64 sum
+    over ranks in rank order, divided by their number; "*_max" the largest), for callers that
+    hold each rank's metrics rather than a process group."""
+    out = {}
+    for op, keys in metric_reductions(answers[0]):
+        t = torch.tensor([[float(a[k]) for k in keys] for a in answers], dtype=torch.float64)
+        t = t.amax(0) if op == dist.ReduceOp.MAX else t.sum(0) / len(answers)
+        out.update(zip(keys, t.tolist(), strict=True))
+    return out
 
 
 def all_reduced(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:

@@ -1,22 +1,25 @@
 """The actor as a torch.distributed group of Ray workers (``placement.actor.replicas=2``,
 ``backends/ray_actor_group.py``) on a local Ray instance with 2 CPUs and gloo: a tiny run
-samples what the local backend samples (rewards and evals bit for bit) and updates as the
-data-parallel ranks do (loss and grad norm within torchrun's rtol 1e-4); async mode keeps its
-bound; a worker that fails to build stops the run with its own error; each data-parallel rank
-gets a torchrun rank's rows, whole batches and streamed parts alike; the layouts the group
-does not run are refused."""
+reports every metric as a torchrun launch of the same layout does, bit for bit (rewards and
+evals also the one-process run's); async mode keeps its bound; a worker that fails to build
+stops the run with its own error; each data-parallel rank gets a torchrun rank's rows, whole
+batches and streamed parts alike; the layouts the group does not run are refused."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
 
 import pytest
 import torch
-from ray_runs import PARTIAL, RECIPE, all_released, local_ray, run  # noqa: F401
+from gloo_ranks import free_port, run_ranks
+from ray_runs import PARTIAL, RECIPE, all_released, local_ray, run, untimed  # noqa: F401
 from tiny_runs import tiny_run
 
 from diffrl.backends import build_engines
 from diffrl.config import load_config
+from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import ConfigError, ContractError, DiffrlError
 
 ray = pytest.importorskip("ray")
@@ -32,19 +35,40 @@ def tiny(checkpoint, out, steps, *extra):
     return tiny_run(checkpoint, out, steps, *over, "algorithm.shared_noise=true", *extra)
 
 
-def test_a_group_of_two_trains_as_the_local_run(tiny_checkpoint, tmp_path):
-    """Staleness 0 (sync): the same samples, so every reward and eval key equal bit for bit;
-    the update is the one-process one up to summation order (the one-process actor means all
-    rows in one micro-batch, the ranks sum their own and all-reduce), so loss and grad norm
-    agree within torchrun's rtol 1e-4 and the rest of the keys are the same keys. Async at
-    max_staleness=1 stays within its bound on the group."""
-    local = run(tiny(tiny_checkpoint, tmp_path / "local", 2))
-    group = run(tiny(tiny_checkpoint, tmp_path / "group", 2, *GROUP))
+def _torchrun_rank(rank: int, world: int, port: int, over: list[str]) -> None:
+    """One rank of ``torchrun --nproc-per-node 2 -m diffrl.cli train`` on the local backend."""
+    from diffrl.build import build
+    from diffrl.controller.sync import train_sync
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    cfg = load_config(RECIPE, over)
+    parts = build(cfg)
+    asyncio.run(train_sync(cfg, parts))
+    asyncio.run(parts.aclose())
+
+
+def test_a_group_of_two_trains_as_the_local_backend(tiny_checkpoint, tmp_path):
+    """Staleness 0 (sync), against the local backend: every metric of the group (losses,
+    grad norms, rewards, evals, sync receipts) equals bit for bit a torchrun launch of the
+    same layout (2 gloo ranks, data parallel), and its rewards and evals equal the
+    one-process run's. A micro-batch of the rollout is one prompt group
+    (``rollout.max_batch`` = group size), so the torchrun ranks' rollouts cut their shares
+    as the one rollout host cuts the step. (The one-process update differs in the last bits:
+    it sums every row's gradient in one pass, the ranks sum their own and all-reduce.) Async
+    at max_staleness=1 stays within its bound on the group."""
+    mb = "rollout.max_batch=4"  # tiny_run's group size
+    torchrun_dir = tmp_path / "torchrun"
+    over = tiny(tiny_checkpoint, torchrun_dir, 2, mb)
+    run_ranks(_torchrun_rank, 2, (2, free_port(), over), 180.0)
+    torchrun = read_metrics(torchrun_dir / "shapes_nft")
+    group = run(tiny(tiny_checkpoint, tmp_path / "group", 2, mb, *GROUP), RECIPE)
+    local = run(tiny(tiny_checkpoint, tmp_path / "local", 2, mb), RECIPE)
     assert [r["step"] for r in group] == [0, 1, 2]
+    assert untimed(group) == untimed(torchrun)
     for one, two in zip(local, group, strict=True):
-        # the diagnostics too (the group runs them on every rank); perf/* are this process's
-        untimed = lambda r: {k for k in r if not k.startswith("perf/")}  # noqa: E731
-        assert untimed(one) == untimed(two)
         for k in one:
             if k.startswith(("reward/", "eval/")):
                 assert two[k] == one[k], k
@@ -52,11 +76,22 @@ def test_a_group_of_two_trains_as_the_local_run(tiny_checkpoint, tmp_path):
                 assert two[k] == pytest.approx(one[k], rel=1e-4), k
     assert group[2]["actor/grad_norm"] > 0
     over = [*GROUP, "run.mode=async", "run.max_staleness=1"]
-    asynced = run(tiny(tiny_checkpoint, tmp_path / "async", 2, *over))
+    asynced = run(tiny(tiny_checkpoint, tmp_path / "async", 2, *over), RECIPE)
     assert [r["step"] for r in asynced] == [0, 1, 2]
     assert max(r["async/staleness_max"] for r in asynced[1:]) <= 1
     assert asynced[-1]["actor/grad_norm"] > 0
     assert all_released()
+
+
+def test_rank_metrics_merge_as_torchrun_reduces_them():
+    """The group's metric merge is ``Ranks.mean``'s rule: a float64 mean, "*_max" the largest."""
+    from diffrl.parallel.launch import merge_rank_metrics
+
+    a = {"actor/loss": 1.0000001, "check/logp_gap_max": 0.5, "nft/r_mean": 0.25}
+    b = {"actor/loss": 1.0000002, "check/logp_gap_max": 0.75, "nft/r_mean": 0.25}
+    out = merge_rank_metrics([a, b])
+    assert out == {"actor/loss": (1.0000001 + 1.0000002) / 2, "check/logp_gap_max": 0.75,
+                   "nft/r_mean": 0.25}  # fmt: skip
 
 
 def test_a_worker_that_fails_to_build_raises_its_own_error(tiny_checkpoint, tmp_path):
