@@ -131,10 +131,12 @@ def write_atomic(path: Path, data: bytes) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with disk_errors(path, len(data)):
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -149,12 +151,18 @@ def append_durably(path: Path, data: bytes) -> None:
         end = os.lseek(fd, 0, os.SEEK_END)
         try:
             with disk_errors(path, len(data)):
-                view = memoryview(data)
-                while view:  # a write may take part of the bytes before the disk fills
-                    view = view[os.write(fd, view) :]
+                write_all(fd, data)
                 os.fsync(fd)
         except DiskError:
             os.ftruncate(fd, end)
             raise
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` to ``fd``: a write may take part of them before the disk fills,
+    and only the next one raises."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

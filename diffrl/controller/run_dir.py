@@ -214,9 +214,9 @@ def _save_png(path: Path, save) -> Path:
 
 
 def _replace_atomically(path: Path, text: str) -> None:
-    """Write ``path`` so that a kill leaves either the old file or the new one, whole."""
-    with media.replacing(path) as tmp:
-        tmp.write_text(text)
+    """Write ``path`` so that a kill or a full disk leaves either the old file or the new one,
+    whole."""
+    write_atomic(path, text.encode())
 
 
 def _num(v):
