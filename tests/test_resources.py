@@ -97,3 +97,12 @@ def test_yaml_errors_are_one_line(tmp_path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(RECIPE, ["run.seed=abc"])  # OmegaConf adds key and type lines
     assert "\n" not in str(e.value) and "'run.seed'" in str(e.value)
+
+
+def test_a_weights_file_that_is_not_safetensors(tiny_model, tmp_path) -> None:
+    from diffrl.models.registry import load_weights
+
+    bogus = tmp_path / "w.safetensors"
+    bogus.write_text("root:x:0:0:root:/root:/bin/bash\n")  # /etc/passwd's first line
+    with pytest.raises(ConfigError, match=r"'model.weights' = .*not a .safetensors file"):
+        load_weights(tiny_model, str(bogus))
