@@ -255,7 +255,7 @@ def rollout_side(
     config, whose first replica ran it; ``backends/ray.py``)."""
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
-    check_model_fits(cfg, base, expanded_targets(base, actor_targets(cfg)), device)
+    check_model_fits(cfg, base, expanded_targets(base, actor_targets(cfg)), device, ranks.dp_size)
     sharded = []
     if ranks.etp_size > 1:  # before anything encodes (parallel/etp.py)
         sharded = shard_encoders(base, family_spec(cfg.model.resolved_family), ranks.etp_mesh)

@@ -90,21 +90,23 @@ def check_step_rows(
     latent_shape: Sequence[int],
     itemsize: int,
     memory: int,
+    ranks: int = 1,
 ) -> None:
     """A step keeps at least every sample's final latent until its update: ``prompts_per_step
-    x group_size`` rows of ``latent_shape`` elements. Refuse a step whose latents alone
-    exceed ``memory`` bytes."""
+    x group_size`` rows of ``latent_shape`` elements, split over ``ranks`` data-parallel
+    processes. Refuse a step whose latents alone exceed a process's ``memory`` bytes."""
     rows = prompts_per_step * group_size
     row_bytes = math.prod(latent_shape) * itemsize
-    need = rows * row_bytes
+    need = -(-rows // ranks) * row_bytes  # a rank's share, rounded up
     if need <= memory:
         return
     shape = "x".join(str(d) for d in latent_shape)
+    split = f" over {ranks} data-parallel ranks" if ranks > 1 else ""
     raise ConfigError(
         f"config keys 'data.prompts_per_step' x 'rollout.group_size' = {prompts_per_step} x "
-        f"{group_size} = {rows} samples a step: their final latents alone ({shape}, "
-        f"{sized(row_bytes)} each) need {sized(need)}, more than this machine's "
-        f"{sized(memory)} of memory; lower them"
+        f"{group_size} = {rows} samples a step{split}: their final latents alone ({shape}, "
+        f"{sized(row_bytes)} each) need {sized(need)}{' a rank' if split else ''}, more than "
+        f"this machine's {sized(memory)} of memory; lower them"
     )
 
 
@@ -122,10 +124,13 @@ def check_lora_rank(rank: int, widths: dict[str, tuple[int, int]]) -> None:
         )
 
 
-def check_model_fits(cfg, model: torch.nn.Module, targets: Sequence[str], device) -> None:
+def check_model_fits(
+    cfg, model: torch.nn.Module, targets: Sequence[str], device, ranks: int = 1
+) -> None:
     """The checks that need the loaded model: the LoRA rank against the target layers'
     widths, and a step's latents against the machine's memory. ``cfg`` is the run's Config;
-    ``targets`` the full module names the adapters go on."""
+    ``targets`` the full module names the adapters go on; ``ranks`` the data-parallel ranks
+    a step's samples are split over."""
     modules = dict(model.named_modules())
     widths = {
         n: (modules[n].in_features, modules[n].out_features)
@@ -140,4 +145,5 @@ def check_model_fits(cfg, model: torch.nn.Module, targets: Sequence[str], device
         model.family.latent_shape(),
         itemsize,
         machine_memory(torch.device(device)),
+        ranks,
     )

@@ -106,3 +106,9 @@ def test_a_weights_file_that_is_not_safetensors(tiny_model, tmp_path) -> None:
     bogus.write_text("root:x:0:0:root:/root:/bin/bash\n")  # /etc/passwd's first line
     with pytest.raises(ConfigError, match=r"'model.weights' = .*not a .safetensors file"):
         load_weights(tiny_model, str(bogus))
+
+
+def test_step_rows_are_split_over_data_parallel_ranks() -> None:
+    check_step_rows(4, 8, (3, 4, 4), 4, memory=3072, ranks=2)  # 16 rows a rank
+    with pytest.raises(ConfigError, match="over 2 data-parallel ranks.*need 3.0 KiB a rank"):
+        check_step_rows(4, 8, (3, 4, 4), 4, memory=3071, ranks=2)
