@@ -33,6 +33,7 @@ from diffrl.parallel.launch import start as start_ranks
 from diffrl.parallel.launch import stop as stop_ranks
 from diffrl.parallel.sp import sp_hook
 from diffrl.parallel.tp_lora import tp_hook
+from diffrl.resources import check_model_fits
 from diffrl.reward.pool import RewardPool, close_pool
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.rollout.samplers import euler_step, sigma_schedule
@@ -254,6 +255,7 @@ def rollout_side(
     config, whose first replica ran it; ``backends/ray.py``)."""
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
+    check_model_fits(cfg, base, expanded_targets(base, actor_targets(cfg)), device, ranks.dp_size)
     sharded = []
     if ranks.etp_size > 1:  # before anything encodes (parallel/etp.py)
         sharded = shard_encoders(base, family_spec(cfg.model.resolved_family), ranks.etp_mesh)

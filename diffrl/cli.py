@@ -285,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     except DiffrlError as e:
         print(f"diffrl: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk in a write diffrl does not wrap itself (TensorBoard, ...)
+        from diffrl.diskio import DISK_ERRNOS, disk_message
+
+        if e.errno not in DISK_ERRNOS:
+            raise
+        print(f"diffrl: error: {disk_message(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("diffrl: interrupted; resume by running the same command again", file=sys.stderr)
         return 130

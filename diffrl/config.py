@@ -7,10 +7,12 @@ names the key, the value and what is allowed, before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -32,6 +34,7 @@ from diffrl.tasks.base import TaskConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = "recipes/shapes_nft.yaml"
+MAX_SEED = 2**32 - 1  # np.random.seed refuses larger (build.seed_everything seeds it)
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,19 @@ class RunConfig:
         check(self.steps >= 0, "steps", self.steps, "must be >= 0")
         check(self.eval_every > 0, "eval_every", self.eval_every, "must be > 0")
         check(self.save_every > 0, "save_every", self.save_every, "must be > 0")
-        check(self.threads >= 0, "threads", self.threads, "must be >= 0")
+        cores = os.cpu_count() or 1
+        check(
+            0 <= self.threads <= cores,
+            "threads",
+            self.threads,
+            f"must be in [0, {cores}] (this machine's logical cores; 0 = torch's default)",
+        )
+        check(
+            0 <= self.seed <= MAX_SEED,
+            "seed",
+            self.seed,
+            f"must be in [0, {MAX_SEED}] (2**32 - 1: what numpy's global seeding accepts)",
+        )
         check(self.max_minutes >= 0, "max_minutes", self.max_minutes, "must be >= 0")
         check_choice("mode", self.mode, ("sync", "async"))
         check(
@@ -222,10 +237,15 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             else OmegaConf.create()
         )
         raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
+    except yaml.YAMLError as e:
+        # recipes are read with a safe loader: a python/object tag (code to run) is refused
+        raise ConfigError(
+            f"could not read the recipe/overrides as YAML: {' '.join(str(e).split())}"
+        ) from None
     except (OmegaConfBaseException, TypeError, ValueError) as e:
         raise ConfigError(
-            f"could not read the recipe/overrides: {e} (to change a list such as "
-            "reward.scorers, give the whole list in YAML flow syntax)"
+            f"could not read the recipe/overrides: {' '.join(str(e).split())} (to change a list "
+            "such as reward.scorers, give the whole list in YAML flow syntax)"
         ) from None
     algo_name = OmegaConf.select(raw, "algorithm.name", default=AlgorithmConfig.name)
     if algo_name not in registered_algorithms():
@@ -241,13 +261,19 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         node = OmegaConf.select(schema, parent) if parent else schema
         allowed = sorted(node.keys()) if hasattr(node, "keys") else []
         raise ConfigError(f"unknown config key '{e.full_key}'; allowed here: {allowed}") from None
-    except ValidationError as e:
-        raise ConfigError(f"bad value for config key '{e.full_key}': {e.msg}") from None
+    except ValidationError as e:  # OmegaConf appends the key and types on lines of their own
+        raise ConfigError(
+            f"bad value for config key '{e.full_key}': {_first_line(e.msg)}"
+        ) from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"bad config: {e}") from None
+        raise ConfigError(f"bad config: {_first_line(str(e))}") from None
     validate_tree(cfg)
     cfg.check_across()
     return cfg
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
 
 
 def validate_tree(node: Any, path: str = "") -> None:

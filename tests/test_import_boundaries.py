@@ -124,7 +124,15 @@ def test_channel_imports_only_itself() -> None:
 # Each top-level module or package of diffrl on its floor, lowest first. An import may point to
 # its own floor or below; one to a higher floor is an arrow running back up.
 FLOORS = (
-    ("diffrl", "diffrl.types", "diffrl.errors", "diffrl.hostmem", "diffrl.placement"),
+    (
+        "diffrl",
+        "diffrl.types",
+        "diffrl.errors",
+        "diffrl.hostmem",
+        "diffrl.placement",
+        "diffrl.diskio",
+        "diffrl.resources",
+    ),
     # the generic TP styles sit below the families, whose records hold plans made of them
     ("diffrl.channel", "diffrl.sync", "diffrl.parallel.tp"),
     ("diffrl.models",),

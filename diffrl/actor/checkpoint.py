@@ -35,6 +35,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
+from diffrl.diskio import disk_errors
 from diffrl.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,6 @@ def save_checkpoint(
     name = f"step_{step:06d}"
     final, tmp, old = root / name, root / f".tmp_{name}", root / f".old_{name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     blobs = {
         "adapters.safetensors": save_safetensors({k: v.contiguous() for k, v in adapters.items()}),
         "actor.pt": _torch_bytes(actor_state),
@@ -90,17 +90,34 @@ def save_checkpoint(
         "saved_at": time.time(),
         "files": {n: {"bytes": len(b), "sha256": _sha256(b)} for n, b in blobs.items()},
     }
-    for n, b in blobs.items():
-        _write(tmp / n, b)
-    _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: the files are whole
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving a step: the old copy stays a checkpoint until the new is in
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
+    blobs[MANIFEST] = json.dumps(manifest, indent=1).encode()  # written last: the files are whole
+    need = sum(len(b) for b in blobs.values())
+    moved = False
+    try:
+        with disk_errors(final, need):  # a full disk: one line naming the step and its size
+            tmp.mkdir()
+            for n, b in blobs.items():
+                _write(tmp / n, b)
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving a step: the old copy stays one until the new is in
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                moved = True
+            os.replace(tmp, final)
+    except BaseException:
+        # a failed save leaves no partial directory to keep the disk full, and a re-saved
+        # step's old copy back in place
+        shutil.rmtree(tmp, ignore_errors=True)
+        if moved and not final.exists():
+            os.replace(old, final)
+        raise
     _fsync_dir(root)
-    _write(root / ".latest.tmp", name.encode())
-    os.replace(root / ".latest.tmp", root / "latest")
+    try:
+        with disk_errors(root / "latest", len(name)):
+            _write(root / ".latest.tmp", name.encode())
+            os.replace(root / ".latest.tmp", root / "latest")
+    finally:
+        (root / ".latest.tmp").unlink(missing_ok=True)
     _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
     _prune(root, final, keep)

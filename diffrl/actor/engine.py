@@ -105,6 +105,12 @@ class ActorConfig:
     autocast: str = "off"  # off | bfloat16
     lora: AdapterConfig = field(default_factory=AdapterConfig)
 
+    def __post_init__(self) -> None:
+        # YAML 1.1 reads a bare off as a boolean: the documented ``actor.autocast=off`` arrives
+        # as False, which OmegaConf turns into the string "False"
+        if str(self.autocast) in ("False", "false"):
+            object.__setattr__(self, "autocast", "off")
+
     def validate(self) -> None:
         check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be finite and > 0")
         check_choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))

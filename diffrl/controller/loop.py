@@ -13,11 +13,13 @@ from diffrl.backends import build_engines
 from diffrl.config import Config
 from diffrl.controller.async_ import train_async
 from diffrl.controller.sync import train_sync
+from diffrl.resources import check_out_dir
 
 MODES = {"sync": train_sync, "async": train_async}  # run.mode -> its loop
 
 
 async def train(cfg: Config) -> Path:
+    check_out_dir(cfg.run.out_dir)  # before a model loads, and before anything is written
     parts = build_engines(cfg)
     if parts.bound is not None and parts.ranks.primary:  # once per run, before any work
         print(f"diffrl: {parts.bound.line()}", file=sys.stderr)

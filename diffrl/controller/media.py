@@ -8,18 +8,17 @@ written beside its path and moved over it, so a kill leaves the old file or the 
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import subprocess
 import tempfile
 import textwrap
 import wave
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from diffrl.diskio import replacing  # a disk error is one line; the old file stays whole
 
 # pass / fail; a None verdict (no verdict) falls back to NO_VERDICT
 VERDICT_COLOURS: dict[bool | None, tuple[int, int, int]] = {
@@ -30,21 +29,6 @@ NO_VERDICT = (150, 150, 150)  # grey: the task gives no verdict
 
 # the spectrogram's colour map, quiet to loud: black, purple, orange, pale yellow
 _STOPS = np.array([[0, 0, 4], [120, 30, 130], [240, 110, 40], [252, 250, 190]], dtype=np.float64)
-
-
-@contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write; when the block ends it is fsynced and moved
-    over ``path``; if the block raises it is removed and ``path`` is left as it was."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        yield tmp
-        with tmp.open("rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> Path:

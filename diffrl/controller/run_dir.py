@@ -8,10 +8,10 @@ row is fsynced; a line torn by a kill is skipped on reading and dropped on resum
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
-import os
 import textwrap
 import time
 from pathlib import Path
@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from diffrl.controller import media
+from diffrl.diskio import append_durably, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,7 @@ class RunDir:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time(), **{k: _num(v) for k, v in metrics.items()}}
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_durably(self.metrics_path, (json.dumps(row, allow_nan=False) + "\n").encode())
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
@@ -113,9 +111,7 @@ class RunDir:
             resample = Image.Resampling.NEAREST if small else Image.Resampling.LANCZOS
             canvas.paste(Image.fromarray(images[i]).resize((tile, tile), resample), (x + 4, y + 4))
             draw.text((x + 2, y + tile + 9), "\n".join(captions[i]), fill=(0, 0, 0), spacing=1)
-        path = self.root / "samples" / f"step_{step:06d}.png"
-        canvas.save(path)
-        return path
+        return _save_png(self.root / "samples" / f"step_{step:06d}.png", canvas.save)
 
     def save_clips(
         self,
@@ -169,10 +165,10 @@ class RunDir:
         for a in ax:
             a.grid(alpha=0.3)
         fig.tight_layout()
-        path = self.root / "curves.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        return path
+        try:
+            return _save_png(self.root / "curves.png", lambda f, **kw: fig.savefig(f, dpi=90, **kw))
+        finally:
+            plt.close(fig)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -209,10 +205,18 @@ def open_run_dir(root: Path, tensorboard: bool, primary: bool = True) -> RunDir:
     return RunDir(root, tensorboard) if primary else FollowerRunDir(root)
 
 
+def _save_png(path: Path, save) -> Path:
+    """Render with ``save(file, format="png")`` in memory, then write the bytes atomically: a
+    full disk leaves the old PNG whole, never a truncated one."""
+    buf = io.BytesIO()
+    save(buf, format="png")
+    return write_atomic(path, buf.getvalue())
+
+
 def _replace_atomically(path: Path, text: str) -> None:
-    """Write ``path`` so that a kill leaves either the old file or the new one, whole."""
-    with media.replacing(path) as tmp:
-        tmp.write_text(text)
+    """Write ``path`` so that a kill or a full disk leaves either the old file or the new one,
+    whole."""
+    write_atomic(path, text.encode())
 
 
 def _num(v):

@@ -145,7 +145,13 @@ def load_weights(model: FamilyModel, spec: str) -> None:
     if not path.is_file():
         hint = f" (run `{builtin.command}` to create it)" if builtin else ""
         raise ConfigError(f"model.weights {spec!r}: no file at {path}{hint}")
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # safetensors' own error type, or an OSError: any unreadable file
+        raise ConfigError(
+            f"config key 'model.weights' = {spec!r}: not a .safetensors file of weights "
+            f"({type(e).__name__}: {' '.join(str(e).split())})"
+        ) from None
     want = weights_state(model)
     missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     bad = [k for k in set(want) & set(state) if want[k].shape != state[k].shape]

@@ -83,8 +83,15 @@ def resolve_checkpoint(spec: str) -> Path:
 
 
 def read_metadata(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # safetensors' own error type, or an OSError: any bad file
+        raise ConfigError(
+            f"config key 'model.checkpoint' = {str(path)!r}: not a .safetensors checkpoint "
+            f"({type(e).__name__}: {' '.join(str(e).split())}); give one `diffrl pretrain` "
+            f"wrote, or one of {sorted(BUILTIN)}"
+        ) from None
 
 
 def build(arch: TinyDiTConfig, convention: str = "") -> FamilyModel:
