@@ -216,11 +216,11 @@ def test_resume_starts_the_nonfinite_count_afresh(tmp_path, monkeypatch):
     resumed run (typically with a lower actor.lr) gets its full allowance again. (Checkpoints
     are not written while the count is above 0, so this guards state written otherwise.)"""
     saved = Checkpoint(tmp_path, {}, {"version": 4, "nonfinite": 2}, {"step": 4, "wall_s": 9.0})
-    monkeypatch.setattr(shared, "load_latest", lambda root: saved)
+    monkeypatch.setattr(shared, "load_latest", lambda root, expect: saved)
     loaded = {}
     parts = SimpleNamespace(
         cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
-        actor=SimpleNamespace(load_state=lambda a, s: loaded.update(s)),
+        actor=SimpleNamespace(load_state=lambda a, s: loaded.update(s), adapter_tensors=dict),
         prompts=SimpleNamespace(load_state_dict=lambda state, step: None),
     )
     assert shared.resume(parts, RunDir(tmp_path, tensorboard=False)) == (4, 9.0)
