@@ -8,6 +8,7 @@ changed config. SIGTERM / SIGINT write a checkpoint and exit cleanly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -22,11 +23,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from tiny_runs import tiny_run
 
 import diffrl.controller.step as shared
 import diffrl.controller.sync as sync
-from diffrl.actor.checkpoint import Checkpoint, load_latest
+from diffrl.actor.checkpoint import MANIFEST, Checkpoint, load_latest
 from diffrl.actor.engine import ActorEngine
 from diffrl.cli import main
 from diffrl.config import load_config
@@ -155,6 +158,49 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tiny_checkpoint, out, cap
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
 
 
+def rewrite(ckpt: Path, name: str, data: bytes) -> None:
+    """Replace ``ckpt/name`` and make its manifest agree: only a contents check can catch it."""
+    (ckpt / name).write_bytes(data)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_nonsense_in_a_checkpoint_falls_back_and_a_run_that_trains_nothing_exits_2(
+    tiny_checkpoint, out, caplog, capsys
+):
+    """Issue 41, findings 6 and 4, on the real ``diffrl train``. A newest checkpoint whose
+    manifest matches but whose step is -5 (which emptied metrics.jsonl before a traceback), then
+    one whose adapter has another shape (which stopped the run): each falls back to the older
+    intact one. The tiny random model's rewards all tie, so no update moves the weights: the run
+    stops with exit status 2 after run.max_dead_steps (5) of them, instead of exiting 0."""
+    run = out / "shapes_nft"
+    ckpts, before = run / "checkpoints", read_metrics(run)
+    state = json.loads((ckpts / "step_000002" / "controller.json").read_text())
+    rewrite(ckpts / "step_000002", "controller.json", json.dumps({**state, "step": -5}).encode())
+    with caplog.at_level(logging.WARNING):
+        assert train(tiny_checkpoint, out, 9) == 2
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step_000002: controller.json step -5 is not an int" in caplog.text
+    assert "diffrl: error: steps 2..6 trained nothing (run.max_dead_steps=5)" in err
+    assert "gradient norm was exactly 0" in err and "Traceback" not in err
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert rows[:2] == before[:2]  # kept: nothing was emptied or rewritten before the fallback
+    assert dirs(ckpts) == ["step_000005", "step_000006"]  # written up to the stop
+
+    adapters = load_safetensors((ckpts / "step_000006" / "adapters.safetensors").read_bytes())
+    name = next(n for n in adapters if "lora_A.default" in n)
+    adapters[name] = torch.zeros(adapters[name].shape[0] + 1, adapters[name].shape[1])
+    rewrite(ckpts / "step_000006", "adapters.safetensors", save_safetensors(adapters))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert train(tiny_checkpoint, out, 7) == 0  # steps 6, 7: two dead updates, under 5
+    assert f"skipping checkpoint step_000006: adapter {name}" in caplog.text
+    assert "resuming from" in caplog.text and "step_000005" in caplog.text
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
 # --- rewards and weights that are not finite ------------------------------------------------
 
 
@@ -199,8 +245,10 @@ def test_a_diverged_run_keeps_its_last_good_checkpoint_and_resumes_with_a_new_co
 
     monkeypatch.setattr(ActorEngine, "train_step", diverging)
     run = out / "shapes_nft"
+    # the tiny random model's rewards all tie (gradient norm 0) before the weights go NaN:
+    # run.max_dead_steps would stop the run first; this test is about the NaN guard
     with caplog.at_level(logging.WARNING):
-        assert train(tiny_checkpoint, out, 10) == 2  # NonFiniteLoss after 3 bad updates
+        assert train(tiny_checkpoint, out, 10, "run.max_dead_steps=0") == 2  # NonFiniteLoss
     assert "not finite" in caplog.text and "checkpoint NOT written" in caplog.text
     assert dirs(run / "checkpoints") == ["step_000001", "step_000002"]  # keep=2 kept both
     monkeypatch.setattr(ActorEngine, "train_step", real_train_step)
