@@ -220,7 +220,7 @@ def _check_actor_state(name: str, actor_state: object) -> None:
     if not isinstance(actor_state, dict):
         raise CheckpointError(f"{name}: actor.pt holds a {type(actor_state).__name__}, not a dict")
     for key in ("version", "nonfinite"):
-        value = actor_state.get(key)
+        value = actor_state.get(key, 0 if key == "nonfinite" else None)  # resume resets it
         if type(value) is not int or value < 0:
             raise CheckpointError(f"{name}: actor.pt {key} {value!r} is not an int >= 0")
     gen = actor_state.get("gen")
@@ -255,7 +255,7 @@ def _check_adapters_fit(name: str, adapters: dict, expect: Mapping[str, Tensor])
         for n in adapters
         if n not in expect and not (saved_ema and not model_ema and ".ema." in n)
     )
-    hint = "(saved under a different actor.lora rank or targets, or another model?)"
+    hint = "(saved under other actor.lora settings, or for another model?)"
     if lacking:
         raise CheckpointError(f"{name}: adapters lack the model's {lacking[:3]} {hint}")
     if extra:
