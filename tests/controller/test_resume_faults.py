@@ -229,6 +229,33 @@ def test_metrics_stay_strict_json_when_a_reward_overflows(tiny_checkpoint, tmp_p
     assert value is None or math.isfinite(value)  # null where the mean overflowed
 
 
+@register_scorer("float64_huge")
+class Float64Huge:
+    """Scores of 1e300 as float64: finite as given, inf once summed into the float32 reward."""
+
+    needs = frozenset({"image"})
+
+    def __init__(self) -> None:
+        self.name = "float64_huge"
+
+    async def score(self, traj):
+        scores = torch.full((len(traj),), 1e300, dtype=torch.float64)
+        return ScoreResult(scores, torch.ones(len(traj), dtype=bool))
+
+
+def test_a_score_that_overflows_float32_stops_as_the_scorers_fault(
+    tiny_checkpoint, tmp_path, capsys
+):
+    """Issue 41, finding 5: checked before the cast, it made the loss NaN and the run stopped
+    with "lower actor.lr"; the real ``diffrl train`` now names the scorer and the value."""
+    assert train(tiny_checkpoint, tmp_path, 1, "reward.scorers=[{name: float64_huge}]") == 2
+    err = capsys.readouterr().err
+    assert "diffrl: error: required scorer 'float64_huge' returned 8 missing/NaN" in err
+    assert "1e+300 x weight 1 is not finite in float32" in err
+    assert "actor.lr" not in err and "Traceback" not in err
+    assert not (tmp_path / "shapes_nft" / "checkpoints").exists()  # nothing trained on it
+
+
 def test_a_diverged_run_keeps_its_last_good_checkpoint_and_resumes_with_a_new_config(
     tiny_checkpoint, out, caplog, monkeypatch
 ):
