@@ -21,24 +21,26 @@ class NoProgress(DiffrlError):
 
 
 def dead_cause(metrics: dict[str, float]) -> str | None:
-    """Why the update these metrics describe could not move the weights; None if it could.
-    (``ActorEngine.train_step``'s keys: ``actor/grad_norm`` only for an optimizer step taken,
-    averaged over the step's minibatches, so 0 means every one of them was 0.)"""
+    """Why the update these metrics describe could not move the weights; None if it could, or
+    if nothing says it could not (an engine that reports none of these keys is not judged).
+    ``ActorEngine.train_step``'s keys: ``actor/grad_norm`` only for an optimizer step taken,
+    averaged over the step's minibatches (so 0 means every one of them was 0), else
+    ``actor/skipped_nonfinite`` or ``actor/skipped_empty``."""
     norm = metrics.get("actor/grad_norm")
     if norm is not None and math.isfinite(norm) and norm > 0:
         return None
     if norm == 0:
         tied = metrics.get("reward/tied_groups")
-        why = f"reward/tied_groups={tied:g}" if tied is not None and math.isfinite(tied) else ""
+        why = f": reward/tied_groups={tied:g}" if tied is not None and math.isfinite(tied) else ""
         return (
             "the gradient norm was exactly 0: every advantage was 0 (each prompt's samples "
-            f"scored alike{': ' + why if why else ''})"
+            f"scored alike{why})"
         )
-    if metrics.get("actor/skipped_nonfinite"):
+    if norm is not None or metrics.get("actor/skipped_nonfinite"):
         return "the loss or gradients were NaN/inf, so the update was skipped"
     if metrics.get("actor/skipped_empty"):
         return "no sample was left to train on (all invalid, or filtered out), so no update"
-    return "the update reported no gradient norm"
+    return None
 
 
 class DeadSteps:

@@ -32,7 +32,7 @@ DEAD = {
     "zero gradient": ({"actor/grad_norm": 0.0, "reward/tied_groups": 1.0}, "exactly 0"),
     "non-finite": ({"actor/loss": float("nan"), "actor/skipped_nonfinite": 1.0}, "NaN/inf"),
     "no rows": ({"actor/skipped_empty": 1.0}, "no sample was left to train on"),
-    "inf gradient": ({"actor/grad_norm": float("inf")}, "no gradient norm"),
+    "inf gradient": ({"actor/grad_norm": float("inf")}, "NaN/inf"),
 }
 
 
@@ -41,6 +41,7 @@ def test_a_dead_update_is_named(case) -> None:
     metrics, why = DEAD[case]
     assert why in dead_cause(metrics)
     assert dead_cause(LIVE) is None
+    assert dead_cause({"actor/loss": 0.1}) is None  # an engine that reports no norm: not judged
     # minibatches: the step's norm is their mean, live when any of them moved the weights
     assert dead_cause({"actor/grad_norm": 0.05, "actor/skipped_nonfinite": 0.5}) is None
 
