@@ -144,6 +144,7 @@ class RewardPool:
         valid = torch.ones(n, dtype=torch.bool)
         per_scorer, metrics = {}, {}
         for (sc, _), res in zip(self.scorers, results, strict=True):
+            overflow = ""  # for the error: a score the cast (or the weight) made inf
             if isinstance(res, Exception):
                 scores, ok = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bool)
                 metrics[f"reward/{sc.key}/failed"] = 1.0
@@ -151,13 +152,14 @@ class RewardPool:
                 # finite as the float32 reward it becomes, weighted: a float64 score of 1e300
                 # is finite until it is summed into ``total``, and then inf
                 ok = res.valid & finite_as(res.scores, total.dtype, sc.weight)
+                overflow = _overflow(res.scores, res.valid & ~ok, sc.weight, total.dtype)
                 scores = torch.where(ok, res.scores, torch.full_like(res.scores, float("nan")))
                 for k, v in res.metrics.items():
                     metrics[f"reward/{sc.key}/{k}"] = v
             if sc.required and not bool(ok.all()):
                 raise RewardFailure(
                     f"required scorer {sc.key!r} returned {int((~ok).sum())} missing/NaN "
-                    f"scores{_overflow_example(res, ok, sc.weight, total.dtype)}"
+                    f"scores{overflow}"
                 )
             per_scorer[sc.key] = scores
             valid &= ok
@@ -179,17 +181,14 @@ def finite_as(scores: Tensor, dtype: torch.dtype, weight: float) -> Tensor:
     return torch.isfinite(scores.to(dtype)) & torch.isfinite((weight * scores).to(dtype))
 
 
-def _overflow_example(res: object, ok: Tensor, weight: float, dtype: torch.dtype) -> str:
-    """For the error: one score that is finite as the scorer gave it but not once cast to the
-    reward's ``dtype`` (or weighted), e.g. ' (1e+300 x weight 1 is not finite in float32)'."""
-    scores = getattr(res, "scores", None)
-    if not isinstance(scores, Tensor):  # the scorer raised
-        return ""
-    over = res.valid & ~ok & torch.isfinite(scores)  # the scorer's valid ones
+def _overflow(scores: Tensor, bad: Tensor, weight: float, dtype: torch.dtype) -> str:
+    """' (1e+300 x weight 1 is not finite in float32)': the first of the scorer's valid scores
+    refused (``bad``) that is finite as the scorer gave it; '' when there is none."""
+    over = bad & torch.isfinite(scores)
     if not over.any():
         return ""
-    bad = float(scores[over][0])
-    return f" ({bad:g} x weight {weight:g} is not finite in {str(dtype).removeprefix('torch.')})"
+    first = float(scores[over][0])
+    return f" ({first:g} x weight {weight:g} is not finite in {str(dtype).removeprefix('torch.')})"
 
 
 async def close_pool(pool: RewardPool) -> None:
