@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
+import torch
 import torch.distributed as dist
 
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
@@ -127,6 +128,8 @@ def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
     try:
         parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
         parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
+    except torch.OutOfMemoryError:  # the machine's fault, not the checkpoint's
+        raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # e.g. another optimizer's
         raise CheckpointError(f"{ckpt.path} does not fit this run: {e}") from e
     run.truncate_after(ckpt.step)

@@ -35,7 +35,7 @@ from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller.run_dir import RunDir, read_metrics
 from diffrl.controller.signals import StopSignals
-from diffrl.errors import ConfigError
+from diffrl.errors import CheckpointError, ConfigError
 from diffrl.reward.scorer import ScoreResult, register_scorer
 
 RECIPE = "recipes/shapes_nft.yaml"
@@ -300,6 +300,27 @@ def test_resume_starts_the_nonfinite_count_afresh(tmp_path, monkeypatch):
     )
     assert shared.resume(parts, RunDir(tmp_path, tensorboard=False)) == (4, 9.0)
     assert loaded == {"version": 4, "nonfinite": 0}
+
+
+def test_a_checkpoint_the_actor_cannot_load_is_a_checkpoint_error_that_touches_nothing(
+    tmp_path, monkeypatch
+):
+    """What the contents checks cannot see (an optimizer state of another layout) still ends in
+    one clear error, not a traceback, before metrics.jsonl is cut back."""
+    saved = Checkpoint(tmp_path, {}, {"version": 4}, {"step": 4, "wall_s": 9.0})
+    monkeypatch.setattr(shared, "load_latest", lambda root, expect: saved)
+
+    def refuse(adapters, state):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match")
+
+    parts = SimpleNamespace(
+        cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
+        actor=SimpleNamespace(load_state=refuse, adapter_tensors=dict),
+    )
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 5}\n')
+    with pytest.raises(CheckpointError, match="does not fit this run: loaded state dict"):
+        shared.resume(parts, RunDir(tmp_path, tensorboard=False))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 5}\n'
 
 
 @pytest.mark.parametrize(
