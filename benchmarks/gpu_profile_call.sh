@@ -46,7 +46,7 @@ for part in $PARTS; do
   case $part in
     batch1)
       ONE=(recipes/sd35_nft.yaml 'model.path=""' model.preset=sd35-medium "$REWARD" "${SIZE[@]}"
-           data.prompts_per_step=8 rollout.group_size=1 rollout.max_batch=1 rollout.compile=true)
+           data.prompts_per_step=4 rollout.group_size=2 rollout.max_batch=1 rollout.compile=true)
       run batch1_graphs rollout "${ONE[@]}" "${GRAPHS[@]}" --repeats 2
       run batch1_compiled rollout "${ONE[@]}" --repeats 2 --no-baseline
       ;;

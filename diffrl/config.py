@@ -49,6 +49,10 @@ class RunConfig:
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
     max_minutes: float = 0.0  # stop (after a checkpoint) when the wall budget is spent; 0 = off
+    # stop (exit status 2, naming why) after this many updates running that could not move the
+    # weights: skipped (no row to train on, NaN/inf) or with a gradient norm of exactly 0 (every
+    # advantage 0). A run that trains nothing must not "succeed". 0 = off (controller/dead_steps.py)
+    max_dead_steps: int = 5
     tensorboard: bool = True
     # start step k+1's rollout while step k's update runs, when the algorithm says the update
     # cannot change the rollout's weights (e.g. NFT between old-policy refreshes): same results
@@ -115,6 +119,12 @@ class RunConfig:
             f"must be in [0, {MAX_SEED}] (2**32 - 1: what numpy's global seeding accepts)",
         )
         check(self.max_minutes >= 0, "max_minutes", self.max_minutes, "must be >= 0")
+        check(
+            self.max_dead_steps >= 0,
+            "max_dead_steps",
+            self.max_dead_steps,
+            "must be >= 0 (0 = off)",
+        )
         check_choice("mode", self.mode, ("sync", "async"))
         check(
             self.max_staleness >= 0,

@@ -10,8 +10,12 @@ checkpoint whole. Re-saving a step renames the old copy to ``.old_step_XXXXXX`` 
 one goes in, and deletes it only afterwards: until then it still counts as a checkpoint. Weights
 that are not finite are never written (the previous checkpoint stays the newest).
 
-Reading: every file is checked against the manifest before it is parsed. Resuming takes the
-newest checkpoint that verifies, scanning the directories rather than trusting ``latest`` (kept
+Reading: every file is checked against the manifest before it is parsed, and what it holds is
+checked after: a manifest proves the bytes are the ones written, not that the writer was sound or
+that they fit this model. The step is a non-negative int that matches the directory's name, the
+wall clock a finite number, every tensor finite, and (given the model's adapters, ``expect``)
+each adapter tensor of the model's name, shape and dtype. Resuming takes the newest checkpoint
+that verifies, scanning the directories rather than trusting ``latest`` (kept
 as a pointer for people and scripts), and logs each newer one it skipped and why. "Newest" is
 the most recently written (the manifest's ``saved_at``), not the highest step: a run started
 over with ``run.resume=false`` writes low steps after an earlier run's high ones.
@@ -23,10 +27,12 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,9 +130,13 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+def load_checkpoint(
+    path: Path, expect: Mapping[str, Tensor] | None = None
+) -> tuple[dict, dict, dict]:
     """(adapters, actor_state, controller_state) of one checkpoint, verified against its
-    manifest; ``CheckpointError`` names the first thing wrong."""
+    manifest and then checked for sense (``check_contents``; ``expect``: the model's own adapter
+    tensors, whose names, shapes and dtypes the saved ones must have); ``CheckpointError``
+    names the first thing wrong."""
     blobs = _verified_files(path)
     parsers = {
         "adapters.safetensors": load_safetensors,
@@ -139,24 +149,28 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
             out[name] = parse(blobs[name])
         except Exception as e:
             raise CheckpointError(f"{path.name}: {name} does not load: {e}") from e
-    state = out["controller.json"]
-    if not isinstance(state, dict) or not {"step", "wall_s"} <= state.keys():
-        raise CheckpointError(f"{path.name}: controller.json lacks 'step' / 'wall_s': {state!r}")
-    return out["adapters.safetensors"], out["actor.pt"], state
+    adapters, actor_state, state = (
+        out["adapters.safetensors"],
+        out["actor.pt"],
+        out["controller.json"],
+    )
+    check_contents(path, adapters, actor_state, state, expect)
+    return adapters, actor_state, state
 
 
-def load_latest(root: Path) -> Checkpoint | None:
-    """The newest checkpoint under ``root`` that verifies, logging each newer one skipped and
-    why; None when ``root`` holds no checkpoint directory at all. Raises ``CheckpointError``
-    when there are checkpoint directories but none verifies: starting over from step 0 would
-    overwrite the run's metrics and, by rotation, its checkpoints."""
+def load_latest(root: Path, expect: Mapping[str, Tensor] | None = None) -> Checkpoint | None:
+    """The newest checkpoint under ``root`` that verifies (its files against the manifest, its
+    contents by ``check_contents``, against ``expect`` when given), logging each newer one
+    skipped and why; None when ``root`` holds no checkpoint directory at all. Raises
+    ``CheckpointError`` when there are checkpoint directories but none verifies: starting over
+    from step 0 would overwrite the run's metrics and, by rotation, its checkpoints."""
     dirs = _newest_first(_checkpoint_dirs(root))
     if not dirs:
         return None
     problems = []
     for path in dirs:
         try:
-            ckpt = Checkpoint(path, *load_checkpoint(path))
+            ckpt = Checkpoint(path, *load_checkpoint(path, expect))
         except CheckpointError as e:
             log.warning("skipping checkpoint %s", e)
             problems.append(str(e))
@@ -180,6 +194,98 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
     return [k for k, v in tensors.items() if v.is_floating_point() and not v.isfinite().all()]
+
+
+def check_contents(
+    path: Path,
+    adapters: dict,
+    actor_state: object,
+    state: object,
+    expect: Mapping[str, Tensor] | None = None,
+) -> None:
+    """What a checkpoint whose bytes match its manifest must also hold before a run trusts it
+    (``CheckpointError`` names the first thing wrong; resume then falls back to the older one,
+    as for a torn file): a controller state whose step is a non-negative int equal to the
+    directory's (``step_000005`` holds step 5: a step of -5 would truncate metrics.jsonl to
+    nothing) and whose wall clock is a finite number >= 0; an actor state of plain counters, an
+    RNG state and an optimizer state whose tensors are finite; finite adapters; and, given the
+    model's own adapter tensors ``expect``, the same names, shapes and dtypes."""
+    name = path.name
+    if not isinstance(state, dict) or not {"step", "wall_s"} <= state.keys():
+        raise CheckpointError(f"{name}: controller.json lacks 'step' / 'wall_s': {state!r}")
+    step, wall = state["step"], state["wall_s"]
+    dir_step = _NAME.fullmatch(name)
+    if type(step) is not int or step < 0:  # bool is an int subclass, and no step
+        raise CheckpointError(f"{name}: controller.json step {step!r} is not an int >= 0")
+    if dir_step is not None and int(dir_step.group(1)) != step:
+        raise CheckpointError(
+            f"{name}: controller.json says step {step}, its directory {int(dir_step.group(1))}"
+        )
+    if isinstance(wall, bool) or not isinstance(wall, int | float) or not 0 <= wall < math.inf:
+        raise CheckpointError(f"{name}: controller.json wall_s {wall!r} is not a number >= 0")
+    _check_actor_state(name, actor_state)
+    bad = nonfinite_tensors(adapters)
+    if bad:
+        raise CheckpointError(f"{name}: {len(bad)} adapter tensors are not finite (e.g. {bad[0]})")
+    if expect is not None:
+        _check_adapters_fit(name, adapters, expect)
+
+
+def _check_actor_state(name: str, actor_state: object) -> None:
+    """actor.pt as ``ActorEngine.state_dict`` writes it: counters >= 0, a byte RNG state, and
+    an optimizer state whose tensors are all finite (NaN moments would poison every update)."""
+    if not isinstance(actor_state, dict):
+        raise CheckpointError(f"{name}: actor.pt holds a {type(actor_state).__name__}, not a dict")
+    for key in ("version", "nonfinite"):
+        value = actor_state.get(key, 0 if key == "nonfinite" else None)  # resume resets it
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"{name}: actor.pt {key} {value!r} is not an int >= 0")
+    gen = actor_state.get("gen")
+    if not isinstance(gen, Tensor) or gen.dtype != torch.uint8:
+        raise CheckpointError(f"{name}: actor.pt gen is not an RNG state (a uint8 tensor)")
+    optimizer = actor_state.get("optimizer")
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict):
+        raise CheckpointError(f"{name}: actor.pt optimizer is not an optimizer state dict")
+    for index, moments in optimizer["state"].items():
+        if not isinstance(moments, dict):
+            raise CheckpointError(f"{name}: actor.pt optimizer state {index!r} is not a dict")
+        for key, t in moments.items():
+            if isinstance(t, Tensor) and t.is_floating_point() and not t.isfinite().all():
+                raise CheckpointError(
+                    f"{name}: actor.pt optimizer state {index}.{key} is not finite"
+                )
+
+
+def _check_adapters_fit(name: str, adapters: dict, expect: Mapping[str, Tensor]) -> None:
+    """The saved adapter tensors are the model's: every name, shape and dtype, as
+    ``ActorEngine.load_state`` will copy them. The one difference it allows is the ``ema``
+    adapter, whole or absent (``actor.ema_decay`` switched off, or on, since the save)."""
+    saved_ema = any(".ema." in n for n in adapters)
+    model_ema = any(".ema." in n for n in expect)
+    lacking = sorted(
+        n
+        for n in expect
+        if n not in adapters and not (model_ema and not saved_ema and ".ema." in n)
+    )
+    extra = sorted(
+        n
+        for n in adapters
+        if n not in expect and not (saved_ema and not model_ema and ".ema." in n)
+    )
+    hint = "(saved under other actor.lora settings, or for another model?)"
+    if lacking:
+        raise CheckpointError(f"{name}: adapters lack the model's {lacking[:3]} {hint}")
+    if extra:
+        raise CheckpointError(f"{name}: adapters hold {extra[:3]}, which the model lacks {hint}")
+    for n, t in adapters.items():
+        want = expect.get(n)
+        if want is None:
+            continue
+        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+            raise CheckpointError(
+                f"{name}: adapter {n} is {tuple(t.shape)} {t.dtype}, the model's is "
+                f"{tuple(want.shape)} {want.dtype} {hint}"
+            )
 
 
 # --- the pieces ----------------------------------------------------------------------------------

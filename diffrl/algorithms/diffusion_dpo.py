@@ -160,5 +160,6 @@ ALGORITHM = register_algorithm(
         train_cost=train_cost,
         needs_logprobs=False,
         partial_backward=True,
+        group_use="it trains on (winner, loser) pairs of samples of one prompt",
     )
 )

@@ -182,6 +182,8 @@ class RolloutSettings(Protocol):
     def noise_level(self) -> float: ...
     @property
     def ode_tail_steps(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
 
 
 class Setup(Protocol):
@@ -214,10 +216,21 @@ class Algorithm(Generic[C]):
     # first_step_gate(diagnostics, cfg, compute dtype), run by the actor on the diagnostics of
     # its first step (before any update): raises when rollout and training disagree
     first_step_gate: Callable[[dict[str, float], C, torch.dtype], None] | None = None
+    # what the algorithm learns from within a prompt's group of samples, for the error that
+    # refuses rollout.group_size=1: a group of one has nothing to compare, every advantage (or
+    # pair) is empty, and the run would train nothing while exiting 0
+    group_use: str = "its advantages are each sample's reward minus its group's mean"
 
     def validate(self, cfg: Setup) -> None:
         """What this algorithm needs of the rest of the run, checked before any work: the
-        rollout it trains on, run.stale=correct, and run.stream_train."""
+        rollout it trains on (groups of two or more samples per prompt), run.stale=correct,
+        and run.stream_train."""
+        if cfg.rollout.group_size < 2:
+            raise ConfigError(
+                f"config key 'rollout.group_size' = {cfg.rollout.group_size}: {self.name} "
+                f"needs at least 2 samples per prompt ({self.group_use}, so a group of one "
+                "trains nothing); set rollout.group_size >= 2"
+            )
         check_rollout_for(self, cfg.rollout)
         run = cfg.run
         if run.mode == "async" and run.stale == "correct" and not self.needs_logprobs:

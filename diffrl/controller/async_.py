@@ -62,6 +62,7 @@ from tqdm import tqdm
 from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config, to_yaml
+from diffrl.controller.dead_steps import DeadSteps
 from diffrl.controller.midsync import bound_version, check_midsync, step_staleness
 from diffrl.controller.run_dir import open_run_dir
 from diffrl.controller.signals import StopSignals
@@ -299,6 +300,7 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
             disable=not ranks.primary,
         )  # fmt: skip
         t_rate = time.time()
+        dead = DeadSteps(cfg.run.max_dead_steps)  # updates running that changed nothing
         with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
             for step in bar:
                 record = await take(channel, producer, parts, clock, bound)
@@ -322,6 +324,7 @@ async def train_async(cfg: Config, parts: Engines) -> Path:
                 )  # fmt: skip
                 if last:
                     break
+                dead.observe(done, metrics)  # run.max_dead_steps: stop a no-op run
     finally:  # rollouts past the last update are simply not used
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)

@@ -10,12 +10,14 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
+import torch
 import torch.distributed as dist
 
 from diffrl.actor.checkpoint import load_latest, save_checkpoint
 from diffrl.algorithms.advantage import tied_fraction
 from diffrl.build import Engines
 from diffrl.controller.run_dir import RunDir
+from diffrl.errors import CheckpointError
 from diffrl.hostmem import peak_rss_bytes
 from diffrl.reward.edges import run_local
 from diffrl.reward.pool import reward_summary
@@ -111,15 +113,25 @@ def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
 
 
 def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
-    """The newest checkpoint that verifies (CheckpointError if there are some but none does)."""
-    ckpt = load_latest(run.root / "checkpoints") if parts.cfg.run.resume else None
+    """The newest checkpoint that verifies (CheckpointError if there are some but none does):
+    its files against the manifest, its contents for sense and against this model's adapters
+    (a newest one that fails falls back to the older one, as a torn file does). Nothing in the
+    run directory changes before one is accepted and loaded."""
+    ckpt = None
+    if parts.cfg.run.resume:  # every rank: the model's adapters are a collective under tp
+        ckpt = load_latest(run.root / "checkpoints", parts.actor.adapter_tensors())
     if ckpt is None:
         run.truncate_after(-1)  # a fresh run starts a fresh metrics file
         return 0, 0.0
     # the non-finite counter counts consecutive bad updates under the config that made them: a
     # diverged run resumed from its last good checkpoint (say with a lower actor.lr) starts afresh
-    parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
-    parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
+    try:
+        parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
+        parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
+    except torch.OutOfMemoryError:  # the machine's fault, not the checkpoint's
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # e.g. another optimizer's
+        raise CheckpointError(f"{ckpt.path} does not fit this run: {e}") from e
     run.truncate_after(ckpt.step)
     return ckpt.step, ckpt.wall_s
 

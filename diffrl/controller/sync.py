@@ -28,6 +28,7 @@ from tqdm import tqdm
 from diffrl.algorithms.registry import WeightPlan
 from diffrl.build import Engines
 from diffrl.config import Config, to_yaml
+from diffrl.controller.dead_steps import DeadSteps
 from diffrl.controller.run_dir import open_run_dir
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (
@@ -135,6 +136,7 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
     new_update = StreamedUpdate if cfg.run.stream_train else StepUpdate
     t_rate = time.time()
     prefetch = None  # step k+1's rollout, started early when update k cannot change its weights
+    dead = DeadSteps(cfg.run.max_dead_steps)  # updates running that changed nothing
     with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
         for step in bar:
             plan = plan_of(step + 1)  # what update step+1 does to the weights, as data
@@ -158,6 +160,7 @@ async def train_sync(cfg: Config, parts: Engines) -> Path:
             )  # fmt: skip
             if last:
                 break
+            dead.observe(done, metrics)  # run.max_dead_steps: stop a no-op run
     if prefetch is not None:  # stopped early: the prefetched step is simply not used
         prefetch.cancel()
     run.save_curves()

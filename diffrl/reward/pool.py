@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from diffrl.errors import DiffrlError, check
 from diffrl.reward.scorer import Scorer, check_fields, missing_fields, producers_of
@@ -20,6 +22,11 @@ from diffrl.reward.scorers import build_scorer
 from diffrl.types import ScoredBatch, Trajectory
 
 log = logging.getLogger(__name__)
+
+
+# the largest |weight| a scorer may have: combined rewards are float32 (max ~3.4e38), so a weight
+# this size still leaves scores up to ~1e32 finite, and no real mix of rewards needs more
+MAX_WEIGHT = 1e6
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,13 @@ class ScorerConfig:
 
     def validate(self) -> None:
         check(bool(self.name), "name", self.name, "a registered scorer name")
-        check(self.weight == self.weight, "weight", self.weight, "must be a number")
+        check(
+            math.isfinite(self.weight) and abs(self.weight) <= MAX_WEIGHT,
+            "weight",
+            self.weight,
+            f"must be a finite number with |weight| <= {MAX_WEIGHT:g} (an infinite or huge "
+            "weight turns every combined reward into inf or NaN: nothing is trained)",
+        )
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,13 @@ class RewardConfig:
 
     def validate(self) -> None:
         check(len(self.scorers) > 0, "scorers", self.scorers, "at least one scorer")
+        check(
+            any(s.weight != 0 for s in self.scorers),
+            "scorers",
+            [f"{s.key}: weight {s.weight:g}" for s in self.scorers],
+            "at least one scorer needs a non-zero weight (with all at 0 every reward is 0 and "
+            "nothing is trained)",
+        )
         check(self.max_dead_steps >= 1, "max_dead_steps", self.max_dead_steps, "must be >= 1")
         check(self.max_batch >= 0, "max_batch", self.max_batch, "must be >= 0 (0 = no cap)")
         names = [s.key for s in self.scorers]
@@ -124,24 +144,51 @@ class RewardPool:
         valid = torch.ones(n, dtype=torch.bool)
         per_scorer, metrics = {}, {}
         for (sc, _), res in zip(self.scorers, results, strict=True):
+            overflow = ""  # for the error: a score the cast (or the weight) made inf
             if isinstance(res, Exception):
                 scores, ok = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bool)
                 metrics[f"reward/{sc.key}/failed"] = 1.0
             else:
-                ok = res.valid & torch.isfinite(res.scores)
+                # finite as the float32 reward it becomes, weighted: a float64 score of 1e300
+                # is finite until it is summed into ``total``, and then inf
+                ok = res.valid & finite_as(res.scores, total.dtype, sc.weight)
+                overflow = _overflow(res.scores, res.valid & ~ok, sc.weight, total.dtype)
                 scores = torch.where(ok, res.scores, torch.full_like(res.scores, float("nan")))
                 for k, v in res.metrics.items():
                     metrics[f"reward/{sc.key}/{k}"] = v
             if sc.required and not bool(ok.all()):
                 raise RewardFailure(
-                    f"required scorer {sc.key!r} returned {int((~ok).sum())} missing/NaN scores"
+                    f"required scorer {sc.key!r} returned {int((~ok).sum())} missing/NaN "
+                    f"scores{overflow}"
                 )
             per_scorer[sc.key] = scores
             valid &= ok
             total += sc.weight * torch.nan_to_num(scores, nan=0.0)  # masked by `valid` below
+        over = valid & ~torch.isfinite(total)
+        if over.any():  # each weighted score fits float32, their sum does not
+            raise RewardFailure(
+                f"the weighted sum of the scores overflows float32 for {int(over.sum())} "
+                "samples; lower the scorers' weights (reward.scorers[*].weight)"
+            )
         total = torch.where(valid, total, torch.full_like(total, float("nan")))
         scored = ScoredBatch(traj, total, per_scorer, valid)
         return scored, {**metrics, **reward_summary(scored)}
+
+
+def finite_as(scores: Tensor, dtype: torch.dtype, weight: float) -> Tensor:
+    """(B,) bool: each score, and each score times ``weight``, is finite in ``dtype`` (the
+    combined reward's): what the reward pool sums, not the scorer's own precision."""
+    return torch.isfinite(scores.to(dtype)) & torch.isfinite((weight * scores).to(dtype))
+
+
+def _overflow(scores: Tensor, bad: Tensor, weight: float, dtype: torch.dtype) -> str:
+    """' (1e+300 x weight 1 is not finite in float32)': the first of the scorer's valid scores
+    refused (``bad``) that is finite as the scorer gave it; '' when there is none."""
+    over = bad & torch.isfinite(scores)
+    if not over.any():
+        return ""
+    first = float(scores[over][0])
+    return f" ({first:g} x weight {weight:g} is not finite in {str(dtype).removeprefix('torch.')})"
 
 
 async def close_pool(pool: RewardPool) -> None:

@@ -8,6 +8,7 @@ changed config. SIGTERM / SIGINT write a checkpoint and exit cleanly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -22,17 +23,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from tiny_runs import tiny_run
 
 import diffrl.controller.step as shared
 import diffrl.controller.sync as sync
-from diffrl.actor.checkpoint import Checkpoint, load_latest
+from diffrl.actor.checkpoint import MANIFEST, Checkpoint, load_latest
 from diffrl.actor.engine import ActorEngine
 from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.controller.run_dir import RunDir, read_metrics
 from diffrl.controller.signals import StopSignals
-from diffrl.errors import ConfigError
+from diffrl.errors import CheckpointError, ConfigError
 from diffrl.reward.scorer import ScoreResult, register_scorer
 
 RECIPE = "recipes/shapes_nft.yaml"
@@ -155,6 +158,49 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tiny_checkpoint, out, cap
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
 
 
+def rewrite(ckpt: Path, name: str, data: bytes) -> None:
+    """Replace ``ckpt/name`` and make its manifest agree: only a contents check can catch it."""
+    (ckpt / name).write_bytes(data)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_nonsense_in_a_checkpoint_falls_back_and_a_run_that_trains_nothing_exits_2(
+    tiny_checkpoint, out, caplog, capsys
+):
+    """Issue 41, findings 6 and 4, on the real ``diffrl train``. A newest checkpoint whose
+    manifest matches but whose step is -5 (which emptied metrics.jsonl before a traceback), then
+    one whose adapter has another shape (which stopped the run): each falls back to the older
+    intact one. The tiny random model's rewards all tie, so no update moves the weights: the run
+    stops with exit status 2 after run.max_dead_steps (5) of them, instead of exiting 0."""
+    run = out / "shapes_nft"
+    ckpts, before = run / "checkpoints", read_metrics(run)
+    state = json.loads((ckpts / "step_000002" / "controller.json").read_text())
+    rewrite(ckpts / "step_000002", "controller.json", json.dumps({**state, "step": -5}).encode())
+    with caplog.at_level(logging.WARNING):
+        assert train(tiny_checkpoint, out, 9) == 2
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step_000002: controller.json step -5 is not an int" in caplog.text
+    assert "diffrl: error: steps 2..6 trained nothing (run.max_dead_steps=5)" in err
+    assert "gradient norm was exactly 0" in err and "Traceback" not in err
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert rows[:2] == before[:2]  # kept: nothing was emptied or rewritten before the fallback
+    assert dirs(ckpts) == ["step_000005", "step_000006"]  # written up to the stop
+
+    adapters = load_safetensors((ckpts / "step_000006" / "adapters.safetensors").read_bytes())
+    name = next(n for n in adapters if "lora_A.default" in n)
+    adapters[name] = torch.zeros(adapters[name].shape[0] + 1, adapters[name].shape[1])
+    rewrite(ckpts / "step_000006", "adapters.safetensors", save_safetensors(adapters))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert train(tiny_checkpoint, out, 7) == 0  # steps 6, 7: two dead updates, under 5
+    assert f"skipping checkpoint step_000006: adapter {name}" in caplog.text
+    assert "resuming from" in caplog.text and "step_000005" in caplog.text
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
 # --- rewards and weights that are not finite ------------------------------------------------
 
 
@@ -183,6 +229,33 @@ def test_metrics_stay_strict_json_when_a_reward_overflows(tiny_checkpoint, tmp_p
     assert value is None or math.isfinite(value)  # null where the mean overflowed
 
 
+@register_scorer("float64_huge")
+class Float64Huge:
+    """Scores of 1e300 as float64: finite as given, inf once summed into the float32 reward."""
+
+    needs = frozenset({"image"})
+
+    def __init__(self) -> None:
+        self.name = "float64_huge"
+
+    async def score(self, traj):
+        scores = torch.full((len(traj),), 1e300, dtype=torch.float64)
+        return ScoreResult(scores, torch.ones(len(traj), dtype=bool))
+
+
+def test_a_score_that_overflows_float32_stops_as_the_scorers_fault(
+    tiny_checkpoint, tmp_path, capsys
+):
+    """Issue 41, finding 5: checked before the cast, it made the loss NaN and the run stopped
+    with "lower actor.lr"; the real ``diffrl train`` now names the scorer and the value."""
+    assert train(tiny_checkpoint, tmp_path, 1, "reward.scorers=[{name: float64_huge}]") == 2
+    err = capsys.readouterr().err
+    assert "diffrl: error: required scorer 'float64_huge' returned 8 missing/NaN" in err
+    assert "1e+300 x weight 1 is not finite in float32" in err
+    assert "actor.lr" not in err and "Traceback" not in err
+    assert not (tmp_path / "shapes_nft" / "checkpoints").exists()  # nothing trained on it
+
+
 def test_a_diverged_run_keeps_its_last_good_checkpoint_and_resumes_with_a_new_config(
     tiny_checkpoint, out, caplog, monkeypatch
 ):
@@ -199,8 +272,10 @@ def test_a_diverged_run_keeps_its_last_good_checkpoint_and_resumes_with_a_new_co
 
     monkeypatch.setattr(ActorEngine, "train_step", diverging)
     run = out / "shapes_nft"
+    # the tiny random model's rewards all tie (gradient norm 0) before the weights go NaN:
+    # run.max_dead_steps would stop the run first; this test is about the NaN guard
     with caplog.at_level(logging.WARNING):
-        assert train(tiny_checkpoint, out, 10) == 2  # NonFiniteLoss after 3 bad updates
+        assert train(tiny_checkpoint, out, 10, "run.max_dead_steps=0") == 2  # NonFiniteLoss
     assert "not finite" in caplog.text and "checkpoint NOT written" in caplog.text
     assert dirs(run / "checkpoints") == ["step_000001", "step_000002"]  # keep=2 kept both
     monkeypatch.setattr(ActorEngine, "train_step", real_train_step)
@@ -216,15 +291,36 @@ def test_resume_starts_the_nonfinite_count_afresh(tmp_path, monkeypatch):
     resumed run (typically with a lower actor.lr) gets its full allowance again. (Checkpoints
     are not written while the count is above 0, so this guards state written otherwise.)"""
     saved = Checkpoint(tmp_path, {}, {"version": 4, "nonfinite": 2}, {"step": 4, "wall_s": 9.0})
-    monkeypatch.setattr(shared, "load_latest", lambda root: saved)
+    monkeypatch.setattr(shared, "load_latest", lambda root, expect: saved)
     loaded = {}
     parts = SimpleNamespace(
         cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
-        actor=SimpleNamespace(load_state=lambda a, s: loaded.update(s)),
+        actor=SimpleNamespace(load_state=lambda a, s: loaded.update(s), adapter_tensors=dict),
         prompts=SimpleNamespace(load_state_dict=lambda state, step: None),
     )
     assert shared.resume(parts, RunDir(tmp_path, tensorboard=False)) == (4, 9.0)
     assert loaded == {"version": 4, "nonfinite": 0}
+
+
+def test_a_checkpoint_the_actor_cannot_load_is_a_checkpoint_error_that_touches_nothing(
+    tmp_path, monkeypatch
+):
+    """What the contents checks cannot see (an optimizer state of another layout) still ends in
+    one clear error, not a traceback, before metrics.jsonl is cut back."""
+    saved = Checkpoint(tmp_path, {}, {"version": 4}, {"step": 4, "wall_s": 9.0})
+    monkeypatch.setattr(shared, "load_latest", lambda root, expect: saved)
+
+    def refuse(adapters, state):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match")
+
+    parts = SimpleNamespace(
+        cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
+        actor=SimpleNamespace(load_state=refuse, adapter_tensors=dict),
+    )
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 5}\n')
+    with pytest.raises(CheckpointError, match="does not fit this run: loaded state dict"):
+        shared.resume(parts, RunDir(tmp_path, tensorboard=False))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 5}\n'
 
 
 @pytest.mark.parametrize(
