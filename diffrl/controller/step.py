@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import torch.distributed as dist
 
-from diffrl.actor.checkpoint import load_latest, save_checkpoint
+from diffrl.actor.checkpoint import Checkpoint, save_checkpoint
 from diffrl.algorithms.advantage import tied_fraction
 from diffrl.build import Engines
 from diffrl.controller.run_dir import RunDir
@@ -110,17 +110,16 @@ def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
     )
 
 
-def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
-    """The newest checkpoint that verifies (CheckpointError if there are some but none does)."""
-    ckpt = load_latest(run.root / "checkpoints") if parts.cfg.run.resume else None
+def resume(parts: Engines, ckpt: Checkpoint | None) -> tuple[int, float]:
+    """Load ``ckpt`` (``run_start.begin_run`` found it) into the engines: (its step, its wall
+    seconds), (0, 0.0) without one. Writes nothing: a checkpoint that does not fit the model
+    (another LoRA rank) is refused before the run directory is touched."""
     if ckpt is None:
-        run.truncate_after(-1)  # a fresh run starts a fresh metrics file
         return 0, 0.0
     # the non-finite counter counts consecutive bad updates under the config that made them: a
     # diverged run resumed from its last good checkpoint (say with a lower actor.lr) starts afresh
     parts.actor.load_state(ckpt.adapters, {**ckpt.actor_state, "nonfinite": 0})
     parts.prompts.load_state_dict(ckpt.controller_state.get("prompts") or {}, ckpt.step)
-    run.truncate_after(ckpt.step)
     return ckpt.step, ckpt.wall_s
 
 
