@@ -8,7 +8,7 @@ host and pid, so a refused run can say whose the directory is.
 
 The lock file is created in the run directory, so taking it may create the directory; a run
 refused before it wrote anything (``release(remove_if_created=True)``) removes the directory
-again when it holds nothing but the lock.
+(and a missing ``out_dir`` it made) again when it holds nothing but the lock.
 """
 
 from __future__ import annotations
@@ -39,10 +39,15 @@ class RunLock:
         self.root = Path(root)
         self.path = self.root / LOCK_NAME
         self.fd: int | None = None
-        self.created_root = False  # this lock made the run directory (nothing else is in it)
+        # the directories this lock made (the run directory, and out_dir where it was missing),
+        # deepest first: a run refused before writing removes those it left empty
+        self.created: list[Path] = []
 
     def acquire(self) -> RunLock:
-        self.created_root = not self.root.exists()
+        missing = self.root
+        while not missing.exists() and missing.parent != missing:
+            self.created.append(missing)
+            missing = missing.parent
         self.root.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -83,13 +88,14 @@ class RunLock:
         nothing else is removed (a run refused before writing leaves no directory behind)."""
         if self.fd is None:
             return
-        if remove_if_created and self.created_root:
+        if remove_if_created and self.created:
             try:
                 if [p.name for p in self.root.iterdir()] == [LOCK_NAME]:
                     self.path.unlink()  # while still locked: no one else can be using it
-                    self.root.rmdir()
+                    for d in self.created:
+                        d.rmdir()  # OSError when another run has put something there: kept
             except OSError as e:
-                log.warning("could not remove %s: %s", self.root, e)
+                log.info("left %s in place: %s", e.filename, e.strerror)
         os.close(self.fd)  # closing the descriptor drops the flock
         self.fd = None
 

@@ -50,8 +50,6 @@ ALLOWED_CHANGES = (
     "run.eval_every",
     "run.save_every",
     "run.threads",
-    "run.resume",
-    "run.allow_changes",
     "run.max_minutes",
     "run.tensorboard",
     "run.prefetch",
@@ -75,6 +73,8 @@ ALLOWED_CHANGES = (
     "parallel.",
     "probe.",
 )
+# how this command starts, not what the run is: never a change
+NOT_COMPARED = ("run.resume", "run.allow_changes")
 CHANGES_FILE = "config_changes.jsonl"
 
 
@@ -187,7 +187,8 @@ def started(cfg: Config, primary: bool, begun: RunStart | None) -> Iterator[RunS
 
 def changed_keys(saved: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (saved value, new value) for each key whose value differs. Keys only one
-    side has (a key added or removed by a newer diffrl) are not changes; lists compare whole."""
+    side has (a key added or removed by a newer diffrl) are not changes, nor ``NOT_COMPARED``;
+    lists compare whole."""
     try:
         old = yaml.safe_load(saved.read_text())
     except FileNotFoundError:
@@ -197,7 +198,7 @@ def changed_keys(saved: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
         raise DiffrlError(f"{saved} is unreadable ({e}); restore it to resume") from None
     new = yaml.safe_load(to_yaml(cfg))  # the same round trip the saved file took
     a, b = dict(_flat(old if isinstance(old, dict) else {})), dict(_flat(new))
-    return {k: (a[k], b[k]) for k in b if k in a and a[k] != b[k]}
+    return {k: (a[k], b[k]) for k in b if k in a and a[k] != b[k] and k not in NOT_COMPARED}
 
 
 def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
