@@ -47,7 +47,13 @@ class RunConfig:
     eval_every: int = 10  # held-out eval (and sample grid) every N steps; also at start and end
     save_every: int = 10  # checkpoint every N steps; also at the end
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    resume: bool = True  # continue from the run directory's latest checkpoint if there is one
+    # continue from the run directory's latest checkpoint if there is one; false moves an
+    # earlier run aside to <out_dir>/<name>.<timestamp> and starts over
+    resume: bool = True
+    # a resume may change only keys that leave the training math alone (run.steps, logging,
+    # engines' placement: controller/run_start.py ALLOWED_CHANGES); true lets it change any,
+    # each change recorded in the run's config_changes.jsonl
+    allow_changes: bool = False
     max_minutes: float = 0.0  # stop (after a checkpoint) when the wall budget is spent; 0 = off
     # stop (exit status 2, naming why) after this many updates running that could not move the
     # weights: skipped (no row to train on, NaN/inf) or with a gradient norm of exactly 0 (every

@@ -228,7 +228,7 @@ def check_contents(
     if bad:
         raise CheckpointError(f"{name}: {len(bad)} adapter tensors are not finite (e.g. {bad[0]})")
     if expect is not None:
-        _check_adapters_fit(name, adapters, expect)
+        check_adapters_fit(name, adapters, expect)
 
 
 def _check_actor_state(name: str, actor_state: object) -> None:
@@ -256,7 +256,7 @@ def _check_actor_state(name: str, actor_state: object) -> None:
                 )
 
 
-def _check_adapters_fit(name: str, adapters: dict, expect: Mapping[str, Tensor]) -> None:
+def check_adapters_fit(name: str, adapters: dict, expect: Mapping[str, Tensor]) -> None:
     """The saved adapter tensors are the model's: every name, shape and dtype, as
     ``ActorEngine.load_state`` will copy them. The one difference it allows is the ``ema``
     adapter, whole or absent (``actor.ema_decay`` switched off, or on, since the save)."""

@@ -61,10 +61,11 @@ from tqdm import tqdm
 
 from diffrl.build import Engines
 from diffrl.channel import Channel
-from diffrl.config import Config, to_yaml
+from diffrl.config import Config
 from diffrl.controller.dead_steps import DeadSteps
 from diffrl.controller.midsync import bound_version, check_midsync, step_staleness
-from diffrl.controller.run_dir import open_run_dir
+from diffrl.controller.run_dir import RunDir
+from diffrl.controller.run_start import RunStart, started
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (
     close_step,
@@ -268,17 +269,24 @@ def fixed_weights(cfg: Config, world: int) -> bool:
     return cfg.run.async_weights == "fixed"
 
 
-async def train_async(cfg: Config, parts: Engines) -> Path:
+async def train_async(cfg: Config, parts: Engines, begun: RunStart | None = None) -> Path:
     """The actor loop. Consumes one ``Rollout`` per update (``take``); waits on the rollout
     loop's records, the update (in a worker thread, while the rollout runs) and eval; unblocks
     the rollout loop by publishing each update's weight plan. The caller owns ``parts``
-    (``controller/loop.py`` builds and closes them)."""
+    (``controller/loop.py`` builds and closes them) and ``begun`` (the run directory as
+    ``run_start.begin_run`` checked it; begun here when not given)."""
+    check_midsync(cfg, parts.rollout, fixed_weights(cfg, parts.ranks.world))
+    with started(cfg, parts.ranks.primary, begun) as begun:
+        if begun.finished:
+            return begun.root
+        # in-flight rollouts are not saved: they are redone. Refused here, nothing is written
+        start, wall0 = resume(parts, begun)
+        run = begun.open(parts.ranks.primary)  # rank 0 writes it
+        return await _train_async(cfg, parts, run, start, wall0)
+
+
+async def _train_async(cfg: Config, parts: Engines, run: RunDir, start: int, wall0: float) -> Path:
     ranks = parts.ranks
-    check_midsync(cfg, parts.rollout, fixed_weights(cfg, ranks.world))
-    root = Path(cfg.run.out_dir) / cfg.run.name
-    run = open_run_dir(root, cfg.run.tensorboard, ranks.primary)  # rank 0 writes it
-    run.write_config(to_yaml(cfg))
-    start, wall0 = resume(parts, run)  # in-flight rollouts are not saved: they are redone
     first_plan = parts.algorithm.weight_plan(start + 1, cfg.algorithm)
     load_verified(parts.rollout, parts.actor.export_weights(first_plan.rollout_adapter))
     clock = Clock(start, parts.actor.version, cfg.run.max_staleness, cfg.run.steps)

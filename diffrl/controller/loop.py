@@ -6,12 +6,14 @@ the other.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from diffrl.backends import build_engines
 from diffrl.config import Config
 from diffrl.controller.async_ import train_async
+from diffrl.controller.run_start import RunStart, started
 from diffrl.controller.sync import train_sync
 from diffrl.resources import check_out_dir
 
@@ -20,6 +22,16 @@ MODES = {"sync": train_sync, "async": train_async}  # run.mode -> its loop
 
 async def train(cfg: Config) -> Path:
     check_out_dir(cfg.run.out_dir)  # before a model loads, and before anything is written
+    # lock and check the run directory before the engines are built: a second run in it, a
+    # finished run or a refused resume answers at once, and nothing is written until the
+    # engines (resources) and the checkpoint (``step.resume``) have been accepted too
+    with started(cfg, os.environ.get("RANK", "0") == "0", None) as begun:
+        if begun.finished:
+            return begun.root
+        return await _train(cfg, begun)
+
+
+async def _train(cfg: Config, begun: RunStart) -> Path:
     parts = build_engines(cfg)
     if parts.bound is not None and parts.ranks.primary:  # once per run, before any work
         print(f"diffrl: {parts.bound.line()}", file=sys.stderr)
@@ -28,6 +40,6 @@ async def train(cfg: Config) -> Path:
     if parts.layout and parts.ranks.primary:
         print(f"diffrl: {parts.layout}", file=sys.stderr)
     try:
-        return await MODES[cfg.run.mode](cfg, parts)
+        return await MODES[cfg.run.mode](cfg, parts, begun)
     finally:  # scorer clients, remote engines: released however the run ends
         await parts.aclose()

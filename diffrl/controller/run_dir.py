@@ -50,7 +50,9 @@ def _rows(path: Path) -> list[tuple[str, dict]]:
 
 
 class RunDir:
-    def __init__(self, root: Path, tensorboard: bool = True) -> None:
+    def __init__(self, root: Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
+        """``purge_step``: TensorBoard hides the events earlier writers logged at and after it
+        (a resumed run redoes those steps)."""
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         (root / "samples").mkdir(exist_ok=True)
@@ -59,7 +61,7 @@ class RunDir:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(root / "tb"))
+            self.tb = SummaryWriter(str(root / "tb"), purge_step=purge_step)
 
     def write_config(self, text: str) -> None:
         _replace_atomically(self.root / "config.yaml", text)  # `diffrl eval RUN_DIR` reads it
@@ -201,8 +203,10 @@ class FollowerRunDir(RunDir):
         return self.root / "curves.png"  # rank 0 writes it
 
 
-def open_run_dir(root: Path, tensorboard: bool, primary: bool = True) -> RunDir:
-    return RunDir(root, tensorboard) if primary else FollowerRunDir(root)
+def open_run_dir(
+    root: Path, tensorboard: bool, primary: bool = True, purge_step: int | None = None
+) -> RunDir:
+    return RunDir(root, tensorboard, purge_step) if primary else FollowerRunDir(root)
 
 
 def _save_png(path: Path, save) -> Path:

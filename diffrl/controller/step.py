@@ -6,6 +6,7 @@ Neither mode imports the other; ``controller/loop.py`` picks one.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -13,16 +14,19 @@ from collections.abc import Awaitable, Callable
 import torch
 import torch.distributed as dist
 
-from diffrl.actor.checkpoint import load_latest, save_checkpoint
+from diffrl.actor.checkpoint import check_adapters_fit, load_latest, save_checkpoint
 from diffrl.algorithms.advantage import tied_fraction
 from diffrl.build import Engines
 from diffrl.controller.run_dir import RunDir
+from diffrl.controller.run_start import RunStart
 from diffrl.errors import CheckpointError
 from diffrl.hostmem import peak_rss_bytes
 from diffrl.reward.edges import run_local
 from diffrl.reward.pool import reward_summary
 from diffrl.sync.receipt import load_verified
 from diffrl.types import ScoredBatch
+
+log = logging.getLogger(__name__)
 
 # receives each scored micro-batch of a step as it is ready (run.stream_train trains it)
 OnScored = Callable[[ScoredBatch], Awaitable[None]]
@@ -112,17 +116,22 @@ def checkpoint(parts: Engines, run: RunDir, step: int, wall: float) -> None:
     )
 
 
-def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
-    """The newest checkpoint that verifies (CheckpointError if there are some but none does):
-    its files against the manifest, its contents for sense and against this model's adapters
-    (a newest one that fails falls back to the older one, as a torn file does). Nothing in the
-    run directory changes before one is accepted and loaded."""
-    ckpt = None
-    if parts.cfg.run.resume:  # every rank: the model's adapters are a collective under tp
-        ckpt = load_latest(run.root / "checkpoints", parts.actor.adapter_tensors())
-    if ckpt is None:
-        run.truncate_after(-1)  # a fresh run starts a fresh metrics file
+def resume(parts: Engines, begun: RunStart) -> tuple[int, float]:
+    """Load the checkpoint ``run_start.begin_run`` found (``begun.ckpt``) into the engines:
+    (its step, its wall seconds), (0, 0.0) without one. Its adapters must be this model's
+    (names, shapes, dtypes): a newest one that does not fit falls back to the older one that
+    does, as a torn file does (``begun.ckpt`` becomes that one). Writes nothing: a checkpoint
+    that cannot be loaded is refused before the run directory is touched."""
+    if begun.ckpt is None:
         return 0, 0.0
+    expect = parts.actor.adapter_tensors()  # every rank: a collective under tp
+    try:
+        check_adapters_fit(begun.ckpt.path.name, begun.ckpt.adapters, expect)
+    except CheckpointError as e:
+        log.warning("skipping checkpoint %s", e)
+        begun.ckpt = load_latest(begun.root / "checkpoints", expect)
+    ckpt = begun.ckpt
+    assert ckpt is not None, "load_latest found the checkpoint begin_run found"
     # the non-finite counter counts consecutive bad updates under the config that made them: a
     # diverged run resumed from its last good checkpoint (say with a lower actor.lr) starts afresh
     try:
@@ -132,7 +141,6 @@ def resume(parts: Engines, run: RunDir) -> tuple[int, float]:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # e.g. another optimizer's
         raise CheckpointError(f"{ckpt.path} does not fit this run: {e}") from e
-    run.truncate_after(ckpt.step)
     return ckpt.step, ckpt.wall_s
 
 

@@ -27,9 +27,10 @@ from tqdm import tqdm
 
 from diffrl.algorithms.registry import WeightPlan
 from diffrl.build import Engines
-from diffrl.config import Config, to_yaml
+from diffrl.config import Config
 from diffrl.controller.dead_steps import DeadSteps
-from diffrl.controller.run_dir import open_run_dir
+from diffrl.controller.run_dir import RunDir
+from diffrl.controller.run_start import RunStart, started
 from diffrl.controller.signals import StopSignals
 from diffrl.controller.step import (
     OnScored,
@@ -117,11 +118,17 @@ def prefetch_next(parts: Engines, step: int, plan: WeightPlan) -> asyncio.Task |
     return None
 
 
-async def train_sync(cfg: Config, parts: Engines) -> Path:
-    root = Path(cfg.run.out_dir) / cfg.run.name
-    run = open_run_dir(root, cfg.run.tensorboard, parts.ranks.primary)
-    run.write_config(to_yaml(cfg))
-    start, wall0 = resume(parts, run)
+async def train_sync(cfg: Config, parts: Engines, begun: RunStart | None = None) -> Path:
+    """``begun``: the run's directory as ``run_start.begin_run`` checked it (begun here when
+    not given)."""
+    with started(cfg, parts.ranks.primary, begun) as begun:
+        if begun.finished:
+            return begun.root
+        start, wall0 = resume(parts, begun)  # refused here, nothing has been written
+        return await _train_sync(cfg, parts, begun.open(parts.ranks.primary), start, wall0)
+
+
+async def _train_sync(cfg: Config, parts: Engines, run: RunDir, start: int, wall0: float) -> Path:
     plan_of = lambda k: parts.algorithm.weight_plan(k, cfg.algorithm)  # noqa: E731
     load_verified(parts.rollout, parts.actor.export_weights(plan_of(start + 1).rollout_adapter))
     t0, samples, eval_m = time.time() - wall0, 0, {}

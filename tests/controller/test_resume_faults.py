@@ -33,7 +33,7 @@ from diffrl.actor.checkpoint import MANIFEST, Checkpoint, load_latest
 from diffrl.actor.engine import ActorEngine
 from diffrl.cli import main
 from diffrl.config import load_config
-from diffrl.controller.run_dir import RunDir, read_metrics
+from diffrl.controller.run_dir import read_metrics
 from diffrl.controller.signals import StopSignals
 from diffrl.errors import CheckpointError, ConfigError
 from diffrl.reward.scorer import ScoreResult, register_scorer
@@ -279,26 +279,25 @@ def test_a_diverged_run_keeps_its_last_good_checkpoint_and_resumes_with_a_new_co
     assert "not finite" in caplog.text and "checkpoint NOT written" in caplog.text
     assert dirs(run / "checkpoints") == ["step_000001", "step_000002"]  # keep=2 kept both
     monkeypatch.setattr(ActorEngine, "train_step", real_train_step)
-    assert train(tiny_checkpoint, out, 4, "actor.lr=5e-4") == 0
+    # a changed training key: the resume must say so (issue 41, finding 12)
+    assert train(tiny_checkpoint, out, 4, "actor.lr=5e-4", "run.allow_changes=true") == 0
     rows = read_metrics(run)
     assert trained_steps(run) == [1, 2, 3, 4]
     assert all(math.isfinite(r["actor/loss"]) for r in rows if r["step"] > 2)
     assert rows[-1]["actor/lr"] == 5e-4
 
 
-def test_resume_starts_the_nonfinite_count_afresh(tmp_path, monkeypatch):
+def test_resume_starts_the_nonfinite_count_afresh(tmp_path):
     """The count of consecutive non-finite updates belongs to the config that made them; a
     resumed run (typically with a lower actor.lr) gets its full allowance again. (Checkpoints
     are not written while the count is above 0, so this guards state written otherwise.)"""
     saved = Checkpoint(tmp_path, {}, {"version": 4, "nonfinite": 2}, {"step": 4, "wall_s": 9.0})
-    monkeypatch.setattr(shared, "load_latest", lambda root, expect: saved)
     loaded = {}
     parts = SimpleNamespace(
-        cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
         actor=SimpleNamespace(load_state=lambda a, s: loaded.update(s), adapter_tensors=dict),
         prompts=SimpleNamespace(load_state_dict=lambda state, step: None),
     )
-    assert shared.resume(parts, RunDir(tmp_path, tensorboard=False)) == (4, 9.0)
+    assert shared.resume(parts, SimpleNamespace(ckpt=saved, root=tmp_path)) == (4, 9.0)
     assert loaded == {"version": 4, "nonfinite": 0}
 
 

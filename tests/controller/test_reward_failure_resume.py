@@ -35,12 +35,13 @@ class DiesAfterTwo:
         return ScoreResult(torch.rand(len(traj), generator=g), torch.ones(len(traj), dtype=bool))
 
 
-def config(tiny_checkpoint, out_dir, scorer: str, steps: int):
+def config(tiny_checkpoint, out_dir, scorer: str, steps: int, *more: str):
     extra = [
         f"reward.scorers=[{{name: {scorer}}}]",
         "run.save_every=1",
         "rollout.num_steps=2",
         "run.eval_every=100",
+        *more,
     ]
     return load_config("recipes/shapes_nft.yaml", tiny_run(tiny_checkpoint, out_dir, steps, *extra))
 
@@ -52,7 +53,8 @@ def test_required_scorer_failure_stops_and_resume_continues(tiny_checkpoint, tmp
     ckpts = tmp_path / "shapes_nft" / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_000002"  # both good steps were saved
     # the server is back (here: the local verifier); the same run continues from step 2
-    asyncio.run(train(config(tiny_checkpoint, tmp_path, "shapes", 4)))
+    # (its scorer's name changes here: a changed training key, allowed explicitly)
+    asyncio.run(train(config(tiny_checkpoint, tmp_path, "shapes", 4, "run.allow_changes=true")))
     rows = read_metrics(tmp_path / "shapes_nft")
     trained = [r["step"] for r in rows if "actor/loss" in r]
     assert trained == [1, 2, 3, 4]  # no step lost, none repeated
