@@ -65,16 +65,17 @@ def test_a_geometry_the_model_cannot_take_is_one_line(
     assert err.startswith(f"diffrl: error: config key 'model.{key}' = {value}: ") and allowed in err
 
 
-def test_a_missing_extra_is_an_install_hint(monkeypatch, capsys) -> None:
+def test_a_missing_extra_is_an_install_hint(monkeypatch, tmp_path, capsys) -> None:
     pytest.importorskip("diffusers")
     for name in [n for n in sys.modules if n == "diffusers" or n.startswith("diffusers.")]:
         monkeypatch.setitem(sys.modules, name, None)  # `import diffusers...` now fails
     monkeypatch.setitem(sys.modules, "diffusers", None)
+    hint = "diffusers (not installed here): pip install -e '.[models]'"
     assert main(["plan", "sd35_nft", "model.preset=sd35-tiny"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "diffrl: error: diffrl plan needs diffusers (not installed here): " + (
-        "pip install -e '.[models]'"
-    )
+    assert capsys.readouterr().err.strip() == f"diffrl: error: diffrl plan needs {hint}"
+    out = tmp_path / "runs"
+    assert main(["train", "sd35_nft", "model.preset=sd35-tiny", f"run.out_dir={out}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"needs {hint}")
     # any other missing module is a bug, and keeps its traceback
     assert install_hint(ModuleNotFoundError("x", name="numpyy")) is None
 
