@@ -211,10 +211,13 @@ class WanFamily(HasReferencePipeline, HasMediaGeometry):
         latent_t = (frames - 1) // self.scale_t + 1  # the VAE keeps the first frame whole
         if frames < 1 or (frames - 1) % self.scale_t or latent_t % p_t or latent_t > rope * p_t:
             most = (rope * p_t - 1) * self.scale_t + 1
+            patch = (
+                f", and (frames - 1) / {self.scale_t} + 1 a multiple of {p_t}" if p_t > 1 else ""
+            )
             raise ConfigError(
                 f"config key 'model.frames' = {frames}: this wan model takes 1 + a multiple of "
-                f"{self.scale_t} (VAE x{self.scale_t} in time), {latent_t} latent frames a "
-                f"multiple of patch {p_t}, up to {most} frames; 0 = the model's default"
+                f"{self.scale_t} (VAE x{self.scale_t} in time) up to {most}{patch}; 0 = the "
+                "model's default"
             )
 
     # --- contract 3 ---------------------------------------------------------------------
