@@ -13,10 +13,12 @@ import stat
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from diffrl.cli import main
 from diffrl.config import Config, load_config
 from diffrl.extras import install_hint
+from diffrl.models.registry import preset_takes_over
 
 SMOKE = [  # tiny overrides on top of a recipe's README smoke command (model.preset=...-tiny)
     "reward.scorers=[{name: jpeg_incompressibility}]",
@@ -40,11 +42,13 @@ def test_a_preset_on_the_command_line_brings_its_geometry() -> None:
     over = ["model.preset=wan-tiny", "model.frames=5"]
     assert load_config("recipes/wan_nft.yaml", over).model.frames == 5
     assert load_config("recipes/wan_nft.yaml").model.resolution == 480
-    # what a recipe gives for its own preset stands when the command line names that preset
-    same = load_config("recipes/h3_fl2va_8gpu.yaml", ["model.preset=minimax-h3"]).model
-    assert (same.resolution, same.frames) == (384, 124)
-    other = load_config("recipes/h3_fl2va_8gpu.yaml", ["model.preset=h3-avbench-tp4"]).model
-    assert (other.resolution, other.frames) == (0, 0)
+    # a real-size preset stands for the recipe's own model: the recipe's geometry holds
+    real = load_config("recipes/sd35_nft.yaml", ["model.preset=sd35-medium"]).model
+    assert real.resolution == 512
+    # and so does what a recipe gives for its own tiny preset, named again on the command line
+    recipe = OmegaConf.create({"model": {"preset": "sd35-tiny", "resolution": 64}})
+    cli = OmegaConf.from_dotlist(["model.preset=sd35-tiny"])
+    assert preset_takes_over(recipe, cli).model.resolution == 64
 
 
 @pytest.mark.parametrize(

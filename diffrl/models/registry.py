@@ -95,25 +95,29 @@ class ModelConfig:
         return PRESET_FAMILY.get(self.preset, self.family)
 
 
-# what a preset brings with it: the model's source and geometry. A recipe's values of these keys
-# were written for the recipe's own model, not for a preset chosen on the command line
+# what a tiny preset brings with it: the model's source and geometry. A recipe's values of these
+# keys were written for the recipe's real model, not for a CPU-sized stand-in
 PRESET_OWNS = ("path", "weights", "resolution", "frames", "max_text_len")
 
 
 def preset_takes_over(recipe: DictConfig, cli: DictConfig) -> DictConfig:
-    """The precedence of the model's geometry (``PRESET_OWNS``), highest first:
+    """The precedence of the model's source and geometry (``PRESET_OWNS``), highest first:
 
     1. a key given on the command line (``model.resolution=64``);
-    2. the preset's own value, when the command line picks a preset (``model.preset=sd35-tiny``)
-       other than the recipe's: the recipe's keys are dropped, so 0 (the preset's default) holds;
-    3. the recipe's value.
+    2. a tiny preset's own value (``*-tiny``, the CPU-test presets), when the command line picks
+       one other than the recipe's: the recipe's keys are dropped, so 0 (the preset's default)
+       holds. ``diffrl train recipes/sd35_nft.yaml model.preset=sd35-tiny`` samples at the tiny
+       model's resolution, not the recipe's 512;
+    3. the recipe's value. A real-size preset (``sd35-medium``) stands for the model the recipe
+       was written for, so it keeps the recipe's geometry (``diffrl plan`` at the recipe's 512).
 
-    So ``diffrl train recipes/sd35_nft.yaml model.preset=sd35-tiny`` samples at the tiny model's
-    resolution, not the recipe's 512. Returns ``recipe`` with those keys removed where rule 2
-    applies (``cli`` is merged over it afterwards)."""
+    Returns ``recipe`` with those keys removed where rule 2 applies (``cli`` is merged over it
+    afterwards)."""
     preset = OmegaConf.select(cli, "model.preset", default=None)
     model = recipe.get("model") if isinstance(recipe, DictConfig) else None
-    if not preset or not isinstance(model, DictConfig) or model.get("preset") == preset:
+    if not isinstance(preset, str) or not preset.endswith("-tiny"):
+        return recipe
+    if not isinstance(model, DictConfig) or model.get("preset") == preset:
         return recipe
     for key in PRESET_OWNS:
         if key in model:
