@@ -204,6 +204,7 @@ def stopped_early(bar, done: int, steps: int, max_minutes: float) -> None:
     """The wall budget ended the run before its last step: the bar shows where it stopped
     without an ETA for steps that will not run, and a line says why and how to go on."""
     bar.bar_format = "{desc}: {n_fmt}/{total_fmt} [{elapsed}, stopped early{postfix}]"
+    bar.n = done  # the loop's iterator counts a step only when the next one is drawn
     bar.refresh()
     bar.close()
     print(
