@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from diffrl.errors import CONTRACTS_LOG, DiffrlError
+from diffrl.extras import install_hint
 
 
 def _recipe_config(argv: list[str]):
@@ -174,14 +175,47 @@ def _split(items: list[str]) -> tuple[str | None, list[str]]:
     return None, items
 
 
+class _TrainHelp(argparse.Action):
+    """``diffrl train -h``: the usage, then the config keys by section (``config_help``)."""
+
+    def __init__(self, option_strings, dest, **kw) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from diffrl.config_help import config_keys_help
+
+        parser.print_help()
+        print(f"\n{config_keys_help()}")
+        parser.exit()
+
+
+def _take_trailing(parser: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """argparse fills a ``nargs="*"`` positional only from the words before the first flag:
+    the words after the flags (``bench rollout --repeats 1 run.threads=1``) belong to the
+    same list (a command's recipe and overrides; ``eval``'s overrides)."""
+    if not extra:
+        return
+    dest = "overrides" if args.command == "eval" else "args"
+    if any(e.startswith("-") for e in extra) or not isinstance(getattr(args, dest, None), list):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    setattr(args, dest, [*getattr(args, dest), *extra])
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # what the start-up contract checks found is shown, not only their failures
     logging.getLogger(CONTRACTS_LOG).setLevel(logging.INFO)
     parser = argparse.ArgumentParser(prog="diffrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="RL post-training from a recipe (default: shapes_nft)")
-    p.add_argument("args", nargs="*", help="[RECIPE.yaml] [key=value ...]")
+    p = sub.add_parser(
+        "train",
+        help="RL post-training from a recipe (default: shapes_nft)",
+        add_help=False,  # its -h also lists the config keys (read only when asked: imports)
+    )
+    p.add_argument("-h", "--help", action=_TrainHelp, help="this help and every config key")
+    p.add_argument(
+        "args", nargs="*", help="[RECIPE] [key=value ...]: RECIPE a path, or a name in recipes/"
+    )
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser(
         "bench", help="throughput, step latency and MFU of a recipe's engines (rollout|train|epoch)"
@@ -279,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         help="scorer constructor param (repeatable)",
     )
     p.set_defaults(fn=cmd_serve_reward)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    _take_trailing(parser, args, extra)
     try:
         return args.fn(args)
     except DiffrlError as e:
@@ -291,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno not in DISK_ERRNOS:
             raise
         print(f"diffrl: error: {disk_message(e)}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # an optional extra not installed: say which, not a traceback
+        hint = install_hint(e)
+        if hint is None:
+            raise
+        print(f"diffrl: error: diffrl {args.command} needs {hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("diffrl: interrupted; resume by running the same command again", file=sys.stderr)

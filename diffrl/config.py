@@ -25,7 +25,7 @@ from diffrl.algorithms.registry import (
 )
 from diffrl.errors import ConfigError, FieldError, check, check_choice
 from diffrl.models.probe import ProbeConfig
-from diffrl.models.registry import ModelConfig
+from diffrl.models.registry import ModelConfig, preset_takes_over
 from diffrl.parallel.launch import ParallelConfig
 from diffrl.placement import PlacementConfig, RayConfig
 from diffrl.reward.pool import RewardConfig
@@ -214,10 +214,16 @@ def resolve_recipe(path: str | None) -> Path:
     """A recipe path as given, else relative to the repository (so ``diffrl train`` works
     from any directory)."""
     path = path or DEFAULT_RECIPE
-    for candidate in (Path(path), REPO_ROOT / path, REPO_ROOT / "recipes" / path):
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"recipe {path!r} not found (looked in . and {REPO_ROOT / 'recipes'})")
+    names = [path] if path.endswith((".yaml", ".yml")) else [path, f"{path}.yaml"]
+    for name in names:  # `shapes_grpo` is recipes/shapes_grpo.yaml
+        for candidate in (Path(name), REPO_ROOT / name, REPO_ROOT / "recipes" / name):
+            if candidate.is_file():
+                return candidate
+    shipped = sorted(p.stem for p in (REPO_ROOT / "recipes").glob("*.yaml"))
+    raise ConfigError(
+        f"recipe {path!r} not found (looked in . and {REPO_ROOT / 'recipes'}); recipes there: "
+        f"{', '.join(shipped)}"
+    )
 
 
 def mergeable_schema(obj) -> DictConfig:
@@ -246,13 +252,12 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.beta=0.1)")
+    # found before the read below, whose errors are about the YAML and the overrides' syntax
+    path = resolve_recipe(str(recipe)) if recipe is not None else None
     try:
-        raw = (
-            OmegaConf.load(resolve_recipe(str(recipe)))
-            if recipe is not None
-            else OmegaConf.create()
-        )
-        raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
+        raw = OmegaConf.load(path) if path is not None else OmegaConf.create()
+        cli = OmegaConf.from_dotlist(overrides)
+        raw = OmegaConf.merge(preset_takes_over(raw, cli), cli)
     except yaml.YAMLError as e:
         # recipes are read with a safe loader: a python/object tag (code to run) is refused
         raise ConfigError(

@@ -16,7 +16,7 @@ import wave
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 from diffrl.diskio import replacing  # a disk error is one line; the old file stays whole
 
@@ -26,6 +26,14 @@ VERDICT_COLOURS: dict[bool | None, tuple[int, int, int]] = {
     False: (210, 40, 40),
 }
 NO_VERDICT = (150, 150, 150)  # grey: the task gives no verdict
+
+
+def caption_font() -> ImageFont.ImageFont:
+    """PIL's bitmap font, 6 px a character, spaces included: what captions are wrapped for.
+    Pillow >= 10.1's ``load_default()`` is a FreeType font whose space is 2 px wide, so a
+    wrapped caption read "boat tied toa dock"."""
+    return ImageFont.load_default_imagefont()
+
 
 # the spectrogram's colour map, quiet to loud: black, purple, orange, pale yellow
 _STOPS = np.array([[0, 0, 4], [120, 30, 130], [240, 110, 40], [252, 250, 190]], dtype=np.float64)
@@ -110,7 +118,7 @@ def strip_png(
     for i, frame in enumerate(frames):
         canvas.paste(frame, (pad + i * frame_w, pad))
     canvas.paste(spec, (pad, pad + frame_px + gap))
-    draw.text((2, box_h + 2), "\n".join(lines), fill=(0, 0, 0), spacing=1)
+    draw.text((2, box_h + 2), "\n".join(lines), fill=(0, 0, 0), font=caption_font(), spacing=1)
     with replacing(path) as tmp:
         canvas.save(tmp, format="PNG")
     return Path(path)

@@ -104,7 +104,7 @@ class RunDir:
         cell_w, cell_h = tile + 8, tile + 12 + line_h * max(len(c) for c in captions)
         rows = math.ceil(n / cols)
         canvas = Image.new("RGB", (cols * cell_w, rows * cell_h), (255, 255, 255))
-        draw = ImageDraw.Draw(canvas)
+        draw, font = ImageDraw.Draw(canvas), media.caption_font()
         small = images.shape[1] < tile  # upscale pixel art sharply, downscale real images smoothly
         for i in range(n):
             x, y = (i % cols) * cell_w, (i // cols) * cell_h
@@ -112,7 +112,8 @@ class RunDir:
             draw.rectangle([x + 1, y + 1, x + tile + 6, y + tile + 6], fill=border)
             resample = Image.Resampling.NEAREST if small else Image.Resampling.LANCZOS
             canvas.paste(Image.fromarray(images[i]).resize((tile, tile), resample), (x + 4, y + 4))
-            draw.text((x + 2, y + tile + 9), "\n".join(captions[i]), fill=(0, 0, 0), spacing=1)
+            text = "\n".join(captions[i])
+            draw.text((x + 2, y + tile + 9), text, fill=(0, 0, 0), font=font, spacing=1)
         return _save_png(self.root / "samples" / f"step_{step:06d}.png", canvas.save)
 
     def save_clips(

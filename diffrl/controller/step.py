@@ -202,12 +202,34 @@ async def close_step(
     if parts.ranks.any(stop.requested):
         checkpoint(parts, run, done, time.time() - t0)
         return True, eval_m
+    # eval/overall is an accuracy on the verifier tasks and a reward mean on a prompts dataset:
+    # the task names it (a task of the user's own without the attribute reads as an accuracy)
+    headline = getattr(parts.task, "headline", "eval_acc")
     bar.set_postfix(
-        reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-        eval_acc=f"{eval_m.get('eval/overall', float('nan')):.3f}",
-        **postfix,
+        {
+            "reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
+            headline: f"{eval_m.get('eval/overall', float('nan')):.3f}",
+            **postfix,
+        }
     )
     if done % cfg.run.save_every == 0 or done == cfg.run.steps or out_of_time:
         checkpoint(parts, run, done, time.time() - t0)
         run.save_curves()
+    if out_of_time and done < cfg.run.steps and parts.ranks.primary:
+        stopped_early(bar, done, cfg.run.steps, cfg.run.max_minutes)
     return bool(out_of_time), eval_m
+
+
+def stopped_early(bar, done: int, steps: int, max_minutes: float) -> None:
+    """The wall budget ended the run before its last step: the bar shows where it stopped
+    without an ETA for steps that will not run, and a line says why and how to go on."""
+    bar.bar_format = "{desc}: {n_fmt}/{total_fmt} [{elapsed}, stopped early{postfix}]"
+    bar.n = done  # the loop's iterator counts a step only when the next one is drawn
+    bar.refresh()
+    bar.close()
+    print(
+        f"diffrl: stopped after step {done} of {steps}: run.max_minutes={max_minutes:g} is "
+        "spent (checkpointed); to take the remaining steps, run the same command with a "
+        "larger run.max_minutes (0 = no limit)",
+        file=sys.stderr,
+    )

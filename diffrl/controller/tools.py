@@ -5,6 +5,7 @@ diffusers loads (``diffrl export RUN_DIR --out DIR``)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,5 +104,16 @@ def export_run(run_dir: str | Path, out: str | Path, adapter: str = "") -> Path:
         "rank": str(cfg.actor.lora.rank),
         "note": json.dumps("LoRA scale folded into lora_B; load with alpha = rank"),
     }
-    save_file(state, str(out / DIFFUSERS_WEIGHT_NAME), metadata=meta)
-    return out / DIFFUSERS_WEIGHT_NAME
+    path = out / DIFFUSERS_WEIGHT_NAME
+    tmp = out / f".{DIFFUSERS_WEIGHT_NAME}.tmp"
+    try:
+        save_file(state, str(tmp), metadata=meta)
+        # safetensors creates its files 0600; an exported LoRA is for sharing, so it gets the
+        # mode any new file gets here (0644 under the usual umask 022)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)  # whole or not at all: a reader never sees half a file
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

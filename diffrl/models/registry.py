@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
 from diffrl.errors import ConfigError, check, check_choice
+from diffrl.extras import install_hint
 from diffrl.models import families as _families_pkg
 from diffrl.models.convention import CONVENTIONS
 from diffrl.models.family import Builtin, FamilyModel, FamilySpec
@@ -93,6 +95,36 @@ class ModelConfig:
         return PRESET_FAMILY.get(self.preset, self.family)
 
 
+# what a tiny preset brings with it: the model's source and geometry. A recipe's values of these
+# keys were written for the recipe's real model, not for a CPU-sized stand-in
+PRESET_OWNS = ("path", "weights", "resolution", "frames", "max_text_len")
+
+
+def preset_takes_over(recipe: DictConfig, cli: DictConfig) -> DictConfig:
+    """The precedence of the model's source and geometry (``PRESET_OWNS``), highest first:
+
+    1. a key given on the command line (``model.resolution=64``);
+    2. a tiny preset's own value (``*-tiny``, the CPU-test presets), when the command line picks
+       one other than the recipe's: the recipe's keys are dropped, so 0 (the preset's default)
+       holds. ``diffrl train recipes/sd35_nft.yaml model.preset=sd35-tiny`` samples at the tiny
+       model's resolution, not the recipe's 512;
+    3. the recipe's value. A real-size preset (``sd35-medium``) stands for the model the recipe
+       was written for, so it keeps the recipe's geometry (``diffrl plan`` at the recipe's 512).
+
+    Returns ``recipe`` with those keys removed where rule 2 applies (``cli`` is merged over it
+    afterwards)."""
+    preset = OmegaConf.select(cli, "model.preset", default=None)
+    model = recipe.get("model") if isinstance(recipe, DictConfig) else None
+    if not isinstance(preset, str) or not preset.endswith("-tiny"):
+        return recipe
+    if not isinstance(model, DictConfig) or model.get("preset") == preset:
+        return recipe
+    for key in PRESET_OWNS:
+        if key in model:
+            del model[key]
+    return recipe
+
+
 def family(name: str) -> FamilySpec:
     """The record of model family ``name``."""
     if name not in FAMILIES:
@@ -106,11 +138,9 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> FamilyMo
     try:
         model = spec.load(cfg, torch.device(device))
     except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] in ("diffusers", "transformers", "tokenizers"):
-            raise ConfigError(
-                f"model family {spec.name!r} needs a package that is not installed ({e}); "
-                "install diffusers and transformers (pip install -e '.[models]')"
-            ) from None
+        hint = install_hint(e)
+        if hint is not None:
+            raise ConfigError(f"model family {spec.name!r} needs {hint}") from None
         raise
     if cfg.weights:
         load_weights(model, cfg.weights)

@@ -80,6 +80,8 @@ def _from_json(path: Path, line: int, text: str) -> Prompt:
 
 class PromptsTask:
     name = "prompts"
+    # the progress bar's name for eval/overall: here the weighted reward's mean, no accuracy
+    headline = "eval_reward"
 
     def __init__(self, cfg: TaskConfig) -> None:
         self.cfg = cfg

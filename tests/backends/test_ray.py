@@ -14,6 +14,7 @@ from ray_runs import PARTIAL, RECIPE, all_released, local_ray, run, untimed  # n
 from tiny_runs import tiny_run
 
 from diffrl.backends import build_engines
+from diffrl.cli import main
 from diffrl.config import load_config
 from diffrl.errors import ConfigError, ContractError, DiffrlError
 
@@ -66,7 +67,9 @@ def tiny(checkpoint, out, steps, *extra):
     return tiny_run(checkpoint, out, steps, *over, *extra)
 
 
-def test_resume_async_and_transferqueue_on_ray_equal_local(tiny_checkpoint, tmp_path, monkeypatch):
+def test_resume_async_and_transferqueue_on_ray_equal_local(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
     local = run(tiny(tiny_checkpoint, tmp_path / "local", 3), RECIPE)
     assert any(r.get("actor/grad_norm", 0) > 0 for r in local[1:])  # the weights do move
     # stopped after 2 steps, resumed to 3: the checkpoint round-trips through the actor host
@@ -74,6 +77,14 @@ def test_resume_async_and_transferqueue_on_ray_equal_local(tiny_checkpoint, tmp_
     run(tiny(tiny_checkpoint, ray_dir, 2, "run.backend=ray"), RECIPE)
     resumed = run(tiny(tiny_checkpoint, ray_dir, 3, "run.backend=ray"), RECIPE)
     assert untimed(resumed) == untimed(local)
+    # `diffrl eval` of the Ray-trained run builds its engines on Ray again, prints the newest
+    # checkpoint's eval and closes the remote reward pool (it raised AttributeError there)
+    capsys.readouterr()
+    assert main(["eval", str(ray_dir / "shapes_nft")]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    printed = dict(w for w in lines if len(w) == 2)  # not the Ray workers' own log lines
+    assert float(printed["step"]) == 3
+    assert abs(float(printed["eval/overall"]) - local[-1]["eval/overall"]) < 1e-3
     # async mode at max_staleness 0 is sync's schedule, on remote engines too
     over = ["run.backend=ray", "run.mode=async", "run.max_staleness=0"]
     asynced = run(tiny(tiny_checkpoint, tmp_path / "async", 3, *over), RECIPE)

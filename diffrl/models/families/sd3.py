@@ -204,21 +204,20 @@ class SD3Family(ResolutionFree, HasReferencePipeline):
                 raise ConfigError(
                     f"sd3: a transformer with {cfg.in_channels} input channels needs a vae/"
                 )
+            down = 1  # pixel space: the image is the latent
             self._latent = (3, resolution, resolution)
         else:
             down = 2 ** (len(vae.config.block_out_channels) - 1)
-            if resolution % (down * cfg.patch_size):
-                raise ConfigError(
-                    f"sd3: resolution {resolution} is not a multiple of {down * cfg.patch_size}"
-                )
             side = resolution // down
             self._latent = (vae.config.latent_channels, side, side)
-        if not self.accepts_shape(self._latent):
-            most = (cfg.pos_embed_max_size or cfg.sample_size) * cfg.patch_size
-            px = most * (resolution // self._latent[-1])
+        # checked here, before diffusers' own ValueError deep in the first forward ("Height (32)
+        # cannot be greater than pos_embed_max_size: 16")
+        step, most = down * cfg.patch_size, (cfg.pos_embed_max_size or cfg.sample_size)
+        if resolution % step or not self.accepts_shape(self._latent):
             raise ConfigError(
-                f"sd3: model.resolution {resolution} needs a {self._latent[-1]}-wide latent; "
-                f"this transformer's position table covers {most} (model.resolution <= {px})"
+                f"config key 'model.resolution' = {resolution}: this sd3 transformer takes a "
+                f"multiple of {step} from {step} to {most * step} (position table of {most} "
+                f"patches of {cfg.patch_size}, VAE x{down}); 0 = the model's default"
             )
 
     def tokenize(self, texts: Sequence[str]) -> TokenBatch:

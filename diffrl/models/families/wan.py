@@ -196,15 +196,29 @@ class WanFamily(HasReferencePipeline, HasMediaGeometry):
         vae = net.frozen.vae.config
         self.scale_t, self.scale_s = vae.scale_factor_temporal, vae.scale_factor_spatial
         self.fps = FPS_WAN22_5B if vae.z_dim == 48 else FPS
-        p_t, p_h, _ = net.transformer.config.patch_size
-        if (frames - 1) % self.scale_t or resolution % (self.scale_s * p_h):
+        tcfg = net.transformer.config
+        p_t, p_h, _ = tcfg.patch_size
+        # the rotary table covers rope_max_seq_len patches per axis; past it diffusers fails
+        # deep in the first forward with a shape error, so the range is said here
+        rope = getattr(tcfg, "rope_max_seq_len", 1024)
+        step_s = self.scale_s * p_h
+        if resolution % step_s or not 0 < resolution <= rope * step_s:
             raise ConfigError(
-                f"wan: frames {frames} must be 1 + a multiple of {self.scale_t}, and "
-                f"resolution {resolution} a multiple of {self.scale_s * p_h} "
-                f"(VAE x{self.scale_s}, patch {p_h})"
+                f"config key 'model.resolution' = {resolution}: this wan model takes a multiple "
+                f"of {step_s} from {step_s} to {rope * step_s} (VAE x{self.scale_s}, patch "
+                f"{p_h}, {rope} rotary positions); 0 = the model's default"
             )
-        if self.latent_shape()[1] % p_t:
-            raise ConfigError(f"wan: {self.latent_shape()[1]} latent frames vs patch_t {p_t}")
+        latent_t = (frames - 1) // self.scale_t + 1  # the VAE keeps the first frame whole
+        if frames < 1 or (frames - 1) % self.scale_t or latent_t % p_t or latent_t > rope * p_t:
+            most = (rope * p_t - 1) * self.scale_t + 1
+            patch = (
+                f", and (frames - 1) / {self.scale_t} + 1 a multiple of {p_t}" if p_t > 1 else ""
+            )
+            raise ConfigError(
+                f"config key 'model.frames' = {frames}: this wan model takes 1 + a multiple of "
+                f"{self.scale_t} (VAE x{self.scale_t} in time) up to {most}{patch}; 0 = the "
+                "model's default"
+            )
 
     # --- contract 3 ---------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str]) -> TokenBatch:

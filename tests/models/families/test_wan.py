@@ -46,7 +46,9 @@ def test_loads_from_dir(model) -> None:
 def test_preset_and_bad_sizes() -> None:
     m = load_model(ModelConfig(preset="wan-tiny"))
     assert m.family.latent_shape() == (16, 3, 4, 4)
-    with pytest.raises(ConfigError, match="frames 8 must be 1 \\+ a multiple of 4"):
+    with pytest.raises(
+        ConfigError, match="'model.frames' = 8: this wan model takes 1 \\+ a multiple of 4"
+    ):
         load_model(ModelConfig(preset="wan-tiny", frames=8))
 
 
