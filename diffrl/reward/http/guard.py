@@ -63,8 +63,12 @@ class ConnectionLimits:
     max_head_bytes: int = 16 << 10  # request line + headers (431 beyond)
 
     def __post_init__(self) -> None:
-        timeouts = (self.header_timeout_s, self.body_timeout_s, self.keep_alive_s)
-        timeouts += (self.queue_timeout_s,)
+        timeouts = (
+            self.header_timeout_s,
+            self.body_timeout_s,
+            self.keep_alive_s,
+            self.queue_timeout_s,
+        )
         if not all(0 < t < math.inf for t in timeouts):  # NaN fails too
             raise ValueError(f"{self}: timeouts must be finite and > 0")
         if min(self.max_connections, self.max_queued, self.max_idle) < 1:
@@ -330,7 +334,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _trim_idle(self) -> None:
         """Past ``max_idle`` sockets without a request, close the oldest of them."""
-        idle = [c for c in self.connections if _idle(c)]
+        idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and _idle(c)]
         if len(idle) <= self.limits.max_idle:
             return
         oldest = min(idle, key=lambda c: c._phase_since)

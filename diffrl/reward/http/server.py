@@ -433,9 +433,9 @@ def scorer_params(scorer: Scorer, given: dict[str, Any]) -> dict[str, Any]:
     keeps as an attribute of the same name (so defaults show too, e.g. shapes' ``mode``)."""
     out = dict(given)
     try:
-        names = inspect.signature(type(scorer).__init__).parameters
+        names = list(inspect.signature(type(scorer).__init__).parameters)
     except (TypeError, ValueError):
-        names = {}
+        names = []
     for name in names:
         value = getattr(scorer, name, None)
         if name not in out and isinstance(value, (str, int, float, bool)):
