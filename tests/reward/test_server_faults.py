@@ -343,6 +343,10 @@ def test_a_flood_of_bad_requests_logs_a_few_lines(guarded) -> None:
         ("--max-decoded-mb", "inf", "must be a finite number > 0, got 'inf'"),
         ("--max-connections", "-1", "must be an integer > 0, got '-1'"),
         ("--max-connections", "2.5", "must be an integer > 0, got '2.5'"),
+        ("--max-request-mpx", "nan", "must be a finite number > 0, got 'nan'"),
+        ("--queue-timeout-s", "inf", "must be a finite number > 0, got 'inf'"),
+        ("--max-queued", "0", "must be an integer > 0, got '0'"),
+        ("--max-idle-connections", "1.5", "must be an integer > 0, got '1.5'"),
     ],
 )
 def test_bad_limit_flags_exit_2_naming_the_flag(capsys, flag, value, message) -> None:
