@@ -219,8 +219,9 @@ def test_a_burst_past_the_request_slots_waits_its_turn(guarded) -> None:
 
 
 def test_heads_bad_pngs_and_huge_prompts(guarded) -> None:
-    """A request head over the documented 16 KiB (100 KB heads were accepted) is a 431; a PNG
-    cut short (Pillow decodes one without its last chunks) is a 422, never scored; a 4 MB
+    """A request head over the documented 16 KiB (100 KB heads were accepted) is a 431, and a
+    request pipelined after another is not served (the connection closes after the first); a
+    PNG cut short (Pillow decodes one without its last chunks) is a 422, never scored; a 4 MB
     prompt the scorer refuses is quoted in a bounded log line and reply (a 19 MB one was
     logged whole)."""
     url, json_type = f"{guarded.url}/score", {"content-type": "application/json"}
@@ -229,6 +230,11 @@ def test_heads_bad_pngs_and_huge_prompts(guarded) -> None:
     assert ok.status_code == 200, ok.text
     big = httpx.post(url, content=f"{{{ONE_IMAGE}}}", headers={**headers, "x-pad": "a" * 17_000})
     assert big.status_code == 431 and "16384 bytes" in big.json()["detail"], big.text
+    with socket.create_connection(address(guarded)) as s:  # a second, pipelined request
+        get = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n\r\n"
+        s.sendall(get % TOKEN.encode() + get % b"wrong")  # would skip the checks at the head
+        replies = read_until_closed(s, timeout_s=3)
+    assert replies.startswith(b"HTTP/1.1 200") and replies.count(b"HTTP/1.1") == 1, replies
     full = base64.b64decode(codec.encode_png(np.full((16, 16, 3), 200, np.uint8)))
     for cut in (12, 30):  # IEND missing; the image data's last chunk cut
         short = base64.b64encode(full[:-cut]).decode()
