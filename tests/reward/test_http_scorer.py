@@ -104,7 +104,7 @@ def test_health(server) -> None:
         "status": "ok",
         "scorer": "shapes",
         "needs": ["image"],
-        "params": {},
+        "params": {"mode": "partial"},  # the constructor's default, built here directly
         "max_batch": 8,
         "max_body_bytes": 200_000,
         "max_request_pixels": 32 << 20,

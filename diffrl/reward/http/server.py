@@ -460,12 +460,13 @@ def create_app(
     """The reward app for one scorer. ``token=None`` disables auth (loopback only; the CLI
     enforces that) and checks instead that callers are local programs. ``max_concurrent``
     batches are decoded and scored at a time (default 1, see ``BatchGate``). ``params``: the
-    scorer's params, reported by /health."""
+    scorer's params, reported by /health (default: what ``scorer_params`` finds)."""
     limits = (max_batch, max_body_bytes, max_concurrent, max_decoded_bytes, max_request_pixels)
     if min(limits) < 1:
         raise ValueError(
             "max_batch, max_body_bytes, max_concurrent, max_decoded_bytes, max_request_pixels: >= 1"
         )
+    params = scorer_params(scorer, {}) if params is None else params
     # No /docs or /openapi.json: they would be unauthenticated and describe nothing useful.
     app = FastAPI(title="diffrl reward server", docs_url=None, redoc_url=None, openapi_url=None)
     needs = frozenset(scorer.needs)
@@ -514,7 +515,7 @@ def create_app(
             "status": "ok",
             "scorer": scorer.name,
             "needs": sorted(needs),
-            "params": params or {},
+            "params": params,
             "max_batch": max_batch,
             "max_body_bytes": max_body_bytes,
             "max_request_pixels": max_request_pixels,
