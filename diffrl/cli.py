@@ -261,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         help="most decoded media per request, from the PNG headers (default 256)",
     )
     p.add_argument(
+        "--max-request-mpx",
+        type=_positive(float),
+        help="most pixels (images x size, video frames too) one request may have scored, in "
+        "Mpx of 2^20 (default 32)",
+    )
+    p.add_argument(
         "--header-timeout-s",
         type=_positive(float),
         help="a socket's request head must arrive within this (default 10)",
@@ -269,12 +275,6 @@ def main(argv: list[str] | None = None) -> int:
         "--body-timeout-s",
         type=_positive(float),
         help="a request body must arrive within this of its head (default 60)",
-    )
-    p.add_argument(
-        "--max-request-mpx",
-        type=_positive(float),
-        help="most pixels (images x size, video frames too) one request may have scored, in "
-        "Mpx of 2^20 (default 32)",
     )
     p.add_argument(
         "--max-connections",
