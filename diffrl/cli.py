@@ -112,9 +112,13 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         "header_timeout_s": args.header_timeout_s,
         "body_timeout_s": args.body_timeout_s,
         "max_connections": args.max_connections,
+        "max_queued": args.max_queued,
+        "queue_timeout_s": args.queue_timeout_s,
+        "max_idle": args.max_idle_connections,
     }
     limits = ConnectionLimits(**{k: v for k, v in given.items() if v is not None})
-    decoded = {} if args.max_decoded_mb is None else {"max_decoded_mb": args.max_decoded_mb}
+    budgets = {"max_decoded_mb": args.max_decoded_mb, "max_request_mpx": args.max_request_mpx}
+    budgets = {k: v for k, v in budgets.items() if v is not None}
     import diffrl.tasks  # noqa: F401  (registers the tasks' own scorers: shapes, avbench)
 
     serve(
@@ -125,7 +129,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         max_body_mb=args.max_body_mb,
         params=_scorer_params(args.scorer_param),
         limits=limits,
-        **decoded,
+        **budgets,
     )
     return 0
 
@@ -291,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         help="most decoded media per request, from the PNG headers (default 256)",
     )
     p.add_argument(
+        "--max-request-mpx",
+        type=_positive(float),
+        help="most pixels (images x size, video frames too) one request may have scored, in "
+        "Mpx of 2^20 (default 32)",
+    )
+    p.add_argument(
         "--header-timeout-s",
         type=_positive(float),
         help="a socket's request head must arrive within this (default 10)",
@@ -303,7 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-connections",
         type=_positive(int),
-        help="most open sockets; past it the oldest idle one is closed (default 64)",
+        help="most authenticated requests uploading or being scored at once; more wait in a "
+        "queue (default 64)",
+    )
+    p.add_argument(
+        "--max-queued", type=_positive(int), help="most requests waiting (default 256), 503 past"
+    )
+    p.add_argument(
+        "--queue-timeout-s",
+        type=_positive(float),
+        help="a request waits at most this for its turn, then 503 (default 10)",
+    )
+    p.add_argument(
+        "--max-idle-connections",
+        type=_positive(int),
+        help="most sockets without a request; past it the oldest is closed (default 512)",
     )
     p.add_argument(
         "--scorer-param",

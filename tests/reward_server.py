@@ -48,9 +48,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(Exception):
+    """The free port was taken by another process before the server bound it."""
+
+
 @contextlib.contextmanager
 def _running(cmd: list[str], token: str, port: int) -> Iterator[RunningServer]:
-    """Start ``cmd``; yield once /health answers; stop it afterwards."""
+    """Start ``cmd``; yield once /health answers; stop it afterwards. ``PortTaken`` if it
+    exited because its port was taken (test workers share the machine's ports)."""
     env = {**os.environ, "DIFFRL_REWARD_TOKEN": token}
     with tempfile.TemporaryDirectory(prefix="reward-server-") as tmp:
         log_path = Path(tmp) / "server.log"
@@ -61,6 +66,8 @@ def _running(cmd: list[str], token: str, port: int) -> Iterator[RunningServer]:
         try:
             deadline = time.monotonic() + 60
             while True:
+                if proc.poll() is not None and "address already in use" in server.log():
+                    raise PortTaken(server.log())
                 assert proc.poll() is None, server.log()
                 try:
                     httpx.get(f"{server.url}/health", headers=headers, timeout=1)
@@ -82,12 +89,19 @@ def _running(cmd: list[str], token: str, port: int) -> Iterator[RunningServer]:
 def serve_reward_cli(token: str, *args: str, scorer: str = "shapes") -> Iterator[RunningServer]:
     """Run `diffrl serve-reward --scorer SCORER ARGS` on a free loopback port (an empty token:
     no auth); yield it once /health answers; stop it afterwards."""
-    port = _free_port()
     entry = [__file__] if scorer in TEST_SCORERS else ["-m", "diffrl.cli"]
-    cmd = [sys.executable, *entry, "serve-reward", "--scorer", scorer]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), *args]
-    with _running(cmd, token, port) as server:
-        yield server
+    for _ in range(3):  # a port found free can be taken before the server binds it
+        port = _free_port()
+        cmd = [sys.executable, *entry, "serve-reward", "--scorer", scorer]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *args]
+        with contextlib.ExitStack() as stack:
+            try:
+                server = stack.enter_context(_running(cmd, token, port))
+            except PortTaken:
+                continue
+            yield server
+            return
+    raise RuntimeError("no free port for the reward server after 3 tries")
 
 
 @contextlib.contextmanager

@@ -12,10 +12,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from reward_server import serve_reward_process
+from reward_server import serve_reward_cli
 
 from diffrl.cli import main
-from diffrl.config import load_config
+from diffrl.config import DEFAULT_RECIPE, load_config
 from diffrl.reward.http import HttpScorer, RewardRequestRejected, codec
 from diffrl.reward.http.server import (
     BackgroundServer,
@@ -31,6 +31,7 @@ from diffrl.reward.scorer import ScoreResult
 from diffrl.reward.scorers import build_scorer
 from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.tasks.shapes.render import render
+from diffrl.tasks.shapes.scorer import ShapesScorer
 from diffrl.types import PromptBatch, Trajectory
 
 TOKEN = "test-token-123"
@@ -103,8 +104,10 @@ def test_health(server) -> None:
         "status": "ok",
         "scorer": "shapes",
         "needs": ["image"],
+        "params": {"mode": "partial"},  # the constructor's default, built here directly
         "max_batch": 8,
         "max_body_bytes": 200_000,
+        "max_request_pixels": 32 << 20,
     }
 
 
@@ -280,13 +283,21 @@ def _free_port() -> int:
 
 
 def test_cli_serve_reward_smoke(monkeypatch) -> None:
-    """The real command in a subprocess, with a scorer param and a token."""
-    with serve_reward_process(TOKEN, "--max-batch", "16", "--scorer-param", "mode=overall") as url:
-        health = httpx.get(f"{url}/health", headers=AUTH, timeout=5)
-        assert health.json()["max_batch"] == 16
+    """The real command in a subprocess, with a token. `--scorer shapes` scores as the default
+    recipe does (mode=overall; the constructor's default is partial credit, which the command
+    once served unannounced), and says so at start-up and in /health."""
+    traj = make_traj(4)
+    partial = ShapesScorer(mode="partial").score_sync(traj).scores.tolist()
+    assert partial == [0.25, 1.0, 1.0, 0.25]  # the two modes differ on this batch
+    with serve_reward_cli(TOKEN, "--max-batch", "16") as server:
+        health = httpx.get(f"{server.url}/health", headers=AUTH, timeout=5).json()
+        assert health["max_batch"] == 16 and health["params"] == {"mode": "overall"}
+        assert "serving scorer 'shapes' (params {'mode': 'overall'}" in server.log()
         monkeypatch.setenv(TOKEN_ENV, TOKEN)
-        result = score_remote(HttpScorer(url), make_traj(4))
-        assert result.scores.tolist() == [0.0, 1.0, 1.0, 0.0]  # mode=overall reached the scorer
+        result = score_remote(HttpScorer(server.url), traj)
+        assert result.scores.tolist() == [0.0, 1.0, 1.0, 0.0]  # mode=overall, as the recipe
+    (recipe_scorer,) = load_config(DEFAULT_RECIPE, []).reward.scorers  # what the server matches
+    assert recipe_scorer.name == "shapes" and recipe_scorer.params == {"mode": "overall"}
 
 
 def test_recipe_points_at_http_scorer() -> None:

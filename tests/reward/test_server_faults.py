@@ -1,14 +1,17 @@
 """The reward server process under hostile load, on loopback: sockets that send nothing or
-trickle a request, a log flood, bodies that overflow integers or nest deep, PNGs that claim
-huge sizes, scorer input errors, clients that leave, and web pages that try to drive a server
-without a token. Each test drives a real `diffrl serve-reward` process, its deadlines cut to
-1 s by the command's own flags, so the whole file takes seconds; two processes serve the file.
+trickle a request, clients without the token that hold their socket open, bursts past the
+request slots, a log flood, oversize heads, bodies that overflow integers or nest deep, PNGs
+that claim huge sizes or are cut short, scorer input errors, clients that leave, and web pages
+that try to drive a server without a token. Each test drives a real `diffrl serve-reward`
+process, its deadlines cut to 1 s by the command's own flags, so the whole file takes seconds;
+two processes serve the file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import socket
 import threading
@@ -25,6 +28,8 @@ from reward_server import RunningServer, journal_events, serve_reward_cli
 
 from diffrl.cli import main
 from diffrl.reward.http import HttpScorer, RewardRequestRejected, RewardServerUnavailable, codec
+from diffrl.reward.http.guard import ConnectionLimits
+from diffrl.reward.http.server import BackgroundServer
 from diffrl.reward.scorer import ScoreResult
 from diffrl.tasks.shapes.prompts import split_prompts
 from diffrl.tasks.shapes.render import render
@@ -35,8 +40,10 @@ pytestmark = pytest.mark.timeout(60)
 TOKEN = "fault-token-1"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 DEADLINES = ("--header-timeout-s", "1", "--body-timeout-s", "1")
-MAX_CONNECTIONS = 16
+MAX_CONNECTIONS = 8  # request slots
+MAX_IDLE = 48  # sockets without a request
 MAX_DECODED_MB = 64
+MAX_REQUEST_MPX = 24  # 72 MiB of RGB: a request can pass it or the decoded budget first
 DELAY_S = 1.0  # the sleepy scorer's time per batch
 TINY_PNG = codec.encode_png(np.zeros((4, 4, 3), np.uint8))
 ONE_IMAGE = f'"prompts": ["a red circle on the left"], "images": ["{TINY_PNG}"]'  # JSON inside
@@ -44,9 +51,11 @@ ONE_IMAGE = f'"prompts": ["a red circle on the left"], "images": ["{TINY_PNG}"]'
 
 @pytest.fixture(scope="module")
 def guarded() -> Iterator[RunningServer]:
-    """The shapes scorer behind a token, 1 s deadlines, at most 16 sockets, 64 MiB decoded."""
+    """The shapes scorer (no params) behind a token, 1 s deadlines, 8 request slots, 48 idle
+    sockets, 64 MiB decoded, 24 Mpx scored a request."""
     flags = (*DEADLINES, "--max-connections", str(MAX_CONNECTIONS))
-    flags += ("--max-decoded-mb", str(MAX_DECODED_MB))
+    flags += ("--max-idle-connections", str(MAX_IDLE), "--max-decoded-mb", str(MAX_DECODED_MB))
+    flags += ("--max-request-mpx", str(MAX_REQUEST_MPX))
     with serve_reward_cli(TOKEN, *flags) as server:
         yield server
 
@@ -127,7 +136,7 @@ def png(size: int) -> str:
 
 def test_idle_and_half_sent_sockets_are_closed_and_do_not_lock_out(guarded) -> None:
     socks = []
-    for i in range(60):  # 60 unauthenticated sockets against a cap of 16
+    for i in range(60):  # 60 unauthenticated sockets against a cap of 48
         s = socket.create_connection(address(guarded))
         if i % 2:
             s.sendall(b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # half a request head
@@ -139,9 +148,151 @@ def test_idle_and_half_sent_sockets_are_closed_and_do_not_lock_out(guarded) -> N
     assert time.monotonic() - start < 3.0  # every socket closed by the 1 s deadline
     assert all(r == b"" or r.startswith(b"HTTP/1.1 408 Request Timeout") for r in replies)
     assert any(r.startswith(b"HTTP/1.1 408") for r in replies[-16:])  # a half head is told
-    assert "closing the oldest idle one" in guarded.log()  # --max-connections took effect
+    assert "closing the oldest idle one" in guarded.log()  # --max-idle-connections took effect
     for s in socks:
         s.close()
+
+
+def wait_until_reset(socks: list[socket.socket], timeout_s: float) -> float:
+    """Seconds until the server has closed every socket for good: after its FIN a socket can
+    still be written to, until the server drops it; then a write fails (reset / broken pipe)."""
+    start, open_ = time.monotonic(), list(socks)
+    while open_ and time.monotonic() - start < timeout_s:
+        for s in list(open_):
+            try:
+                s.sendall(b" ")
+            except OSError:
+                open_.remove(s)
+        time.sleep(0.1)
+    assert not open_, f"{len(open_)} sockets still open after {timeout_s} s"
+    return time.monotonic() - start
+
+
+def test_clients_without_the_token_cannot_hold_a_request_slot(guarded) -> None:
+    """POST heads with a large Content-Length and no token, then a body byte now and then:
+    each used to get its 401 but keep its request slot until the body deadline, so a real
+    client got 503. Now each is answered 401 at its head and closed without the body being
+    awaited; request slots are held by authenticated requests only."""
+    head = (
+        b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000000\r\n\r\n{"
+    )
+    attackers = [socket.create_connection(address(guarded)) for _ in range(5 * MAX_CONNECTIONS)]
+    for s in attackers:
+        s.sendall(head)
+    time.sleep(0.2)
+    for s in attackers:  # a body byte each, after the 401 was sent
+        with contextlib.suppress(OSError):
+            s.sendall(b" ")
+    start = time.monotonic()
+    body, headers = f"{{{ONE_IMAGE}}}", {**AUTH, "content-type": "application/json"}
+    r = httpx.post(f"{guarded.url}/score", content=body, headers=headers, timeout=5)
+    assert r.status_code == 200 and time.monotonic() - start < 1.0, r.text
+    replies = [read_until_closed(s, timeout_s=1) for s in attackers]  # FIN after the 401
+    assert all(r.startswith(b"HTTP/1.1 401") and b"bearer token" in r for r in replies)
+    assert time.monotonic() - start < 1.5  # none waited for its body deadline
+    assert wait_until_reset(attackers, timeout_s=4) < 3.0  # the server dropped them all
+    for s in attackers:
+        s.close()
+
+
+def test_a_burst_past_the_request_slots_waits_its_turn(guarded) -> None:
+    """40 valid requests at once on 40 sockets, 5x the request slots: the sockets past the cap
+    used to close the oldest ones, whose heads had already been sent (two thirds of a 200-way
+    burst failed its first attempt). Now every request is served, those past the slots after
+    waiting in the queue, with no retry."""
+    body, headers = f"{{{ONE_IMAGE}}}", {**AUTH, "content-type": "application/json"}
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=40, max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits, timeout=20) as client:
+            posts = (
+                client.post(f"{guarded.url}/score", content=body, headers=headers)
+                for _ in range(5 * MAX_CONNECTIONS)
+            )
+            return await asyncio.gather(*posts)
+
+    replies = asyncio.run(burst())
+    assert [r.status_code for r in replies] == [200] * (5 * MAX_CONNECTIONS)
+    assert all(r.json()["valid"] == [True] for r in replies)
+    assert "request slots are busy: requests wait" in guarded.log()  # the queue was used
+
+
+def test_heads_bad_pngs_and_huge_prompts(guarded) -> None:
+    """A request head over the documented 16 KiB (100 KB heads were accepted) is a 431, and a
+    request pipelined after another is not served (the connection closes after the first); a
+    PNG cut short (Pillow decodes one without its last chunks) is a 422, never scored; a 4 MB
+    prompt the scorer refuses is quoted in a bounded log line and reply (a 19 MB one was
+    logged whole)."""
+    url, json_type = f"{guarded.url}/score", {"content-type": "application/json"}
+    headers = {**AUTH, **json_type}
+    ok = httpx.post(url, content=f"{{{ONE_IMAGE}}}", headers={**headers, "x-pad": "a" * 15_000})
+    assert ok.status_code == 200, ok.text
+    big = httpx.post(url, content=f"{{{ONE_IMAGE}}}", headers={**headers, "x-pad": "a" * 17_000})
+    assert big.status_code == 431 and "16384 bytes" in big.json()["detail"], big.text
+    with socket.create_connection(address(guarded)) as s:  # a second, pipelined request
+        get = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n\r\n"
+        s.sendall(get % TOKEN.encode() + get % b"wrong")  # would skip the checks at the head
+        replies = read_until_closed(s, timeout_s=3)
+    assert replies.startswith(b"HTTP/1.1 200") and replies.count(b"HTTP/1.1") == 1, replies
+    full = base64.b64decode(codec.encode_png(np.full((16, 16, 3), 200, np.uint8)))
+    for cut in (12, 30):  # IEND missing; the image data's last chunk cut
+        short = base64.b64encode(full[:-cut]).decode()
+        body = {"prompts": ["a red circle on the left"], "images": [short]}
+        r = httpx.post(url, json=body, headers=AUTH)
+        assert r.status_code == 422 and "truncated PNG" in r.json()["detail"], r.text
+    before = len(guarded.log())
+    prompt = "launch " * 600_000  # 4.2 MB, outside the grammar
+    body = {"prompts": [prompt], "images": [TINY_PNG]}
+    r = httpx.post(url, json=body, headers=AUTH, timeout=10)
+    assert r.status_code == 422 and "outside the ShapesBench grammar" in r.json()["detail"]
+    assert len(r.text) < 2_000 and "more characters not shown" in r.text
+    added = guarded.log()[before:]
+    assert "refused a batch of 1" in added and "more characters not shown" in added
+    assert len(added) < 5_000
+
+
+def test_the_request_queue_is_bounded_and_timed() -> None:
+    """Past the request slots a request waits, but not without bound: one more than
+    ``max_queued`` is refused at once, and one that waits past ``queue_timeout_s`` is told
+    so; both are 503 with Retry-After (the client retries those). Once the slot frees, the
+    next request is served."""
+    free = threading.Event()
+
+    async def app(scope, receive, send) -> None:  # a bare ASGI app: /hold waits for ``free``
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] == "/hold":
+            await asyncio.to_thread(free.wait, 10)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    limits = ConnectionLimits(max_connections=1, max_queued=1, queue_timeout_s=0.5)
+    with BackgroundServer(app, limits=limits) as srv:
+        host = (srv.host, srv.port)
+        held: dict = {}
+        holder = threading.Thread(target=lambda: held.update(r=httpx.get(f"{srv.url}/hold")))
+        holder.start()
+        time.sleep(0.2)  # /hold has the one slot
+        queued, extra = socket.create_connection(host), socket.create_connection(host)
+        queued.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.1)
+        start = time.monotonic()
+        extra.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        refused = read_until_closed(extra, timeout_s=2)
+        assert refused.startswith(b"HTTP/1.1 503") and b"queue is full" in refused
+        assert b"retry-after: 1" in refused and time.monotonic() - start < 0.3
+        timed_out = read_until_closed(queued, timeout_s=2)
+        assert timed_out.startswith(b"HTTP/1.1 503") and b"stayed busy" in timed_out
+        assert 0.3 < time.monotonic() - start < 1.0
+        free.set()
+        holder.join(5)
+        assert held["r"].status_code == 200
+        assert httpx.get(f"{srv.url}/").status_code == 200  # the slot was given back
+        queued.close()
+        extra.close()
 
 
 @pytest.mark.parametrize("part", ["head", "body"])
@@ -198,6 +349,10 @@ def test_a_flood_of_bad_requests_logs_a_few_lines(guarded) -> None:
         ("--max-decoded-mb", "inf", "must be a finite number > 0, got 'inf'"),
         ("--max-connections", "-1", "must be an integer > 0, got '-1'"),
         ("--max-connections", "2.5", "must be an integer > 0, got '2.5'"),
+        ("--max-request-mpx", "nan", "must be a finite number > 0, got 'nan'"),
+        ("--queue-timeout-s", "inf", "must be a finite number > 0, got 'inf'"),
+        ("--max-queued", "0", "must be an integer > 0, got '0'"),
+        ("--max-idle-connections", "1.5", "must be an integer > 0, got '1.5'"),
     ],
 )
 def test_bad_limit_flags_exit_2_naming_the_flag(capsys, flag, value, message) -> None:
@@ -228,11 +383,16 @@ def test_overflowing_ints_and_deep_json_are_400(guarded, body, message) -> None:
 
 def test_huge_png_sizes_are_refused_from_their_headers(guarded) -> None:
     rss = guarded.peak_rss_mib()
-    big, large = png(8192), png(4096)
-    cases = {  # (body, words of the 413); neither decodes a pixel
+    big, large, mid = png(8192), png(4096), png(3400)
+    cases = {  # (body, words of the 413); none decodes a pixel
         "over 16777216 pixels": {"prompts": ["a"] * 4, "images": [big] * 4},  # 1 MB, 4 x 8192^2
-        # 3 x 4096^2 is 144 MiB: within the default budget (256), over --max-decoded-mb 64
-        f"limit of {MAX_DECODED_MB << 20} bytes": {"prompts": ["a"] * 3, "images": [large] * 3},
+        # 2 x 4096^2 is 32 Mpx: within the default scoring budget (32), over 24
+        f"scoring budget of {MAX_REQUEST_MPX << 20} pixels": {
+            "prompts": ["a"] * 2,
+            "images": [large] * 2,
+        },
+        # 2 x 3400^2 is 22 Mpx, 66 MiB: within the default budget (256), over 64
+        f"limit of {MAX_DECODED_MB << 20} bytes": {"prompts": ["a"] * 2, "images": [mid] * 2},
     }
     for message, body in cases.items():
         r = httpx.post(f"{guarded.url}/score", json=body, headers=AUTH, timeout=10)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import struct
 import wave
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -26,6 +28,7 @@ MEDIA_FIELDS = {"image": "images", "video": "videos", "audio": "audio"}
 # batch), so this also bounds the transient memory of one decode to ~170 MB; the server's
 # per-request budget bounds the batch.
 MAX_IMAGE_PIXELS = 1 << 24  # 16.8 Mpx, 4096 x 4096
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PCM_MAX = 32767.0
 
 
@@ -58,9 +61,32 @@ def encode_png(image: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def check_png_whole(raw: bytes, what: str) -> None:
+    """Every chunk of a PNG is present, its CRC right, up to IEND. Pillow decodes a PNG cut
+    after its last image data (no IEND) without a word, so a truncated upload was scored as
+    a valid image; this walks the chunk headers (a CRC over the bytes, no decoding)."""
+    view, pos = memoryview(raw), len(PNG_SIGNATURE)
+    while True:
+        if pos + 12 > len(raw):
+            raise CodecError(f"{what} is a truncated PNG: it ends at byte {len(raw)}, before IEND")
+        length, kind = struct.unpack_from(">I4s", raw, pos)
+        end = pos + 12 + length
+        if end > len(raw):
+            raise CodecError(
+                f"{what} is a truncated PNG: its {kind!r} chunk needs {end} bytes, "
+                f"it has {len(raw)}"
+            )
+        (crc,) = struct.unpack_from(">I", raw, end - 4)
+        if zlib.crc32(view[pos + 4 : end - 4]) != crc:
+            raise CodecError(f"{what} is a corrupt PNG: the CRC of its {kind!r} chunk is wrong")
+        if kind == b"IEND":
+            return
+        pos = end
+
+
 def png_size(text: object, what: str) -> tuple[bytes, tuple[int, int]]:
     """Base64 PNG -> (raw bytes, (width, height)) reading only the header, so limits can be
-    checked before any pixel is decoded."""
+    checked before any pixel is decoded; then the file is checked whole (``check_png_whole``)."""
     raw = _b64decode(text, what)
     try:
         with Image.open(io.BytesIO(raw)) as im:
@@ -75,6 +101,7 @@ def png_size(text: object, what: str) -> tuple[bytes, tuple[int, int]]:
         raise CodecError(f"{what} is not a PNG image ({type(e).__name__})") from None
     if size[0] * size[1] > MAX_IMAGE_PIXELS:
         raise TooLargeError(f"{what} is {size[0]}x{size[1]} px, over {MAX_IMAGE_PIXELS} pixels")
+    check_png_whole(raw, what)
     return raw, size
 
 

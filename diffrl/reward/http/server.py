@@ -8,22 +8,25 @@ described in docs/reward_http.md, what each defence is for in docs/reliability.m
 
 A request is checked in the order that is cheapest for the server and clearest for the client:
 1. the connection (guard.py's ``GuardedH11Protocol``): a request head within
-   ``header_timeout_s``, a body within ``body_timeout_s``, at most ``max_connections`` sockets
-   (408 / closed / 503);
-2. the caller: the bearer token (401), or without one, a loopback Host, a loopback or absent
-   Origin and a JSON content type (400 / 403 / 415), so a web page cannot drive the server;
+   ``header_timeout_s`` and ``max_head_bytes`` (408 / 431), the bearer token at the head (401,
+   and the socket is closed without reading on), a request slot (at most ``max_connections``
+   requests at once; past them a bounded, timed queue, then 503), a body within
+   ``body_timeout_s`` (408);
+2. the caller: the bearer token again (401), or without one, a loopback Host, a loopback or
+   absent Origin and a JSON content type (400 / 403 / 415), so a web page cannot drive the
+   server;
 3. body size (413), JSON shape, batch size and metadata ranges (400 / 413 / 422);
 4. inside the batch gate (guard.py's ``BatchGate``, one batch at a time): media headers against
-   the pixel budget, then decoding (413 / 422), then scoring (422 if the scorer refuses its
-   input with ValueError, 500 if it fails otherwise). Work whose client has gone is skipped or
-   cancelled.
+   the scoring and decoding budgets and whole-file checks (413 / 422), then decoding (422),
+   then scoring (422 if the scorer refuses its input with ValueError, 500 if it fails
+   otherwise). Work whose client has gone is skipped or cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import inspect
 import ipaddress
 import json
 import logging
@@ -47,8 +50,11 @@ from diffrl.errors import DiffrlError
 from diffrl.reward.http import codec
 from diffrl.reward.http.codec import MEDIA_FIELDS, TOKEN_ENV, CodecError, TooLargeError
 from diffrl.reward.http.guard import (
+    UNAUTHORIZED,
     BatchGate,
     ConnectionLimits,
+    bearer_matches,
+    clip,
     quiet_repetitive_logs,
     uvicorn_config,
     wait_for_disconnect,
@@ -65,6 +71,15 @@ DEFAULT_MAX_BODY_MB = 64.0
 # but 192 MiB of RGB. This caps what one request may decode (256 MiB = 89 Mpx of RGB, e.g. 85
 # images of 1024^2); it is checked from the PNG headers before any pixel is decoded.
 DEFAULT_MAX_DECODED_BYTES = 256 << 20
+# What one request may ask the scorer to look at, images and video frames together (pixels x
+# batch): scoring cost grows with it, and five 4096^2 PNGs of 319 kB once took the shapes
+# verifier 2.9 GB and 50 s of the gate. 32 Mpx (2^20 px each) is 128 images of 512^2 or 32 of
+# 1024^2; past it the client splits its batch (HttpScorer's batch_size).
+DEFAULT_MAX_REQUEST_MPX = 32.0
+# Params ``serve`` gives a scorer unless told otherwise, so a served scorer scores as the
+# recipes do: the default recipe (recipes/shapes_nft.yaml, and shapes_sd3_nft) scores shapes
+# with mode=overall, while the constructor's default is partial credit.
+SERVE_DEFAULT_PARAMS: dict[str, dict[str, Any]] = {"shapes": {"mode": "overall"}}
 METADATA_INT_LISTS = ("prompt_ids", "group", "seeds")
 INT64 = (-(1 << 63), (1 << 63) - 1)
 CLIENT_GONE = 499  # nginx's "client closed request": never delivered, only logged
@@ -274,20 +289,33 @@ def _decode_pngs(raws: list[bytes], size: tuple[int, int], what: str) -> np.ndar
 
 
 def decode_media(
-    req: ScoreRequest, max_decoded_bytes: int, sample_rate: int | None = None
+    req: ScoreRequest,
+    max_decoded_bytes: int,
+    sample_rate: int | None = None,
+    max_pixels: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Encoded media -> the tensors scorers read: image (B, H, W, 3) uint8, video
     (B, F, H, W, 3) uint8, audio (B, N) or (B, C, N) float32 in [-1, 1].
 
-    Every PNG header is read and the total checked against ``max_decoded_bytes`` before any
-    pixel is decoded, so a request of small PNGs claiming huge sizes costs nothing.
+    Every PNG header is read (and every PNG checked whole, see ``codec.png_size``) and the
+    totals checked against ``max_pixels`` (what the scorer will look at, images and video
+    frames) and ``max_decoded_bytes`` before any pixel is decoded, so a request of small PNGs
+    claiming huge sizes costs nothing.
     Audio tensors carry no rate, so a scorer assumes its own (its ``sample_rate`` param);
     ``sample_rate``, when known, is checked against the WAV headers so that audio at another
     rate is refused instead of silently scored at the wrong speed."""
-    planned = 0
+    planned = pixels = 0
 
     def take(nbytes: int, what: str) -> None:
-        nonlocal planned
+        nonlocal planned, pixels
+        if what != "audio":
+            pixels += nbytes // 3  # RGB
+            if max_pixels is not None and pixels > max_pixels:
+                raise TooLargeError(
+                    f"{what} would take the request to {pixels} pixels, over the server's "
+                    f"scoring budget of {max_pixels} pixels a request (--max-request-mpx "
+                    f"{max_pixels / (1 << 20):g}); send fewer or smaller images a request"
+                )
         planned += nbytes
         if planned > max_decoded_bytes:
             raise TooLargeError(
@@ -400,6 +428,21 @@ def encode_result(result: ScoreResult, n: int, name: str) -> dict[str, Any]:
     return {"scores": out_scores, "valid": out_valid, "metrics": metrics}
 
 
+def scorer_params(scorer: Scorer, given: dict[str, Any]) -> dict[str, Any]:
+    """The params a scorer runs with: those given, plus each constructor param the scorer
+    keeps as an attribute of the same name (so defaults show too, e.g. shapes' ``mode``)."""
+    out = dict(given)
+    try:
+        names = list(inspect.signature(type(scorer).__init__).parameters)
+    except (TypeError, ValueError):
+        names = []
+    for name in names:
+        value = getattr(scorer, name, None)
+        if name not in out and isinstance(value, (str, int, float, bool)):
+            out[name] = value
+    return out
+
+
 # --- the app ----------------------------------------------------------------------------------
 
 
@@ -411,12 +454,19 @@ def create_app(
     *,
     max_concurrent: int = 1,
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+    max_request_pixels: int = int(DEFAULT_MAX_REQUEST_MPX * (1 << 20)),
+    params: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The reward app for one scorer. ``token=None`` disables auth (loopback only; the CLI
     enforces that) and checks instead that callers are local programs. ``max_concurrent``
-    batches are decoded and scored at a time (default 1, see ``BatchGate``)."""
-    if min(max_batch, max_body_bytes, max_concurrent, max_decoded_bytes) < 1:
-        raise ValueError("max_batch, max_body_bytes, max_concurrent, max_decoded_bytes: >= 1")
+    batches are decoded and scored at a time (default 1, see ``BatchGate``). ``params``: the
+    scorer's params, reported by /health (default: what ``scorer_params`` finds)."""
+    limits = (max_batch, max_body_bytes, max_concurrent, max_decoded_bytes, max_request_pixels)
+    if min(limits) < 1:
+        raise ValueError(
+            "max_batch, max_body_bytes, max_concurrent, max_decoded_bytes, max_request_pixels: >= 1"
+        )
+    params = scorer_params(scorer, {}) if params is None else params
     # No /docs or /openapi.json: they would be unauthenticated and describe nothing useful.
     app = FastAPI(title="diffrl reward server", docs_url=None, redoc_url=None, openapi_url=None)
     needs = frozenset(scorer.needs)
@@ -429,19 +479,19 @@ def create_app(
         if expected is None:
             check_local_caller(request, body)
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not reveal how much of the token matched
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        # the connection checked it at the head already (guard.py); this covers any server
+        # that runs the app without that protocol
+        if not bearer_matches(request.headers.get("authorization"), expected):
             raise HTTPException(
-                status_code=401,
-                detail="missing or wrong bearer token (send 'Authorization: Bearer <token>')",
-                headers={"WWW-Authenticate": "Bearer"},
+                status_code=401, detail=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"}
             )
 
     async def decode_and_score(req: ScoreRequest) -> ScoreResult:
         n = len(req.prompts)
         try:  # decoding is CPU-bound: keep the event loop free for /health and other uploads
-            fields = await asyncio.to_thread(decode_media, req, max_decoded_bytes, rate)
+            fields = await asyncio.to_thread(
+                decode_media, req, max_decoded_bytes, rate, max_request_pixels
+            )
         except TooLargeError as e:
             raise _fail(413, str(e)) from None
         except CodecError as e:
@@ -451,10 +501,12 @@ def create_app(
             return await scorer.score(traj)
         except ValueError as e:  # the scorer refuses this input: the same again fails again
             log.warning("scorer %r refused a batch of %d: %s", scorer.name, n, e)
-            raise _fail(422, f"scorer {scorer.name!r} refused the input: {e}") from None
+            raise _fail(422, f"scorer {scorer.name!r} refused the input: {clip(str(e))}") from None
         except Exception as e:
             log.exception("scorer %r failed on a batch of %d", scorer.name, n)
-            raise _fail(500, f"scorer {scorer.name!r} failed: {type(e).__name__}: {e}") from e
+            raise _fail(
+                500, f"scorer {scorer.name!r} failed: {type(e).__name__}: {clip(str(e))}"
+            ) from e
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
@@ -463,8 +515,10 @@ def create_app(
             "status": "ok",
             "scorer": scorer.name,
             "needs": sorted(needs),
+            "params": params,
             "max_batch": max_batch,
             "max_body_bytes": max_body_bytes,
+            "max_request_pixels": max_request_pixels,
         }
 
     @app.post("/score")
@@ -497,45 +551,85 @@ def serve(
     params: dict[str, Any] | None = None,
     *,
     max_decoded_mb: float = DEFAULT_MAX_DECODED_BYTES / (1 << 20),
+    max_request_mpx: float = DEFAULT_MAX_REQUEST_MPX,
     limits: ConnectionLimits | None = None,
 ) -> None:
     """Build the scorer and serve it until interrupted (what ``diffrl serve-reward`` runs).
     Every check runs before the scorer is built, so a bad flag fails in seconds, not after a
-    reward model has loaded."""
+    reward model has loaded. A scorer named in ``SERVE_DEFAULT_PARAMS`` gets those params
+    unless ``params`` sets them; the start-up line states the params the scorer runs with."""
     token = os.environ.get(TOKEN_ENV) or None
     check_bind(host, token)
     if max_batch < 1:
         raise DiffrlError(f"--max-batch={max_batch}: must be >= 1")
-    if not all(0 < mb < math.inf for mb in (max_body_mb, max_decoded_mb)):  # NaN fails too
+    sizes = (max_body_mb, max_decoded_mb, max_request_mpx)
+    if not all(0 < mb < math.inf for mb in sizes):  # NaN fails too
         raise DiffrlError(
-            f"--max-body-mb={max_body_mb}, --max-decoded-mb={max_decoded_mb}: must be finite, > 0"
+            f"--max-body-mb={max_body_mb}, --max-decoded-mb={max_decoded_mb}, "
+            f"--max-request-mpx={max_request_mpx}: must be finite, > 0"
         )
     limits = limits or ConnectionLimits()
+    given = {**SERVE_DEFAULT_PARAMS.get(scorer_name, {}), **(params or {})}
     try:
-        scorer = build_scorer(scorer_name, params)
+        scorer = build_scorer(scorer_name, given)
     except (KeyError, ValueError) as e:
         raise DiffrlError(f"--scorer {scorer_name}: {e}") from None
+    effective = scorer_params(scorer, given)
     app = create_app(
         scorer,
         token,
         max_batch,
         int(max_body_mb * (1 << 20)),
         max_decoded_bytes=int(max_decoded_mb * (1 << 20)),
+        max_request_pixels=int(max_request_mpx * (1 << 20)),
+        params=effective,
     )
     log.warning(
-        "serving scorer %r (needs %s) on http://%s:%d, auth %s",
+        "serving scorer %r (params %s; needs %s) on http://%s:%d, auth %s",
         scorer.name,
+        effective,
         sorted(scorer.needs),
         host,
         port,
         "on" if token else "off",
     )
+    _raise_fd_limit(limits)
     config = uvicorn_config(
-        app, limits, host=host, port=port, log_level="info", timeout_graceful_shutdown=10
+        app,
+        limits,
+        token,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=10,
     )
     quiet_repetitive_logs(__name__)  # after the config: uvicorn sets its loggers up there
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.Server(config).run()
+
+
+def _raise_fd_limit(limits: ConnectionLimits) -> None:
+    """Make room for every socket the limits allow (idle + in progress + queued, plus the
+    process's own files): a server out of file descriptors refuses everyone."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    need = limits.max_idle + limits.max_connections + limits.max_queued + 128
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < need:
+        log.warning(
+            "the open-file limit (%d) is below the %d sockets the connection limits allow; "
+            "lower --max-idle-connections / --max-queued or raise `ulimit -n`",
+            soft,
+            need,
+        )
 
 
 class BackgroundServer:
@@ -545,6 +639,8 @@ class BackgroundServer:
     Why: tests (and notebooks) need a real server -- real sockets, real HTTP, real failures --
     without a subprocess's start-up cost. The socket is bound before the thread starts, so
     ``port=0`` picks a free port with no race and ``url`` is valid as soon as ``start`` returns.
+    ``token``: the app's bearer token, for the connection to check at the head as ``serve``
+    does (the app checks it either way).
     """
 
     def __init__(
@@ -553,6 +649,7 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         port: int = 0,
         limits: ConnectionLimits | None = None,
+        token: str | None = None,
     ) -> None:
         self.app, self.host = app, host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -563,6 +660,7 @@ class BackgroundServer:
         config = uvicorn_config(
             app,
             limits or ConnectionLimits(),
+            token,
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=2,
