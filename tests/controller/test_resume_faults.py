@@ -307,18 +307,14 @@ def test_a_checkpoint_the_actor_cannot_load_is_a_checkpoint_error_that_touches_n
     """What the contents checks cannot see (an optimizer state of another layout) still ends in
     one clear error, not a traceback, before metrics.jsonl is cut back."""
     saved = Checkpoint(tmp_path, {}, {"version": 4}, {"step": 4, "wall_s": 9.0})
-    monkeypatch.setattr(shared, "load_latest", lambda root, expect: saved)
 
     def refuse(adapters, state):
         raise ValueError("loaded state dict contains a parameter group that doesn't match")
 
-    parts = SimpleNamespace(
-        cfg=SimpleNamespace(run=SimpleNamespace(resume=True)),
-        actor=SimpleNamespace(load_state=refuse, adapter_tensors=dict),
-    )
+    parts = SimpleNamespace(actor=SimpleNamespace(load_state=refuse, adapter_tensors=dict))
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 5}\n')
     with pytest.raises(CheckpointError, match="does not fit this run: loaded state dict"):
-        shared.resume(parts, RunDir(tmp_path, tensorboard=False))
+        shared.resume(parts, SimpleNamespace(ckpt=saved, root=tmp_path))
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 5}\n'
 
 
