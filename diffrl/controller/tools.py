@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from diffrl.actor.checkpoint import Checkpoint, load_latest
@@ -36,11 +37,26 @@ def open_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[C
             f"{root} is not a diffrl run directory (no config.yaml); "
             "pass the directory `diffrl train` printed, e.g. runs/shapes_nft"
         )
+    overrides = [*(overrides or []), *_fit_threads(root / "config.yaml", overrides or [])]
     cfg = load_config(root / "config.yaml", overrides)
     ckpt = load_latest(root / "checkpoints")
     if ckpt is None:
         raise DiffrlError(f"{root} has no checkpoint yet (checkpoints/ is empty)")
     return cfg, ckpt
+
+
+def _fit_threads(saved: Path, overrides: list[str]) -> list[str]:
+    """``run.threads`` capped at this machine's cores, unless the overrides set it: a run
+    trained on a larger machine is still evaluated and exported here (config validation
+    refuses more threads than cores, for a run about to start)."""
+    if any(o.startswith("run.threads=") for o in overrides):
+        return []
+    try:
+        threads = int(yaml.safe_load(saved.read_text())["run"]["threads"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return []  # load_config reports what is wrong with the file
+    cores = os.cpu_count() or 1
+    return [f"run.threads={cores}"] if threads > cores else []
 
 
 def load_run(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Engines, Checkpoint]:
