@@ -6,7 +6,6 @@ Neither mode imports the other; ``controller/loop.py`` picks one.
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -25,8 +24,6 @@ from diffrl.reward.edges import run_local
 from diffrl.reward.pool import reward_summary
 from diffrl.sync.receipt import load_verified
 from diffrl.types import ScoredBatch
-
-log = logging.getLogger(__name__)
 
 # receives each scored micro-batch of a step as it is ready (run.stream_train trains it)
 OnScored = Callable[[ScoredBatch], Awaitable[None]]
@@ -127,8 +124,7 @@ def resume(parts: Engines, begun: RunStart) -> tuple[int, float]:
     expect = parts.actor.adapter_tensors()  # every rank: a collective under tp
     try:
         check_adapters_fit(begun.ckpt.path.name, begun.ckpt.adapters, expect)
-    except CheckpointError as e:
-        log.warning("skipping checkpoint %s", e)
+    except CheckpointError:  # load_latest warns as it skips it
         begun.ckpt = load_latest(begun.root / "checkpoints", expect)
     ckpt = begun.ckpt
     assert ckpt is not None, "load_latest found the checkpoint begin_run found"
