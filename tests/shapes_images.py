@@ -95,7 +95,7 @@ def crafted_blobs(size: int) -> dict[str, np.ndarray]:
         "two discs, diagonal": (r <= 4 * k) | lower,
         "two overlapping discs": (r <= 4 * k) | overlapping,
         "ellipse 1.7": ((xx - c) / (6.8 * k)) ** 2 + ((yy - c) / (4 * k)) ** 2 <= 1,
-        "ellipse 1.4": ((xx - c) / (5.6 * k)) ** 2 + ((yy - c) / (4 * k)) ** 2 <= 1,
+        "ellipse 1.5": ((xx - c) / (6 * k)) ** 2 + ((yy - c) / (4 * k)) ** 2 <= 1,
         "rectangle 1.5": (np.abs(xx - c) <= 6 * k) & (np.abs(yy - c) <= 4 * k),
         "half disc": (r <= 5 * k) & (yy >= c),
         "upside-down triangle": (np.abs(xx - c) <= (c + 5 * k - yy) / 2) & (yy >= c - 5 * k),
@@ -104,3 +104,17 @@ def crafted_blobs(size: int) -> dict[str, np.ndarray]:
         blobs[f"ragged {seed}"] = ragged_blob(size, seed)
         blobs[f"noisy blob {seed}"] = noisy_blob(size, seed)
     return blobs
+
+
+def bumpy_disc(size: int, seed: int) -> np.ndarray:
+    """A disc (radius 4.5 px at 32) with three one-pixel bumps and two one-pixel dents on its
+    edge, the roughness a generator's circles show: still a circle."""
+    yy, xx, k = _grid(size)
+    rng = np.random.default_rng(seed)
+    mask = np.hypot(yy - 16 * k, xx - 16 * k) <= 4.5 * k
+    edge = np.argwhere(mask & ~ndimage.binary_erosion(mask))
+    for i, (r, c) in enumerate(edge[rng.choice(len(edge), 5, replace=False)]):
+        if i < 3:  # a bump: the background pixel just outside, away from the centre
+            r, c = r + int(np.sign(r + 0.5 - 16 * k)), c + int(np.sign(c + 0.5 - 16 * k))
+        mask[r, c] = i < 3
+    return mask

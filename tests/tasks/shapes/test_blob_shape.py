@@ -1,14 +1,21 @@
 """ShapesBench's shape naming (``blob_shape``): every shape passes a positive test, and a blob
 that passes none is "unknown", which fails every shape check. Ground-truth renders at every
-size (crisp, noisy, blurred) keep their names; crafted non-shapes (plus signs, rings, stars, L
-shapes, two discs, ragged blobs) are all unknown."""
+size (crisp, noisy, blurred) keep their names, and so do discs as rough as a generator draws
+them; crafted non-shapes (plus signs, crosses, rings, stars, L shapes, two discs, ragged
+blobs) are unknown.
+
+Known limit: a plus whose arms are wider than half its span (a 9 px plus with 5 px arms: 2 px
+notches) is a digital disc give or take a pixel a corner at 32 px and reads as a circle; at
+64 px one with notches of a fifth of its span still does. Narrower arms fail."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import pytest
 from scipy import ndimage
-from shapes_images import crafted_blobs, noisy_blob, plus_sign, ragged_blob
+from shapes_images import bumpy_disc, crafted_blobs, noisy_blob, plus_sign, ragged_blob
 
 from diffrl.tasks.shapes.prompts import COLORS, IMAGE_SIZE, SHAPES, all_prompts, parse_prompt
 from diffrl.tasks.shapes.render import _OBJ_MAX_32, _OBJ_MIN_32, _shape_mask, render
@@ -76,12 +83,17 @@ def test_plus_sign_fails_circle_prompts_and_partial_credit() -> None:
 
 
 def test_random_ragged_blobs_are_rarely_named() -> None:
-    """Random unions of small squares and wobbly discs, 100 of each: the old rule named 183 of
-    the 200 a circle or a triangle; now none is a circle and 3 are triangles."""
-    named = {"circle": 0, "triangle": 0}
-    for seed in range(100):
-        for mask in (ragged_blob(IMAGE_SIZE, seed), noisy_blob(IMAGE_SIZE, seed)):
-            shape = blob_shape(*np.nonzero(mask))
-            if shape in named:
-                named[shape] += 1
-    assert named["circle"] == 0 and named["triangle"] <= 6, named
+    """Random unions of small squares and wobbly discs, 100 of each at 32 px: the old rule
+    named 183 of the 200 a circle or a triangle; now 4 are (2 circles, 2 triangles)."""
+    named = Counter(blob_shape(*np.nonzero(ragged_blob(IMAGE_SIZE, seed))) for seed in range(100))
+    named += Counter(blob_shape(*np.nonzero(noisy_blob(IMAGE_SIZE, seed))) for seed in range(100))
+    assert named["circle"] + named["triangle"] <= 6, named
+
+
+def test_rough_discs_stay_circles() -> None:
+    """A generator's circles have stray edge pixels: a disc with three one-pixel bumps and two
+    one-pixel dents is a circle (97 of 100 at 32 px, where a bump on top can read as an apex;
+    the old rule: 82), and every one at 64 px."""
+    small = Counter(blob_shape(*np.nonzero(bumpy_disc(IMAGE_SIZE, seed))) for seed in range(100))
+    assert small["circle"] >= 95, small
+    assert all(blob_shape(*np.nonzero(bumpy_disc(64, seed))) == "circle" for seed in range(20))
