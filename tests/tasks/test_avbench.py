@@ -141,6 +141,66 @@ def test_verifiers_fail_on_each_corruption(corrupt, expected) -> None:
     assert failing(video, audio, RED_TWICE_HIGH) == expected
 
 
+def _second_ball(video: np.ndarray, frames: slice, radius: float = 4.0) -> np.ndarray:
+    """The clip with a second red ball in `frames`, high up on the side the real one is not
+    (trained T2VA clips hedge the start side that way in their first frames)."""
+    out = video.copy()
+    rows, cols = np.indices(video.shape[1:3]) + 0.5
+    for f in range(*frames.indices(len(video))):
+        ball_cx = cols[np.abs(video[f].astype(int) - video[f, 0, 0]).max(axis=-1) > 48].mean()
+        cx = 6.0 if ball_cx > 16 else 26.0  # >= 9 px from the real ball's centre
+        out[f, (cols - cx) ** 2 + (rows - 6.0) ** 2 <= radius**2] = (255, 0, 0)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("frames", "radius"),
+    [(slice(0, 3), 4.0), (slice(0, 1), 4.0), (slice(5, 6), 3.0), (slice(0, 12), 4.0)],
+)
+def test_a_second_ball_in_any_frame_fails_the_visual_checks(frames, radius) -> None:
+    """A second object as small as 3/4 of the ball's radius, in as few as one frame, leaves no
+    single trajectory: colour, bounces and sync fail, and no fraction rewards it."""
+    video, audio = render(RED_TWICE_HIGH, seed=1)
+    doubled = _second_ball(video, frames, radius)
+    track = analyze_video(doubled)
+    assert not track.one_ball and track.objects.max() == 2
+    assert failing(doubled, audio, RED_TWICE_HIGH) == {"color", "bounce_count", "sync"}
+    checks = verify_clips(doubled[None], audio[None], [RED_TWICE_HIGH])
+    shown = (track.objects == 2).mean()
+    assert checks.fractions["color"][0] == pytest.approx(min(1 - shown, 0.99))
+    assert checks.fractions["bounce_count"][0] == 0.0 and checks.fractions["sync"][0] == 0.0
+
+
+def test_a_ball_that_vanishes_fails_the_visual_checks() -> None:
+    video, audio = render(RED_TWICE_HIGH, seed=1)
+    background = tuple(int(c) for c in np.median(video[0].reshape(-1, 3), axis=0))
+    for frames in (slice(4, 6), slice(11, 12)):
+        gone = video.copy()
+        gone[frames] = background  # the ball is painted over
+        assert not analyze_video(gone).one_ball
+        assert failing(gone, audio, RED_TWICE_HIGH) == {"color", "bounce_count", "sync"}
+    # a ball that shrinks to a speck (under a third of its area) has vanished too
+    track = analyze_video(video)
+    speck = video.copy()
+    speck[6] = background
+    speck[6, int(track.cy[6]) - 1 : int(track.cy[6]) + 1, 14:17] = (255, 0, 0)  # 6 px
+    assert analyze_video(speck).objects[6] == 0
+    assert failing(speck, audio, RED_TWICE_HIGH) == {"color", "bounce_count", "sync"}
+
+
+def test_noise_makes_no_second_object() -> None:
+    """Pixel noise twice the tolerance test's (N(0, 16)) leaves one object in every frame."""
+    prompts = all_prompts()
+    video, _ = render_batch(prompts, list(range(len(prompts))))
+    rng = np.random.default_rng(1)
+    noisy = np.clip(video + rng.normal(0, 16, video.shape), 0, 255).astype(np.uint8)
+    assert all(analyze_video(clip).one_ball for clip in noisy)
+    # nor does a stray spot under a third of the ball's area (6 px at 32)
+    spotted = video[0].copy()
+    spotted[:, 1:3, 1:4] = (255, 0, 0)
+    assert analyze_video(spotted).one_ball
+
+
 def test_fractions_give_partial_credit() -> None:
     video, _ = render(RED_TWICE_HIGH)
     _, three_beeps = render(make_prompt("red", 3, "high"))
