@@ -21,9 +21,15 @@ from diffrl.diskio import DiskError
 WORKTREE = Path(__file__).resolve().parents[2]
 
 
+def actor_state(step: int) -> dict:
+    """What ``ActorEngine.state_dict`` writes, as the contents checks on load want it."""
+    gen = torch.Generator().manual_seed(step).get_state()
+    return {"version": step, "nonfinite": 0, "gen": gen, "optimizer": {"state": {}}}
+
+
 def payload(step: int, n: int = 64) -> tuple[dict, dict, dict]:
     adapters = {"layer.lora_A.default.weight": torch.full((n,), float(step))}
-    return adapters, {"version": step, "nonfinite": 0}, {"step": step, "wall_s": float(step)}
+    return adapters, actor_state(step), {"step": step, "wall_s": float(step)}
 
 
 def test_a_full_disk_mid_save_removes_the_temp_dir(tmp_path, monkeypatch) -> None:
@@ -72,7 +78,9 @@ CHILD = textwrap.dedent(
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, not a kill
     root = Path(sys.argv[1])
-    state = lambda s: ({"version": s, "nonfinite": 0}, {"step": s, "wall_s": 0.0})
+    gen = torch.Generator().manual_seed(0).get_state()
+    actor = lambda s: {"version": s, "nonfinite": 0, "gen": gen, "optimizer": {"state": {}}}
+    state = lambda s: (actor(s), {"step": s, "wall_s": 0.0})
     save_checkpoint(root, 1, {"a": torch.zeros(64)}, *state(1))  # well under the limit
     resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.RLIM_INFINITY))
     try:
@@ -92,7 +100,8 @@ def test_a_real_file_size_limit(tmp_path) -> None:
     )
     assert out.returncode == 2, out.stderr
     line = out.stdout.strip()
-    assert line.startswith(f"cannot write {tmp_path / 'step_000002'}: it needs 65.")  # KiB
+    # 64 KiB of adapters and the actor state's RNG (about 5 KiB)
+    assert line.startswith(f"cannot write {tmp_path / 'step_000002'}: it needs 7")
     assert "over the file-size limit (16.0 KiB, ulimit -f)" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
     assert load_latest(tmp_path).step == 1
