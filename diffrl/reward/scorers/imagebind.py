@@ -93,26 +93,35 @@ class ImageBindEmbedder:
 
     def __init__(
         self,
-        weights: str | Path,
-        size: str = "huge",
-        device: str = "cpu",
-        dtype: str = "float32",
+        net: ImageBindNet,
         audio_clips: int = AUDIO_CLIPS,
         video_clips: int = VIDEO_CLIPS,
         crops: int = 3,
     ) -> None:
-        check_choice("params.size", size, SIZES)
         check_choice("params.crops", crops, (1, 3))
         if audio_clips < 1 or video_clips < 1:
             raise ValueError(f"audio_clips={audio_clips}, video_clips={video_clips}: both >= 1")
-        self.cfg = SIZES[size](modalities=("vision", "audio"))
-        with torch.device("meta"):  # the file's tensors are taken as they are: no double copy
-            net = ImageBindNet(self.cfg)
-        load_weights(net, weights)
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype)
-        self.net = net.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.cfg = net.cfg
+        self.net = net.eval().requires_grad_(False)
+        weight = next(net.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
         self.audio_clips, self.video_clips, self.crops = audio_clips, video_clips, crops
+
+    @classmethod
+    def load(
+        cls,
+        weights: str | Path,
+        size: str = "huge",
+        device: str = "cpu",
+        dtype: str = "float32",
+        **sampling,
+    ) -> ImageBindEmbedder:
+        """The vision and audio towers of ``size`` with the weights of a local file."""
+        check_choice("params.size", size, SIZES)
+        with torch.device("meta"):  # the file's tensors are taken as they are: no double copy
+            net = ImageBindNet(SIZES[size](modalities=("vision", "audio")))
+        load_weights(net, weights)
+        return cls(net.to(torch.device(device), resolve_dtype(dtype)), **sampling)
 
     def embed_audio(self, audio: Tensor, sample_rate: int) -> Tensor:
         cfg = self.cfg
@@ -206,8 +215,14 @@ class ImageBindAVScorer:
             if embedder == "torchscript":
                 self.embedder: AVEmbedder = TorchScriptAVEmbedder(source, device)
             else:
-                self.embedder = ImageBindEmbedder(
-                    source, size, device, dtype, audio_clips, video_clips, crops
+                self.embedder = ImageBindEmbedder.load(
+                    source,
+                    size,
+                    device,
+                    dtype,
+                    audio_clips=audio_clips,
+                    video_clips=video_clips,
+                    crops=crops,
                 )
         elif path is not None or weights is not None:
             raise ValueError(
