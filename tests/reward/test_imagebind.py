@@ -24,7 +24,13 @@ from diffrl.reward.scorers.imagebind_net import (
     load_weights,
     state_shapes,
 )
-from diffrl.reward.scorers.imagebind_prep import fbank, frame_pairs, mel_banks, mel_clips
+from diffrl.reward.scorers.imagebind_prep import (
+    fbank,
+    frame_pairs,
+    mel_banks,
+    mel_clips,
+    sinc_resample,
+)
 
 KV_BIAS = ("audio", "depth", "thermal", "imu")  # trunks with learned key/value bias tokens
 
@@ -243,6 +249,23 @@ def test_fbank_and_windows() -> None:
     at32 = mel_clips(torch.sin(2 * math.pi * 1000 * t32)[None], 32_000)
     at16 = mel_clips(torch.sin(2 * math.pi * 1000 * t)[None], rate)
     assert at32[0, 0, 0, :, 100].argmax() == at16[0, 0, 0, :, 100].argmax()
+
+
+@pytest.mark.parametrize("rate", [48_000, 44_100, 24_000, 8_000])
+def test_resampler_keeps_the_band_and_drops_what_16khz_cannot_hold(rate: int) -> None:
+    def tones(r: int, n: int, freqs) -> torch.Tensor:
+        t = torch.arange(n, dtype=torch.float64) / r
+        return sum(a * torch.sin(2 * math.pi * f * t) for f, a in freqs).float()[None]
+
+    band = ((440.0, 0.5), (2500.0, 0.3))  # below both Nyquists
+    out = sinc_resample(tones(rate, rate, band), rate, 16_000)
+    assert out.shape == (1, 16_000)  # one second stays one second
+    inner = slice(64, -64)  # away from the zero-padded ends
+    want = tones(16_000, 16_000, band)
+    assert (out - want)[0, inner].abs().max() < 1e-2
+    if rate > 16_000:  # 10 kHz is above 16 kHz's Nyquist: filtered out, not folded to 6 kHz
+        hi = sinc_resample(tones(rate, rate, ((10_000.0, 0.5),)), rate, 16_000)
+        assert hi[0, inner].abs().max() < 1e-2
 
 
 def test_frame_pairs_sample_2s_windows_and_crops() -> None:

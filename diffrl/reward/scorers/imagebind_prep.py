@@ -6,8 +6,9 @@ at 0, the last ending at the end; all three the whole clip when it is shorter); 
 its mean removed, becomes a Kaldi-style log-mel filterbank (25 ms Hann frames every 10 ms, 128
 mel bins, pre-emphasis 0.97, power spectrum, 512-point FFT), is padded or cut to 204 frames and
 normalised with the training set's mean -4.268 and std 9.138. torchaudio is not a dependency
-(the env has none), so the filterbank is written here from Kaldi's definition; resampling uses
-torchaudio when it is installed, else the same polyphase filter the CLAP scorer uses (scipy).
+(the env has none), so the filterbank is written here from Kaldi's definition, and resampling
+uses torchaudio when it is installed, else a windowed-sinc resampler written here with the same
+filter as torchaudio's default (in torch, so it stays on the audio's device).
 
 Video (per clip): five 2 s windows spread the same way over the clip's duration (frames / fps);
 from each, the first and last frame (two uniformly spaced samples, the pair the temporal patch
@@ -45,19 +46,39 @@ def clip_starts(duration: float, clip: float, count: int) -> list[Fraction]:
     return [step * i for i in range(count)]
 
 
+def sinc_resample(
+    audio: Tensor, rate: int, target: int, zeros: int = 6, rolloff: float = 0.99
+) -> Tensor:
+    """(B, S) at ``rate`` -> (B, ceil(S * target / rate)) at ``target``: band-limited
+    interpolation with a Hann-windowed sinc (``zeros`` zero crossings each side, cut-off at
+    ``rolloff`` of the lower Nyquist), as one strided convolution. The same filter as
+    torchaudio's default resampler, in plain torch, so it runs where the audio is."""
+    g = math.gcd(int(rate), int(target))
+    up, down = int(target) // g, int(rate) // g  # `up` outputs for every `down` inputs
+    cutoff = min(up, down) * rolloff
+    width = math.ceil(zeros * down / cutoff)  # input samples each side of an output
+    taps = torch.arange(-width, width + down, dtype=torch.float64, device=audio.device) / down
+    phase = -torch.arange(up, dtype=torch.float64, device=audio.device)[:, None] / up
+    t = ((phase + taps) * cutoff).clamp(-zeros, zeros)  # (up, taps) in units of the cut-off
+    window = torch.cos(t * math.pi / zeros / 2) ** 2
+    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t * math.pi) / (t * math.pi))
+    kernels = (sinc * window * cutoff / down).to(audio.dtype)[:, None]  # (up, 1, taps)
+    x = F.pad(audio[:, None], (width, width + down))  # (B, 1, S + pad)
+    y = F.conv1d(x, kernels, stride=down)  # (B, up, S / down + 1): one row per output phase
+    out = y.transpose(1, 2).flatten(1)
+    return out[:, : math.ceil(up * audio.shape[-1] / down)]
+
+
 def resample(audio: Tensor, rate: int, target: int = SAMPLE_RATE) -> Tensor:
-    """(B, S) at ``rate`` -> (B, S') at ``target``."""
+    """(B, S) at ``rate`` -> (B, S') at ``target``: torchaudio's resampler where it is
+    installed (what the release uses), else the same filter written here."""
     if rate == target:
         return audio
     try:
         import torchaudio.functional as AF
-
-        return AF.resample(audio, rate, target)
     except ImportError:
-        from diffrl.reward.scorers.clap import resample as polyphase
-
-        out = polyphase(audio.detach().cpu().float().numpy(), rate, target)
-        return torch.from_numpy(out).to(audio.device)
+        return sinc_resample(audio, rate, target)
+    return AF.resample(audio, rate, target)
 
 
 def _mel(hz: Tensor) -> Tensor:
