@@ -253,11 +253,12 @@ class ImageBindAVScorer:
         for i in range(0, len(audio), self.batch_size):
             a = self.embedder.embed_audio(audio[i : i + self.batch_size], rate)
             rows = video[i : i + self.batch_size]
+            # an embedder that samples in time is told the frame rate (see AVEmbedder)
             v = (
                 self.embedder.embed_video(rows, fps=fps)
                 if timed
                 else self.embedder.embed_video(rows)
-            )  # type: ignore[call-arg]
+            )
             if a.shape != v.shape or a.ndim != 2:
                 raise ValueError(
                     f"embedder returned audio {tuple(a.shape)} and video {tuple(v.shape)}; "
