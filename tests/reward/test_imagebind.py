@@ -215,6 +215,22 @@ def test_huge_is_the_release() -> None:
     def count(prefix: str) -> int:
         return sum(math.prod(s) for k, s in shapes.items() if k.startswith(prefix))
 
+    # the release's input geometry runs through every tower (shapes only, on the meta device)
+    with torch.device("meta"):
+        net = ImageBindNet(ImageBindConfig.huge())
+        inputs = {
+            "vision": torch.empty(2, 3, 2, 224, 224),  # a frame pair, 16 x 16 patches
+            "audio": torch.empty(2, 1, 128, 204),  # 12 x 19 overlapping patches
+            "text": torch.zeros(2, 77, dtype=torch.long),
+            "depth": torch.empty(2, 1, 224, 224),
+            "thermal": torch.empty(2, 1, 224, 224),
+            "imu": torch.empty(2, 6, 2000),
+        }
+        for m, x in inputs.items():
+            assert net.embed(m, x).shape == (2, 1024), m
+        with pytest.raises(ValueError, match="gives 512 patches but the position table has 256"):
+            net.embed("vision", torch.empty(1, 3, 4, 224, 224))  # 4 frames: two temporal patches
+
     per_block = 12 * 1280**2 + 13 * 1280  # attention 4D^2+4D, MLP 8D^2+5D, two norms 4D
     assert count("modality_trunks.vision.") == 32 * per_block + 2 * 1280
     assert 625e6 < count("modality_trunks.vision.") < 635e6
