@@ -190,8 +190,9 @@ def main() -> None:
         )
         if DEV.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        clap_s = timed(lambda: clap.score_sync(traj), args.repeats)
-        ib_s = timed(lambda: imagebind.score_sync(traj), args.repeats)
+        # all three through asyncio (a worker thread each), as the pool runs scorers
+        clap_s = timed(lambda: asyncio.run(clap.score(traj)), args.repeats)
+        ib_s = timed(lambda: asyncio.run(imagebind.score(traj)), args.repeats)
         joint_s = timed(lambda: asyncio.run(pool.score(traj)), args.repeats)
         scored, _ = asyncio.run(pool.score(traj))
     row = {
