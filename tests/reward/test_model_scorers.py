@@ -28,6 +28,7 @@ MODEL_SCORERS = (
     "clip_score",
     "pickscore",
     "clap",
+    "imagebind",
     "imagebind_av",
     "ocr",
     "jpeg_compressibility",
