@@ -31,6 +31,18 @@ What the family owns, and where diffusers' ``LTX2Pipeline`` says it:
   middle frame as ``image``) and the audio chain the pipeline runs: audio VAE -> mel
   spectrogram -> ``LTX2Vocoder`` -> a stereo waveform, averaged to mono ``audio`` (B, samples)
   float32 in [-1, 1] with its ``sample_rate`` (the vocoder's output rate, 24 kHz at real size).
+- **Frame conditions** (I2AV, FL2VA; ``encode_conditions``, ``family.conditioned``). As
+  ``LTX2ImageToVideoPipeline`` and ``LTX2ConditionPipeline`` condition: each given frame is
+  resized, encoded ALONE (a one-frame clip, the posterior's mode) and normalised as the video
+  latent is, once in the data stage (``PromptBatch.cond`` (B, K, C, 1, h, w), hashed like the
+  ids). The first frame replaces latent frame 0's tokens with per-token timestep
+  t * (1 - mask) = 0, and since the pipelines blend the x0 prediction with the clean condition
+  where the mask is 1, frame 0's velocity is (x - condition) / sigma: the sampler lands on the
+  condition, and no parameter (nor the condition) gets gradient there. FL2VA's last frame is
+  appended as clean (timestep 0) keyframe tokens with the pipeline's own keyframe RoPE bounds
+  (``_prepare_keyframe_coords``), placed at the clip's last PIXEL frame (diffusers' latent
+  index -1 would put a single frame 8 frames early, at (F - 2) * 8 + 1); their outputs are
+  dropped. T2VA never enters this path. Frame conditions need ``patch_size_t`` 1 (LTX-2.0's).
 - **Serving layout** (contract 2). Video and audio self-attention (``attn1``, ``audio_attn1``:
   q, k and v read the same input, so a fused QKV is sound) held as one ``to_qkv`` weight; the
   cross-attentions (text, a2v, v2a) read another input for k/v and stay unfused. Both FFN
@@ -300,7 +312,8 @@ def keyframe_coords(net: LTX2Net, frame: int) -> Tensor:
 
 
 class LTX2Net(DiffusersNet):
-    """forward(x (B, D), 1000 sigma (B,), input_ids (B, L)) -> eps - x0 as (B, D)."""
+    """forward(x (B, D), 1000 sigma (B,), input_ids (B, L), cond (B, K, C, 1, h, w) or None)
+    -> eps - x0 as (B, D)."""
 
     def __init__(self, transformer, text_encoder, connectors, vae, audio_vae, vocoder, pad_id):
         super().__init__(
