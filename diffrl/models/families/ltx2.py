@@ -597,7 +597,8 @@ class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry):
         """(B, K, H, W, 3) uint8 frames -> (B, K, C, 1, h, w) latents: each frame resized to
         the model's size (bilinear, as the condition pipeline resizes), encoded ALONE as a
         one-frame clip (the pipelines' ``vae.encode(image.unsqueeze(2))``, the posterior's
-        mode), normalised as the sample's video latent is."""
+        mode), normalised as the sample's video latent is (the pipelines normalise conditions
+        without ``scaling_factor``, which is 1 in LTX-2's VAEs, so the two agree)."""
         if frames.dtype != torch.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
             raise ValueError(
                 f"frame conditions must be (B, K, H, W, 3) uint8; got {tuple(frames.shape)} "
