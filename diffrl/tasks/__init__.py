@@ -32,6 +32,7 @@ TASK_MODULES = {
     "prompts": "diffrl.tasks.prompts",
     "avbench": "diffrl.tasks.avbench",  # T2VA
     "avbench_fl2va": "diffrl.tasks.avbench",  # FL2VA: the same module, mode from cfg.task
+    "avbench_i2av": "diffrl.tasks.avbench",  # I2AV (first frame): the same module
 }
 
 # scorer name (as recipes spell it) -> the task's scorer

@@ -40,13 +40,17 @@ def tiny_family_overrides(recipe: str) -> list[str]:
     pytest.importorskip("diffusers")
     family = model.resolved_family
     preset = next(p for p, f in PRESET_FAMILY.items() if f == family and p.endswith("-tiny"))
+    frames = 0
     if cfg.data.task.startswith("avbench"):  # AVBench's clips need the AVBench preset's geometry
-        preset = "h3-avbench"
+        if family == "minimax_h3":
+            preset = "h3-avbench"
+        else:  # or >= 10 frames (ltx2-tiny has 9; 11 is its next count)
+            frames = 11
     return [
         "run.device=auto",  # a plan-only real-size recipe (e.g. h3_fl2va_8gpu) names cuda
         f"model.preset={preset}",
         "model.resolution=0",
-        "model.frames=0",
+        f"model.frames={frames}",
         "model.dtype=float32",
         "data.eval_prompts=2",
         "reward.scorers=[{name: jpeg_incompressibility}]",

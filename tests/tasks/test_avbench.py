@@ -288,6 +288,25 @@ def test_task_splits_and_modes(name) -> None:
     np.testing.assert_array_equal(conds["last_frame"], video[-1])
 
 
+def test_i2av_mode_gives_the_first_frame_alone() -> None:
+    """avbench_i2av: the FL2VA task's first frame, nothing else; graded by the T2VA checks."""
+    i2av, fl2va = (
+        build_task(TaskConfig(task="avbench_i2av")),
+        build_task(TaskConfig(task="avbench_fl2va")),
+    )
+    assert i2av.needs_conditions and not i2av.fl2va and i2av.i2av
+    assert build_task(TaskConfig(task="avbench")).prompt_conditions([], {}) is None
+    prompts = i2av.prompts("train")[:2]
+    geometry = dict(frames=11, size=32, fps=24.0, sample_rate=16000)
+    got, full = (
+        i2av.prompt_conditions(prompts, geometry),
+        fl2va.prompt_conditions(prompts, geometry),
+    )
+    assert [set(c) for c in got] == [{"first_frame"}] * 2
+    for g, f in zip(got, full, strict=True):
+        np.testing.assert_array_equal(g["first_frame"], f["first_frame"])
+
+
 def test_evaluate_on_ground_truth_and_on_shuffled_audio() -> None:
     task = build_task(TaskConfig(task="avbench"))
     prompts = task.prompts("test")

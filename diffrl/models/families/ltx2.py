@@ -31,6 +31,18 @@ What the family owns, and where diffusers' ``LTX2Pipeline`` says it:
   middle frame as ``image``) and the audio chain the pipeline runs: audio VAE -> mel
   spectrogram -> ``LTX2Vocoder`` -> a stereo waveform, averaged to mono ``audio`` (B, samples)
   float32 in [-1, 1] with its ``sample_rate`` (the vocoder's output rate, 24 kHz at real size).
+- **Frame conditions** (I2AV, FL2VA; ``encode_conditions``, ``family.conditioned``). As
+  ``LTX2ImageToVideoPipeline`` and ``LTX2ConditionPipeline`` condition: each given frame is
+  resized, encoded ALONE (a one-frame clip, the posterior's mode) and normalised as the video
+  latent is, once in the data stage (``PromptBatch.cond`` (B, K, C, 1, h, w), hashed like the
+  ids). The first frame replaces latent frame 0's tokens with per-token timestep
+  t * (1 - mask) = 0, and since the pipelines blend the x0 prediction with the clean condition
+  where the mask is 1, frame 0's velocity is (x - condition) / sigma: the sampler lands on the
+  condition, and no parameter (nor the condition) gets gradient there. FL2VA's last frame is
+  appended as clean (timestep 0) keyframe tokens with the pipeline's own keyframe RoPE bounds
+  (``_prepare_keyframe_coords``), placed at the clip's last PIXEL frame (diffusers' latent
+  index -1 would put a single frame 8 frames early, at (F - 2) * 8 + 1); their outputs are
+  dropped. T2VA never enters this path. Frame conditions need ``patch_size_t`` 1 (LTX-2.0's).
 - **Serving layout** (contract 2). Video and audio self-attention (``attn1``, ``audio_attn1``:
   q, k and v read the same input, so a fused QKV is sound) held as one ``to_qkv`` weight; the
   cross-attentions (text, a2v, v2a) read another input for k/v and stay unfused. Both FFN
@@ -45,17 +57,21 @@ What the family owns, and where diffusers' ``LTX2Pipeline`` says it:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
+from types import SimpleNamespace
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from diffrl.errors import ConfigError
+from diffrl.errors import ConfigError, ContractError
 from diffrl.models.families._diffusers import (
     TINY_WORDS,
     DiffusersNet,
@@ -68,11 +84,19 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
 )
 from diffrl.models.families._encoder_plans import GEMMA3_ENCODER_PLAN
-from diffrl.models.family import FamilyModel, FamilySpec, HasMediaGeometry, TokenBatch, hash_rows
+from diffrl.models.family import (
+    FamilyModel,
+    FamilySpec,
+    HasMediaGeometry,
+    TakesConditions,
+    TokenBatch,
+    hash_rows,
+)
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalRope, Plan, ShardedRMSNorm, optional
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
 from diffrl.sync.weights import SlotMap
+from diffrl.types import images_from_uint8
 
 # Every attention of an LTX2VideoTransformerBlock: self (video, audio), text cross (video,
 # audio), and the cross-modal pair (a2v: video queries audio; v2a: audio queries video).
@@ -99,6 +123,9 @@ COMPONENTS = {
 }
 PIPELINE = "LTX2Pipeline"
 SELF_ATTENTIONS = ("attn1", "audio_attn1")
+# the frame conditions a task may give (``encode_conditions``): I2AV the first frame, FL2VA the
+# first and the last; K = 1 or 2 keyframe latents per row, in this order
+CONDITION_MODES = {("first_frame",): "i2av", ("first_frame", "last_frame"): "fl2va"}
 FFN_UP = ("ff.net.0.proj", "audio_ff.net.0.proj")
 
 _GEMMA3_12B = dict(  # google/gemma-3-12b-it, as LTX-2 ships it (48 layers, 3840 wide)
@@ -264,8 +291,29 @@ def _pipeline():
     return LTX2Pipeline
 
 
+def keyframe_coords(net: LTX2Net, frame: int) -> Tensor:
+    """(1, 3, h * w, 2) RoPE bounds of one appended single-frame keyframe at pixel frame
+    ``frame``: ``LTX2ConditionPipeline._prepare_keyframe_coords`` itself (handed the sizes it
+    reads off the pipeline), so the keyframe tokens sit where that pipeline puts them."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2ConditionPipeline
+
+    vae, cfg, g = net.frozen.vae, net.transformer.config, net.geometry
+    sizes = SimpleNamespace(
+        transformer_spatial_patch_size=cfg.patch_size,
+        transformer_temporal_patch_size=cfg.patch_size_t,
+        vae_temporal_compression_ratio=vae.temporal_compression_ratio,
+        vae_spatial_compression_ratio=vae.spatial_compression_ratio,
+    )
+    _, _, h, w = g.video
+    device = next(net.transformer.parameters()).device
+    return LTX2ConditionPipeline._prepare_keyframe_coords(
+        sizes, 1, h, w, pixel_frame_idx=frame, num_pixel_frames=1, fps=g.fps, device=device
+    )
+
+
 class LTX2Net(DiffusersNet):
-    """forward(x (B, D), 1000 sigma (B,), input_ids (B, L)) -> eps - x0 as (B, D)."""
+    """forward(x (B, D), 1000 sigma (B,), input_ids (B, L), cond (B, K, C, 1, h, w) or None)
+    -> eps - x0 as (B, D)."""
 
     def __init__(self, transformer, text_encoder, connectors, vae, audio_vae, vocoder, pad_id):
         super().__init__(
@@ -278,6 +326,8 @@ class LTX2Net(DiffusersNet):
         )
         self.pad_id = pad_id
         self.geometry: Geometry | None = None  # set by the family once the sample size is known
+        self.frames = 0  # pixel frames of a clip, set with the geometry (the last keyframe's place)
+        self.keyframes: Tensor | None = None  # (B, K, C, 1, h, w), set by family.conditioned()
 
     def encode_uncached(self, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Gemma-3's per-layer hidden states through the connectors (``_get_gemma_prompt_embeds``
@@ -290,7 +340,15 @@ class LTX2Net(DiffusersNet):
         embeds = torch.stack(out.hidden_states, dim=-1).flatten(2, 3)  # (b, L, hidden * layers)
         return self.frozen.connectors(embeds, mask, padding_side="left")
 
-    def forward(self, x: Tensor, t: Tensor, input_ids: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor | None = None
+    ) -> Tensor:
+        """``cond``: (B, K, C, 1, h, w) keyframe latents per row (K = 1: I2AV, 2: FL2VA), as
+        the data stage encoded them; else the ones ``family.conditioned`` set; else none
+        (T2VA, the path below, untouched by the conditioned one)."""
+        cond = cond if cond is not None else self.keyframes
+        if cond is not None:
+            return self._conditioned(x, t, input_ids, cond)
         video_txt, audio_txt, txt_mask = self.conditions(input_ids, dtype=x.dtype)
         g, cfg, pipe = self.geometry, self.transformer.config, _pipeline()
         video, audio = g.unflatten(x)
@@ -323,8 +381,70 @@ class LTX2Net(DiffusersNet):
         out_a = pipe._unpack_audio_latents(out_a, frames_a, mels_a)
         return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
 
+    def _conditioned(self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor) -> Tensor:
+        """I2AV / FL2VA as diffusers' ``LTX2ImageToVideoPipeline`` and ``LTX2ConditionPipeline``
+        condition: the first keyframe's latent REPLACES latent frame 0 (mask 1: per-token
+        timestep t * (1 - mask) = 0), the last one is APPENDED as extra video tokens at timestep
+        0 placed (RoPE) at the clip's last pixel frame, and their outputs are dropped. The
+        pipelines blend the x0 prediction with the clean condition where the mask is 1, so frame
+        0's velocity is (x - x0) / sigma with x0 = the condition: the sampler walks frame 0
+        straight onto it (exactly, at sigma = 0, for an Euler step), and no parameter reaches
+        it (no gradient; with x0's frame 0 the condition, its flow-matching loss is 0)."""
+        g, cfg, pipe, tf = self.geometry, self.transformer.config, _pipeline(), self.transformer
+        c, f, h, w = g.video
+        b, k = x.shape[0], cond.shape[1] if cond.ndim == 6 else 0
+        if cond.shape[0] != b or k not in (1, 2) or tuple(cond.shape[2:]) != (c, 1, h, w):
+            raise ContractError(
+                f"ltx2: conditions of shape {tuple(cond.shape)} for {b} rows; expected "
+                f"(B, K, {c}, 1, {h}, {w}) keyframe latents, K = 1 (I2AV) or 2 (FL2VA)"
+            )
+        cond = cond.detach().to(x.dtype)
+        video_txt, audio_txt, txt_mask = self.conditions(input_ids, dtype=x.dtype)
+        video, audio = g.unflatten(x)
+        _, frames_a, mels_a = g.audio
+        p, p_t = cfg.patch_size, cfg.patch_size_t
+        first = cond[:, 0]  # (b, C, 1, h, w)
+        tokens = pipe._pack_latents(torch.cat([first, video[:, :, 1:]], dim=2), p, p_t)
+        n, n_first = tokens.shape[1], (h // p) * (w // p)  # patch_size_t 1: frame 0's tokens
+        timestep = t[:, None].expand(b, n).clone()
+        timestep[:, :n_first] = 0
+        coords = tf.rope.prepare_video_coords(b, f, h, w, x.device, fps=g.fps)
+        if k == 2:  # the last frame: appended tokens, held clean, at the last pixel frame
+            last = pipe._pack_latents(cond[:, 1], p, p_t)
+            tokens = torch.cat([tokens, last], dim=1)
+            timestep = torch.cat([timestep, timestep.new_zeros(b, last.shape[1])], dim=1)
+            kf = keyframe_coords(self, self.frames - 1).to(coords)
+            coords = torch.cat([coords, kf.expand(b, -1, -1, -1)], dim=2)
+        out_v, out_a = tf(
+            hidden_states=tokens,
+            audio_hidden_states=pipe._pack_audio_latents(audio),
+            encoder_hidden_states=video_txt,
+            audio_encoder_hidden_states=audio_txt,
+            timestep=timestep,  # (b, tokens): 0 on the conditioning tokens
+            audio_timestep=t,
+            sigma=t,
+            encoder_attention_mask=txt_mask,
+            audio_encoder_attention_mask=txt_mask,
+            num_frames=f,
+            height=h,
+            width=w,
+            fps=g.fps,
+            audio_num_frames=frames_a,
+            video_coords=coords,
+            audio_coords=tf.audio_rope.prepare_audio_coords(b, frames_a, x.device),
+            use_cross_timestep=True,  # cross-modal modulation at the sample's sigma, not 0
+            return_dict=False,
+        )
+        out_v = pipe._unpack_latents(out_v[:, :n], f // p_t, h // p, w // p, p, p_t)
+        sigma = t.float().view(b, 1, 1, 1, 1) / 1000  # native 1000 sigma -> sigma
+        held = (video[:, :, :1].float() - first.float()) / sigma.clamp_min(1e-12)
+        held = torch.where(sigma > 0, held, torch.zeros_like(held))
+        out_v = torch.cat([held.to(out_v), out_v[:, :, 1:]], dim=2)
+        out_a = pipe._unpack_audio_latents(out_a, frames_a, mels_a)
+        return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
 
-class LTX2Family(HasReferencePipeline, HasMediaGeometry):
+
+class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry):
     name = "ltx2"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -366,7 +486,7 @@ class LTX2Family(HasReferencePipeline, HasMediaGeometry):
             )
         if video[1] % cfg.patch_size_t:
             raise ConfigError(f"ltx2: {video[1]} latent frames vs patch_size_t {cfg.patch_size_t}")
-        net.geometry = Geometry(video, audio, float(fps))
+        net.geometry, net.frames = Geometry(video, audio, float(fps)), frames
         self.fps, self.sample_rate = (
             float(fps),
             float(net.frozen.vocoder.config.output_sampling_rate),
@@ -446,6 +566,69 @@ class LTX2Family(HasReferencePipeline, HasMediaGeometry):
         mean, std, scale = self._video_stats(z)
         video = ((z - mean) * scale / std).flatten(1)
         return torch.cat([video, video.new_zeros(video.shape[0], self.geometry.split[1])], dim=1)
+
+    # --- frame conditions (I2AV, FL2VA) ----------------------------------------------------
+    @torch.no_grad()
+    def encode_conditions(self, conditions: Sequence[dict]) -> Tensor:
+        """Per-prompt frame conditions, {"first_frame"} (I2AV) or {"first_frame",
+        "last_frame"} (FL2VA), (H, W, 3) uint8 each, -> (N, K, C, 1, h, w) keyframe latents,
+        encoded once in the data stage (the data stage hashes them beside the ids)."""
+        keys = tuple(sorted(conditions[0])) if conditions else ()
+        if keys not in CONDITION_MODES or any(tuple(sorted(c)) != keys for c in conditions):
+            allowed = " or ".join("+".join(m) for m in CONDITION_MODES)
+            raise ConfigError(
+                f"config key 'data.task': ltx2 conditions a prompt on frames, {allowed} (I2AV, "
+                f"FL2VA); this task gives {'+'.join(keys) or 'none'} (per row: "
+                f"{sorted({'+'.join(sorted(c)) for c in conditions})})"
+            )
+        cfg = self.net.transformer.config
+        if cfg.patch_size_t != 1 or (len(keys) == 2 and self.geometry.video[1] < 2):
+            raise ConfigError(
+                f"config key 'model.frames' = {self.frames}: ltx2's frame conditions take the "
+                f"first latent frame's tokens alone (patch_size_t 1, here {cfg.patch_size_t}) "
+                f"and, for FL2VA, 2 or more latent frames (here {self.geometry.video[1]})"
+            )
+        frames = np.stack([np.stack([c[key] for key in keys]) for c in conditions])
+        device = next(self.net.transformer.parameters()).device
+        return self.keyframe_latents(torch.from_numpy(frames).to(device)).float().cpu()
+
+    @torch.no_grad()
+    def keyframe_latents(self, frames: Tensor) -> Tensor:
+        """(B, K, H, W, 3) uint8 frames -> (B, K, C, 1, h, w) latents: each frame resized to
+        the model's size (bilinear, as the condition pipeline resizes), encoded ALONE as a
+        one-frame clip (the pipelines' ``vae.encode(image.unsqueeze(2))``, the posterior's
+        mode), normalised as the sample's video latent is (the pipelines normalise conditions
+        without ``scaling_factor``, which is 1 in LTX-2's VAEs, so the two agree)."""
+        if frames.dtype != torch.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
+            raise ValueError(
+                f"frame conditions must be (B, K, H, W, 3) uint8; got {tuple(frames.shape)} "
+                f"{frames.dtype}"
+            )
+        b, k = frames.shape[:2]
+        pixels = images_from_uint8(frames.flatten(0, 1))  # (b * k, 3, H, W) in [-1, 1]
+        size = (self.resolution, self.resolution)
+        if tuple(pixels.shape[-2:]) != size:
+            pixels = F.interpolate(pixels, size=size, mode="bilinear", align_corners=False)
+        vae = self.net.frozen.vae
+        z = vae.encode(pixels.unsqueeze(2).to(next(vae.parameters()))).latent_dist.mode()
+        mean, std, scale = self._video_stats(z)
+        z = (z - mean) * scale / std  # (b * k, C, 1, h, w)
+        return z.reshape(b, k, *z.shape[1:])
+
+    @contextlib.contextmanager
+    def conditioned(self, model: FamilyModel, keyframes: Tensor) -> Iterator[FamilyModel]:
+        """I2AV (K = 1) / FL2VA (K = 2): within the block, ``model`` conditions every row on
+        ``keyframes`` (B, K, C, 1, h, w), frozen (detached; no gradient reaches them)."""
+        if keyframes.ndim != 6 or keyframes.shape[1] not in (1, 2):
+            raise ConfigError(
+                f"ltx2: keyframes of shape {tuple(keyframes.shape)}; (B, K, C, 1, h, w) with K "
+                "1 (first frame: I2AV) or 2 (first and last: FL2VA)"
+            )
+        model.net.keyframes = keyframes.detach()
+        try:
+            yield model
+        finally:
+            model.net.keyframes = None
 
     # --- contract 1: the reference pipeline ------------------------------------------------
     def reference(self, model: FamilyModel, shift: float) -> Reference:

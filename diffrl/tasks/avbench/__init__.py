@@ -5,6 +5,10 @@ frames). See docs/avbench.md.
 Two registered tasks share this module; ``cfg.task`` picks the mode:
 
 - ``avbench``: text to video+audio (T2VA);
+- ``avbench_i2av``: the same prompts plus the first frame as a condition (I2AV; LTX-2). It is
+  graded by the T2VA checks: a family that holds the given frame (LTX-2 replaces the first
+  latent frame) passes a first-frame check by construction, so it would measure the VAE, not
+  the policy;
 - ``avbench_fl2va``: the same prompts plus first/last frame conditions (FL2VA).
   ``Prompt.frames`` holds file paths, so the conditions are served as arrays instead, by
   ``task.conditions(text, seed)``. Evaluation grades a clip against the frames the rollout
@@ -31,7 +35,7 @@ from diffrl.tasks.avbench.verify import VERIFIERS, Checks, verify_clips
 from diffrl.tasks.base import EvalResult, ProbeData, Prompt, TaskConfig, first_of_each_prompt
 from diffrl.types import Trajectory
 
-MODES = {"avbench": "t2va", "avbench_fl2va": "fl2va"}
+MODES = {"avbench": "t2va", "avbench_fl2va": "fl2va", "avbench_i2av": "i2av"}
 
 
 def _rates(traj: Trajectory, key: str, default: int) -> np.ndarray:
@@ -72,7 +76,9 @@ class AVBenchTask:
             raise ValueError(f"AVBench task {cfg.task!r}: must be one of {sorted(MODES)}")
         self.cfg, self.name = cfg, cfg.task
         self.fl2va = MODES[cfg.task] == "fl2va"
-        self.needs_conditions = self.fl2va  # first/last frames per prompt (prompt_conditions)
+        self.i2av = MODES[cfg.task] == "i2av"
+        # first/last (FL2VA) or first (I2AV) frames per prompt (prompt_conditions)
+        self.needs_conditions = self.fl2va or self.i2av
         self.condition_seed = 0  # the seed of each prompt's canonical FL2VA conditions
 
     def prompts(self, split: str) -> list[Prompt]:
@@ -80,8 +86,9 @@ class AVBenchTask:
 
     def prompt_conditions(self, prompts: list[Prompt], geometry: dict) -> list[dict] | None:
         """FL2VA: each prompt's canonical first/last frames (seed ``condition_seed``) at the
-        model's ``geometry`` (frames, size, fps, sample_rate); None for T2VA (text only)."""
-        if not self.fl2va:
+        model's ``geometry`` (frames, size, fps, sample_rate); I2AV: the first of them; None for
+        T2VA (text only)."""
+        if not self.needs_conditions:
             return None
         spec = ClipSpec(
             int(geometry["frames"]),
@@ -89,7 +96,8 @@ class AVBenchTask:
             float(geometry["fps"]),
             int(geometry["sample_rate"]),
         )
-        return [conditions(p.text, self.condition_seed, spec) for p in prompts]
+        conds = [conditions(p.text, self.condition_seed, spec) for p in prompts]
+        return [{"first_frame": c["first_frame"]} for c in conds] if self.i2av else conds
 
     def conditions(
         self, prompt_text: str, seed: int = 0, spec: ClipSpec = DEFAULT_SPEC

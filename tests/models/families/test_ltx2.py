@@ -262,3 +262,184 @@ def test_parity_probe_sees_the_audio_normalisation(monkeypatch) -> None:
     monkeypatch.setattr(LTX2Pipeline, "_denormalize_audio_latents", undone)
     with pytest.raises(ContractError, match="call 0: .*audio_hidden_states"):
         parity()
+
+
+# --- frame conditions: I2AV (first frame) and FL2VA (first and last) --------------------------
+
+N_FIRST = 4 * 4  # frame 0's tokens: the 4 x 4 latent grid (patch 1)
+
+
+def _frames(k: int, seed: int = 0):
+    """k conditions per prompt for the 2 prompts, (H, W, 3) uint8 each."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    keys = ("first_frame", "last_frame")[:k]
+    return [
+        {key: rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for key in keys} for _ in PROMPTS
+    ]
+
+
+def _sample(model, cond, steps: int = 3):
+    """An Euler ODE sample, as the rollout's ODE sampler steps it."""
+    from diffrl.rollout.samplers import euler_step, sigma_schedule
+
+    fam = model.family
+    ids = fam.tokenize(PROMPTS).input_ids
+    x = torch.randn(2, *fam.latent_shape(), generator=torch.Generator().manual_seed(4))
+    sigmas = sigma_schedule(steps, 3.0)
+    with torch.no_grad():
+        for i in range(steps):
+            s = sigmas[i].expand(2)
+            x = euler_step(x, model(x, s, ids, cond=cond), s, sigmas[i + 1].expand(2))
+    return x
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_frame_conditions_are_the_pipelines_and_come_out_held(model, k) -> None:
+    """The first frame's latent is what LTX2ImageToVideoPipeline puts at latent frame 0 (its
+    mask 1 there), and a sample comes out with exactly it at frame 0 (the decoded frame is
+    then the VAE's round trip of the given one); FL2VA's last frame moves the other frames."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline
+
+    from diffrl.types import images_from_uint8
+
+    fam, f = model.family, model.net.frozen
+    conds = _frames(k)
+    cond = fam.encode_conditions(conds)
+    assert cond.shape == (2, k, 8, 1, 4, 4) and cond.dtype == torch.float32
+    pipe = LTX2ImageToVideoPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=f.vae, audio_vae=f.audio_vae,
+        text_encoder=f.text_encoder, tokenizer=fam.tokenizer, connectors=f.connectors,
+        transformer=model.net.transformer, vocoder=f.vocoder,
+    )  # fmt: skip
+    first = torch.stack([torch.from_numpy(c["first_frame"]) for c in conds])
+    with torch.no_grad():
+        packed, mask = pipe.prepare_latents(
+            images_from_uint8(first), 2, 8, 32, 32, 9, dtype=torch.float32,
+            device=torch.device("cpu"), generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+    assert mask[:, :N_FIRST].eq(1).all() and mask[:, N_FIRST:].eq(0).all()
+    torch.testing.assert_close(packed[:, :N_FIRST], cond[:, 0].flatten(2).transpose(1, 2))
+
+    x0 = _sample(model, cond)
+    video, _ = fam.geometry.unflatten(x0)
+    torch.testing.assert_close(video[:, :, :1], cond[:, 0], rtol=0, atol=1e-5)
+    assert (video[:, :, 1:] - cond[:, 0]).abs().max() > 0.1  # the other frames are generated
+    if k == 2:  # the appended last frame reaches the generated frames
+        other = cond.clone()
+        other[:, 1] = torch.randn_like(other[:, 1])
+        moved = fam.geometry.unflatten(_sample(model, other))[0]
+        assert (moved[:, :, 1:] - video[:, :, 1:]).abs().max() > 1e-3
+        torch.testing.assert_close(moved[:, :, :1], video[:, :, :1], rtol=0, atol=1e-5)
+
+
+def test_conditioning_tokens_are_clean_and_carry_no_gradient_or_loss(model) -> None:
+    """What the transformer is handed (frame 0's tokens = the first frame's latent, the last
+    frame's appended, both at timestep 0, the last placed at the clip's last pixel frame),
+    and that no parameter and no condition gets gradient through them: frame 0's velocity
+    is (x - condition) / sigma, so with x0's frame 0 the condition its flow-matching loss is 0."""
+    from diffrl.models.family import noised
+
+    fam, net = model.family, model.net
+    cond = fam.encode_conditions(_frames(2, seed=1))
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen.update(kwargs)
+
+    hook = net.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    sigma, ids = torch.tensor([0.3, 0.8]), fam.tokenize(PROMPTS).input_ids
+    x0 = torch.randn(2, *fam.latent_shape(), generator=torch.Generator().manual_seed(5))
+    video0, _ = fam.geometry.unflatten(x0)
+    video0[:, :, :1] = cond[:, 0]  # a sample that came out holding its first frame
+    eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(6))
+    x = noised(x0, sigma, eps)
+    leaf = cond.clone().requires_grad_(True)
+    try:
+        v = model(x, sigma, ids, cond=leaf)
+    finally:
+        hook.remove()
+    tokens, t = seen["hidden_states"], seen["timestep"]
+    n = 5 * N_FIRST
+    assert tokens.shape[1] == t.shape[1] == n + N_FIRST  # the last frame: 16 tokens appended
+    torch.testing.assert_close(tokens[:, :N_FIRST], cond[:, 0].flatten(2).transpose(1, 2))
+    torch.testing.assert_close(tokens[:, n:], cond[:, 1].flatten(2).transpose(1, 2))
+    assert t[:, :N_FIRST].eq(0).all() and t[:, n:].eq(0).all()
+    torch.testing.assert_close(t[:, N_FIRST:n], (1000 * sigma)[:, None].expand(2, n - N_FIRST))
+    assert seen["audio_timestep"].shape == (2,)
+    frame_span = seen["video_coords"][:, 0, n:]  # (start, end) in seconds: frame 8 of 0..8
+    torch.testing.assert_close(frame_span, torch.tensor([8.0, 9.0]).expand_as(frame_span) / 24)
+
+    d0 = N_FIRST * 8  # frame 0's entries are the first of the video part (C, F, h, w) ...
+    video_v, _ = fam.geometry.unflatten(v)
+    target, _ = fam.geometry.unflatten(eps - x0)
+    torch.testing.assert_close(video_v[:, :, 0], target[:, :, 0], rtol=0, atol=1e-5)
+    assert (video_v[:, :, 1:] - target[:, :, 1:]).abs().max() > 0.1
+    video_v[:, :, 0].sum().backward()  # ... and no parameter is reached from them
+    grads = [p.grad for p in net.transformer.parameters() if p.grad is not None]
+    assert all(g.abs().max() == 0 for g in grads) and d0 > 0
+    assert leaf.grad is None
+    model.zero_grad(set_to_none=True)
+    video_v2, _ = fam.geometry.unflatten(model(x, sigma, ids, cond=leaf))
+    video_v2[:, :, 1:].pow(2).mean().backward()  # the generated frames do train
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in net.transformer.parameters())
+    assert leaf.grad is None
+    model.zero_grad(set_to_none=True)
+
+
+def test_conditions_hash_and_conditioned_block(model) -> None:
+    """The frames' latents are hashed like input_ids: one changed pixel of one prompt's last
+    frame changes that row's hash alone; ``family.conditioned`` scopes a block's keyframes."""
+    from diffrl.types import hash_cond_rows
+
+    fam = model.family
+    conds = _frames(2, seed=2)
+    cond = fam.encode_conditions(conds)
+    assert hash_cond_rows(fam.encode_conditions(conds)) == hash_cond_rows(cond)
+    conds[1]["last_frame"] = conds[1]["last_frame"].copy()
+    conds[1]["last_frame"][5, 7, 0] ^= 0x40
+    other = hash_cond_rows(fam.encode_conditions(conds))
+    assert other[0] == hash_cond_rows(cond)[0] and other[1] != hash_cond_rows(cond)[1]
+    i2av = hash_cond_rows(fam.encode_conditions([{"first_frame": c["first_frame"]} for c in conds]))
+    assert i2av[0] != hash_cond_rows(cond)[0]  # I2AV's rows are not FL2VA's
+
+    x = torch.randn(2, *fam.latent_shape(), generator=torch.Generator().manual_seed(7))
+    sigma, ids = torch.tensor([0.4, 0.6]), fam.tokenize(PROMPTS).input_ids
+    with torch.no_grad():
+        direct, plain = model(x, sigma, ids, cond=cond), model(x, sigma, ids)
+        with fam.conditioned(model, cond) as held:
+            scoped = held(x, sigma, ids)
+        assert model.net.keyframes is None
+        torch.testing.assert_close(scoped, direct, rtol=0, atol=0)
+        torch.testing.assert_close(model(x, sigma, ids), plain, rtol=0, atol=0)  # T2VA again
+
+
+def test_unsupported_conditions_are_refused(model) -> None:
+    from dataclasses import replace
+
+    from diffrl.errors import ContractError
+
+    fam = model.family
+    frames = _frames(2)
+    with pytest.raises(ConfigError, match=r"config key 'data.task'.*this task gives ref_image"):
+        fam.encode_conditions([{"ref_image": f["first_frame"]} for f in frames])
+    with pytest.raises(ConfigError, match=r"'data.task'.*per row"):  # rows of two modes
+        fam.encode_conditions([frames[0], {"first_frame": frames[1]["first_frame"]}])
+    with pytest.raises(ConfigError, match="'data.task'.*none"):
+        fam.encode_conditions([])
+    geometry = fam.geometry
+    model.net.geometry = replace(geometry, video=(8, 1, 4, 4))  # a one-latent-frame clip
+    try:
+        with pytest.raises(ConfigError, match=r"'model.frames' = 9: .*here 1\)"):
+            fam.encode_conditions(frames)
+    finally:
+        model.net.geometry = geometry
+    cond = fam.encode_conditions(frames)
+    x, ids = torch.randn(2, *fam.latent_shape()), fam.tokenize(PROMPTS).input_ids
+    with pytest.raises(ContractError, match=r"expected \(B, K, 8, 1, 4, 4\)"):
+        model(x, torch.tensor([0.5, 0.5]), ids, cond=cond[:, :, :, :, :2])
+    with pytest.raises(ContractError, match="K = 1 .I2AV. or 2"):
+        model(x, torch.tensor([0.5, 0.5]), ids, cond=torch.cat([cond, cond], 1))
+    with pytest.raises(ConfigError, match="K 1"), fam.conditioned(model, cond[:, 0]):
+        pass
