@@ -52,6 +52,10 @@ What the family owns, and where diffusers says it:
   the audio map). Presets off the release's geometry (h3-tiny: 16 fps mono) run the pipeline's
   packed sequence at the family's latent sizes instead of its 24 fps layout step; h3-avbench
   (no autoencoders, the post-norm text layer) has no pipeline to compare with.
+- **Geometry.** Frames are ``model.height`` x ``model.width`` (``model.resolution`` square when
+  neither is set); the packed sequence's rotary grid takes the latent height and width as the
+  pipeline's layout step does. Frame counts are the video VAE's ``clip_length n +
+  tokens_chunk_size`` (17 n + 5), else a ConfigError naming ``model.frames``.
 - **Batching.** The transformer's batch axis replicates ONE layout and ONE timestep table, so
   the net groups samples by (text length, sigma, keyframes or not): a rollout step is one call
   per prompt length, training (a sigma per sample) one call per sample.
@@ -511,7 +515,7 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         self,
         tokenizer,
         net: MiniMaxH3Net,
-        resolution: int,
+        size: tuple[int, int],
         frames: int,
         fps: float,
         video_codec,
@@ -519,7 +523,8 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
     ) -> None:
         self.tokenizer, self.net = tokenizer, net
         self.video_codec, self.audio_codec = video_codec, audio_codec
-        self.resolution, self.frames, self.fps = resolution, frames, fps
+        self.height, self.width = size  # pixels; square unless model.height/width say otherwise
+        self.frames, self.fps = frames, fps
         self.max_text_len = tokenizer.model_max_length
 
     # --- contract 3 ---------------------------------------------------------------------
@@ -578,10 +583,14 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         return torch.cat([z_v, z_a.flatten(1).to(z_v)], dim=1)
 
     def media_geometry(self) -> dict[str, float]:
-        """What a task renders conditions at: frames, size (px), fps and sample rate."""
+        """What a task renders conditions at: frames, size (px), fps and sample rate; a
+        non-square model also says its height and width (``size`` is then the longer side, which
+        a square-rendering task draws at and the family resizes to its frame)."""
         return dict(
             frames=self.frames,
-            size=self.resolution,
+            size=max(self.height, self.width),
+            height=self.height,
+            width=self.width,
             fps=self.fps,
             sample_rate=self.audio_codec.sample_rate,
         )
@@ -609,9 +618,9 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         return self.encode_keyframes(pixels.unflatten(0, (first.shape[0], 2)))
 
     def _resize(self, pixels: Tensor) -> Tensor:
-        if pixels.shape[-1] == self.resolution and pixels.shape[-2] == self.resolution:
+        size = (self.height, self.width)
+        if tuple(pixels.shape[-2:]) == size:
             return pixels
-        size = (self.resolution, self.resolution)
         flat = pixels.flatten(0, -4) if pixels.ndim == 5 else pixels
         out = F.interpolate(flat, size=size, mode="bilinear", antialias=True)
         return out.reshape(*pixels.shape[:-2], *size) if pixels.ndim == 5 else out
@@ -828,7 +837,7 @@ def reference_pipeline(model: FamilyModel, shift: float) -> Reference:
         try:
             pipe(
                 prompt=prompt, latents=video, audio_latents=audio, num_inference_steps=steps + 1,
-                height=fam.resolution, width=fam.resolution, num_frames=fam.frames,
+                height=fam.height, width=fam.width, num_frames=fam.frames,
                 output_type="pt",
             )  # fmt: skip
         finally:
@@ -866,6 +875,8 @@ def build(
     resolution: int,
     frames: int,
     max_text_len: int,
+    height: int = 0,
+    width: int = 0,
     fps: float,
     audio_shift_ratio: float,
     audio_channels: int,
@@ -879,7 +890,8 @@ def build(
         raise ConfigError("minimax_h3: the tokenizer has no pad token")
     text_encoder = trim_text_encoder(text_encoder, text_layer)
     cfg = transformer.config
-    video_shape = video_codec.latent_shape(frames, resolution, tuple(cfg.patch_size))
+    size = (height or resolution, width or resolution)  # model.height/width: non-square frames
+    video_shape = video_codec.latent_shape(frames, *size, tuple(cfg.patch_size))
     audio_shape = audio_codec.latent_shape(frames / fps, audio_channels)
     if cfg.in_channels != video_shape[0] or cfg.audio_in_channels != audio_shape[-1]:
         raise ConfigError(
@@ -898,7 +910,7 @@ def build(
         text_layer=text_layer,
         offload_text_encoder=offload_text_encoder,
     )
-    family = MiniMaxH3Family(tokenizer, net, resolution, frames, fps, video_codec, audio_codec)
+    family = MiniMaxH3Family(tokenizer, net, size, frames, fps, video_codec, audio_codec)
     return FamilyModel(net, family, convention)
 
 
@@ -989,6 +1001,8 @@ def load(cfg, device: torch.device) -> FamilyModel:
         keys = ("resolution", "frames", "max_text_len", "fps", "audio_channels")
         return {
             **{k: spec[k] for k in keys},
+            "height": spec.get("height", 0),  # 0: square frames of the resolution
+            "width": spec.get("width", 0),
             "audio_shift_ratio": shifts[1] / shifts[0],
             "text_layer": text_layer,
             "offload_text_encoder": offload,

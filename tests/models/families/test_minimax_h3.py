@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from diffrl.errors import ConfigError, ContractError
+from diffrl.errors import ConfigError, ContractError, FieldError
 from diffrl.models.convention import noised, probe_convention
 from diffrl.models.family import FamilyModel
 from diffrl.models.probe import NoReference
@@ -67,7 +67,7 @@ def test_missing_or_malformed_dir(pipe_dir, tmp_path) -> None:
     shutil.rmtree(broken / "audio_vae")
     with pytest.raises(ConfigError, match=r"lacks audio_vae/(.|\n)*audio_scheduler"):
         load_model(ModelConfig(family="minimax_h3", path=str(broken)))
-    with pytest.raises(ConfigError, match="frames 9 must be 5 \\* n \\+ 3"):
+    with pytest.raises(ConfigError, match=r"model.frames = 9: .* 5 n \+ 3 frames \(n >= 1: 8, 13"):
         load_model(ModelConfig(preset="h3-tiny", frames=9))
 
 
@@ -324,3 +324,39 @@ def test_reference_refuses_what_the_pipeline_cannot_run(model) -> None:
     avbench = load_model(ModelConfig(preset="h3-avbench"))
     with pytest.raises(NoReference, match="no diffusers pipeline to compare with"):
         avbench.family.reference(avbench, 1.0)
+
+
+def test_non_square_frames_and_frame_counts() -> None:
+    """model.height/model.width (2:3 here) reach the latents, the packed sequence's rotary
+    grid, decode, keyframes and the parity probe; a size or frame count the VAE cannot take
+    and a family that renders square frames only are refused, naming the key."""
+    from diffrl.models.probe import pipeline_parity
+    from diffrl.rollout.samplers import euler_step, sigma_schedule
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset="h3-tiny", height=32, width=48, frames=13))
+    fam, net = model.family, model.net
+    assert net.video_shape == (4, 8, 8, 12)  # 5 n + 3 frames -> 3 n + 2 latents; x4 VAE
+    assert fam.media_geometry()["height"] == 32 and fam.media_geometry()["width"] == 48
+    lay = net.layout(3, minimax_h3.ANCHORS, "cpu")
+    video_pos = lay["position_ids"][lay["video_indices"]]
+    assert video_pos[:, 1].unique().numel() == 4 and video_pos[:, 2].unique().numel() == 6
+    media = fam.decode(torch.randn(1, *fam.latent_shape()))
+    assert media["video"].shape == (1, 13, 32, 48, 3)
+    assert media["audio"].shape == (1, 6400)  # 32 latents of a hop of 200
+    keyframes = fam.keyframe_latents(*torch.randint(0, 256, (2, 1, 20, 30, 3), dtype=torch.uint8))
+    assert keyframes.shape == (1, 2, 4, 1, 8, 12)
+    ids = fam.tokenize(PROMPTS[:1]).input_ids
+    with torch.no_grad(), fam.conditioned(model, keyframes) as cond:
+        v = cond(torch.randn(1, *fam.latent_shape()), torch.tensor([0.5]), ids)
+    assert torch.isfinite(v).all()
+    report = pipeline_parity(model, sigma_schedule, euler_step, 6, 3.0, "a red circle")
+    assert report.calls == 2 and report.worst < 1.0
+    with pytest.raises(ConfigError, match="model.width .* = 44 must be a multiple of 8"):
+        load_model(ModelConfig(preset="h3-tiny", height=32, width=44))
+    with pytest.raises(FieldError, match="height=32: give model.height and model.width together"):
+        ModelConfig(preset="h3-tiny", height=32).validate()
+    with pytest.raises(ConfigError, match="model.height = 32: .*'sd3' renders square frames"):
+        load_model(ModelConfig(preset="sd35-tiny", height=32, width=48))
+    with pytest.raises(ConfigError, match=r"model.width \(or model.resolution\) = 18 .* patch 4"):
+        load_model(ModelConfig(preset="h3-avbench", height=16, width=18))
