@@ -36,7 +36,12 @@ What the family owns, and where diffusers says it:
 - **Conditioning rows** (FL2VA). ``family.conditioned(model, keyframes)`` packs first/last
   keyframe latents (``encode_keyframes``) as conditioning rows, held at t = max(t, 0.999)
   (the pipeline's ``keyframe_noise_aug``), detached, and cut from the output: no gradient, no
-  loss. The vision block H3 also puts into the text presentation for FL2VA is not built here.
+  loss. The semantic branch (``_h3_vision``, the pipeline's FL2VA text step): the keyframes
+  also enter the encoder's presentation, a ``"<Picture i>: "`` label and a Qwen3-VL vision block
+  each ahead of the prompt, whose rows the packed sequence tags VIDEO. Their vision patches
+  travel in ``cond`` beside the keyframe latents (so ``cond_hash`` covers them) and the states
+  are cached per (ids, patches). On for a real checkpoint directory (its tokenizer has the
+  vision tokens); off for the presets (word tokenizers), whose FL2VA is text-only as before.
 - **Serving layout** (contract 2). ``MiniMaxH3Attention``'s processor computes with ``to_qkv``
   once ``fused_projections`` is set, so the rollout fuses q/k/v natively (blocks and token
   refiner) and holds the SwiGLU up-projection ``ff.net.0.proj`` as two swapped row shards.
@@ -76,6 +81,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError, ContractError
+from diffrl.models.families import _h3_vision as vision
 from diffrl.models.families._diffusers import (
     TINY_WORDS,
     DiffusersNet,
@@ -371,6 +377,8 @@ class MiniMaxH3Net(DiffusersNet):
         self.offload = offload_text_encoder
         self.keyframes: tuple[Tensor, tuple[str, ...]] | None = None  # set by conditioned()
         self._layouts: dict[tuple, dict[str, Tensor]] = {}  # layout() per (n_text, anchors)
+        # the FL2VA semantic branch (_h3_vision): set by build when on, else text-only FL2VA
+        self.semantic: vision.Presentation | None = None
         n_layers = text_encoder.config.text_config.num_hidden_layers
         if not 0 < text_layer <= n_layers:
             raise ConfigError(
@@ -403,23 +411,29 @@ class MiniMaxH3Net(DiffusersNet):
         return (hidden,)
 
     # --- the packed sequence ------------------------------------------------------------
-    def layout(self, n_text: int, anchors: tuple[str, ...], device) -> dict[str, Tensor]:
+    def layout(
+        self, n_text: int, anchors: tuple[str, ...], device, prefix: tuple[int, ...] = ()
+    ) -> dict[str, Tensor]:
         """position_ids, token_tags and the three index tensors of one request's sequence,
-        built once per (text length, anchors, device)."""
-        key = (n_text, tuple(anchors), str(device))
+        built once per (text length, anchors, device, the text rows' leading tags ``prefix``:
+        the FL2VA semantic branch's labels and vision blocks)."""
+        key = (n_text, tuple(anchors), str(device), prefix)
         if key not in self._layouts:
-            self._layouts[key] = self._build_layout(n_text, anchors, device)
+            self._layouts[key] = self._build_layout(n_text, anchors, device, prefix)
         return self._layouts[key]
 
-    def _build_layout(self, n_text: int, anchors: tuple[str, ...], device) -> dict[str, Tensor]:
+    def _build_layout(
+        self, n_text: int, anchors: tuple[str, ...], device, prefix: tuple[int, ...] = ()
+    ) -> dict[str, Tensor]:
         from diffusers.modular_pipelines.minimax_h3.before_denoise import (
             MiniMaxH3PrepareLayoutStep,
         )
 
         _, f, h, w = self.video_shape
         ch, n_audio, _ = self.audio_shape
+        text_tags = torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
         pos, tags, vid, aud, txt, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            torch.full((n_text,), TEXT_TAG),
+            text_tags,
             f,
             h,
             w,
@@ -440,7 +454,14 @@ class MiniMaxH3Net(DiffusersNet):
         return {k: v.to(device) for k, v in out.items()}
 
     def _group(
-        self, x: Tensor, t: Tensor, txt: Tensor, n_text: int, cond: Tensor | None, anchors
+        self,
+        x: Tensor,
+        t: Tensor,
+        txt: Tensor,
+        n_text: int,
+        cond: Tensor | None,
+        anchors,
+        prefix: tuple[int, ...] = (),
     ) -> Tensor:
         """One transformer call for samples sharing text length n_text and time t (scalar)."""
         b = x.shape[0]
@@ -457,7 +478,7 @@ class MiniMaxH3Net(DiffusersNet):
             cond_rows = patchify(cond.detach().squeeze(3).transpose(1, 2), patch)  # (b, K*rows, Cp)
             n_cond = cond_rows.shape[1]
             video = torch.cat([cond_rows.to(video), video], dim=1)
-        lay = self.layout(n_text, anchors, x.device)
+        lay = self.layout(n_text, anchors, x.device, prefix)
         seq_len = lay["position_ids"].shape[0]
         row_t = torch.full((seq_len,), float(t), device=x.device)
         row_t[lay["audio_indices"]] = float(1.0 - sigma_a)
@@ -478,13 +499,85 @@ class MiniMaxH3Net(DiffusersNet):
         canon = (1 - 1 / self.k) * y - ((1 - sigma_a) + sigma_a / self.k) * u  # eps - b0
         return torch.cat([v_video.to(x.dtype), (-canon).to(x.dtype)], dim=1)
 
+    def split_cond(self, cond: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The data stage's per-row conditions -> keyframe latents (B, 2, C, 1, h, w) and, with
+        the semantic branch, the keyframes' vision patches (B, 2, n, d) (one flat row each)."""
+        p = self.semantic
+        if p is None:
+            return cond, None
+        _, _, h, w = self.video_shape
+        c = self.video_shape[0]
+        n_lat = len(ANCHORS) * c * h * w
+        want = n_lat + len(ANCHORS) * p.pixel_dim
+        if cond.ndim != 2 or cond.shape[1] != want:
+            raise ContractError(
+                f"minimax_h3: FL2VA conditions of shape {tuple(cond.shape)}; the semantic "
+                f"branch takes one flat row of {want} values per sample (keyframe latents, then "
+                "their vision patches)"
+            )
+        b = cond.shape[0]
+        lat = cond[:, :n_lat].reshape(b, len(ANCHORS), c, 1, h, w)
+        gh, gw = p.grid
+        return lat, cond[:, n_lat:].reshape(b, len(ANCHORS), gh * gw, -1)
+
+    def semantic_states(self, input_ids: Tensor, patches: Tensor, dtype) -> Tensor:
+        """(B, P + L, hidden) states of the FL2VA presentation (``_h3_vision``), encoded once
+        per (prompt ids, keyframe patches) through the net's ``EncodeCache``."""
+        p = self.semantic
+        assert p is not None
+        key = torch.cat([input_ids.cpu(), vision.row_keys(patches)], dim=1)
+        where = {tuple(r.tolist()): i for i, r in enumerate(key)}
+
+        def encode(rows: Tensor) -> tuple[Tensor]:
+            sel = [where[tuple(r.tolist())] for r in rows.cpu()]
+            device = self.compute_device()
+            te = self.frozen.text_encoder
+            if self.offload:
+                te.to(device)
+            try:
+                te.eval()
+                states = vision.encode(
+                    te, input_ids[sel].to(device), self.pad_id, patches[sel].to(device), p,
+                    self.text_layer,
+                )  # fmt: skip
+            finally:
+                if self.offload:
+                    te.to("cpu")
+            return (states,)
+
+        rows = self.cache.get(key, encode)
+        return torch.stack([r[0] for r in rows]).to(dtype)
+
+    def encode_with_conditions(self, input_ids: Tensor, cond: Tensor, chunk: int) -> None:
+        """Encode the FL2VA presentations of a prompt set ((N, L) ids, (N, ...) conditions) into
+        the cache, ``chunk`` rows per encoder call: under ETP before the cache is sealed
+        (``diffrl.build``), since an encode is a collective there. Nothing without the
+        semantic branch."""
+        if self.semantic is None:
+            return
+        _, patches = self.split_cond(cond)
+        for start in range(0, input_ids.shape[0], max(1, chunk)):
+            rows = slice(start, start + chunk)
+            self.semantic_states(input_ids[rows], patches[rows], torch.float32)
+
     def forward(
         self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor | None = None
     ) -> Tensor:
         """``cond``: (B, 2, C, 1, h, w) first/last keyframe latents per row (FL2VA), as the
-        data stage encoded them; else the ones ``family.conditioned`` set, else none (T2VA)."""
-        (txt,) = self.conditions(input_ids, dtype=x.dtype)
+        data stage encoded them (with the semantic branch: one flat row of those latents and
+        the keyframes' vision patches); else the ones ``family.conditioned`` set, else none
+        (T2VA)."""
         lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
+        patches, prefix = None, ()
+        if cond is not None:
+            cond, patches = self.split_cond(cond)
+        if patches is not None and self.semantic is not None:
+            txt = self.semantic_states(input_ids, patches, x.dtype)
+            ids, tags = self.semantic.prefix()
+            prefix = tuple(tags)
+            lengths = [n + len(ids) for n in lengths]
+        else:
+            (txt,) = self.conditions(input_ids, dtype=x.dtype)
         if cond is not None:
             anchors = ANCHORS
             if cond.shape[0] != x.shape[0] or cond.shape[1] != len(anchors):
@@ -501,7 +594,7 @@ class MiniMaxH3Net(DiffusersNet):
         for (n, _), rows in groups.items():
             idx = torch.tensor(rows, device=x.device)
             c = None if cond is None else cond[idx]
-            out[idx] = self._group(x[idx], t[rows[0]], txt[idx], n, c, anchors)
+            out[idx] = self._group(x[idx], t[rows[0]], txt[idx], n, c, anchors, prefix)
         return out
 
 
@@ -605,7 +698,15 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         first = torch.from_numpy(np.stack([c["first_frame"] for c in conditions]))
         last = torch.from_numpy(np.stack([c["last_frame"] for c in conditions]))
         device = next(self.net.transformer.parameters()).device
-        return self.keyframe_latents(first.to(device), last.to(device)).float().cpu()
+        latents = self.keyframe_latents(first.to(device), last.to(device)).float().cpu()
+        p = self.net.semantic
+        if p is None:
+            return latents
+        # the semantic branch: the keyframes' vision patches travel beside their latents, one
+        # flat row per prompt, so cond_hash covers both (_h3_vision)
+        pixels = images_from_uint8(torch.stack([first, last], 1).flatten(0, 1))
+        patches = vision.image_patches(self._resize(pixels), p).reshape(len(conditions), -1)
+        return torch.cat([latents.flatten(1), patches], dim=1)
 
     def keyframe_latents(self, first: Tensor, last: Tensor) -> Tensor:
         """First and last frames, (B, H, W, 3) uint8 each, -> (B, 2, C, 1, h, w) latents."""
@@ -882,6 +983,7 @@ def build(
     audio_channels: int,
     text_layer: int,
     offload_text_encoder: bool = False,
+    semantic_keyframes: bool = False,
     convention: str = "",
 ) -> FamilyModel:
     tokenizer.padding_side = "right"
@@ -910,6 +1012,9 @@ def build(
         text_layer=text_layer,
         offload_text_encoder=offload_text_encoder,
     )
+    if semantic_keyframes:  # FL2VA presents the keyframes to the encoder too (_h3_vision)
+        vcfg = text_encoder.config.vision_config
+        net.semantic = vision.presentation(tokenizer, vcfg, size, len(ANCHORS))
     family = MiniMaxH3Family(tokenizer, net, size, frames, fps, video_codec, audio_codec)
     return FamilyModel(net, family, convention)
 
@@ -1001,6 +1106,7 @@ def load(cfg, device: torch.device) -> FamilyModel:
         keys = ("resolution", "frames", "max_text_len", "fps", "audio_channels")
         return {
             **{k: spec[k] for k in keys},
+            "semantic_keyframes": spec.get("semantic_keyframes", False),
             "height": spec.get("height", 0),  # 0: square frames of the resolution
             "width": spec.get("width", 0),
             "audio_shift_ratio": shifts[1] / shifts[0],
@@ -1036,7 +1142,11 @@ def load(cfg, device: torch.device) -> FamilyModel:
         n_layers = parts["text_encoder"].config.text_config.num_hidden_layers
         # the release's layer 50, or a small encoder's last pre-norm output (layer n - 1)
         text_layer = TEXT_LAYER if n_layers > TEXT_LAYER else n_layers - 1
-        return with_codecs(parts, spec), settings(spec, shifts, text_layer, offload)
+        s = settings(spec, shifts, text_layer, offload)
+        # a real checkpoint presents FL2VA keyframes to its encoder, as the release's pipeline
+        # does (_h3_vision); a tiny directory's word tokenizer has no vision tokens
+        s["semantic_keyframes"] = transformer.config.hidden_size >= 1024
+        return with_codecs(parts, spec), s
 
     def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
         spec = PRESETS[name]
@@ -1093,6 +1203,8 @@ def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
     n_cond = 2 * (hv // ph) * (wv // pw) if conditioned else 0  # FL2VA: first and last frames
     n_audio = net.audio_shape[0] * net.audio_shape[1]
     n_text = model.family.max_text_len  # the longest prompt: a row's real length at most
+    if conditioned and net.semantic is not None:  # FL2VA: the keyframes' labels, vision blocks
+        n_text += len(net.semantic.prefix()[0])
     n = n_video + n_cond + n_audio + n_text
     rot = 6 * cfg.rope_freq_dim  # cos and sin over 3 axes, twice (rotate_half)
     live = max(4 * w.h + 8 * w.f, 4 * w.h + 12 * w.a)

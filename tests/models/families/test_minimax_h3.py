@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -360,3 +361,152 @@ def test_non_square_frames_and_frame_counts() -> None:
         load_model(ModelConfig(preset="sd35-tiny", height=32, width=48))
     with pytest.raises(ConfigError, match=r"model.width \(or model.resolution\) = 18 .* patch 4"):
         load_model(ModelConfig(preset="h3-avbench", height=16, width=18))
+
+
+def _semantic_model():
+    """h3-tiny (2:3 frames) with a tokenizer that has Qwen3-VL's vision tokens and the FL2VA
+    semantic branch on."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+    from diffusers import MiniMaxH3Transformer3DModel as DiT
+    from transformers import Qwen3VLForConditionalGeneration as VL
+
+    from diffrl.models.families._diffusers import random_component
+    from diffrl.models.families._h3_vision import VISION_TOKENS
+
+    spec, cpu = minimax_h3.PRESETS["h3-tiny"], torch.device("cpu")
+    tok = minimax_h3.tiny_tokenizer(spec["max_text_len"])
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    te_cfg = {k: dict(v) for k, v in spec["text_encoder"].items()}
+    te_cfg["text_config"]["vocab_size"] = len(tok)
+    start, pad, end = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    te_cfg |= dict(vision_start_token_id=start, image_token_id=pad, vision_end_token_id=end)
+    video, audio = minimax_h3.codecs(
+        random_component(AutoencoderKLMiniMaxH3, spec["vae"], torch.float32, cpu),
+        random_component(AutoencoderKLMiniMaxH3Audio, spec["audio_vae"], torch.float32, cpu),
+        spec,
+    )
+    return minimax_h3.build(
+        random_component(DiT, spec["transformer"], torch.float32, cpu),
+        random_component(VL, te_cfg, torch.float32, cpu), video, audio, tok,
+        resolution=0, height=32, width=48, frames=8, max_text_len=16, fps=16.0,
+        audio_shift_ratio=0.25, audio_channels=1, text_layer=1, semantic_keyframes=True,
+    )  # fmt: skip
+
+
+def _keyframes(rng) -> dict:
+    return {
+        k: rng.integers(0, 256, (32, 48, 3), dtype=np.uint8) for k in ("first_frame", "last_frame")
+    }
+
+
+def test_fl2va_semantic_branch() -> None:
+    """The keyframes' vision block changes the encoder states against text-only FL2VA; the
+    condition's hash changes with the keyframes; the second call hits the encode cache."""
+    from diffrl.types import hash_cond_rows
+
+    torch.manual_seed(0)
+    model = _semantic_model()
+    net, fam = model.net, model.family
+    p = net.semantic
+    assert p.n_image_tokens == 24  # 32 x 48 px in 4 px patches, 2 x 2 merged: 8 x 12 / 4
+    rng = np.random.default_rng(0)
+    frames = [
+        {
+            k: rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+            for k in ("first_frame", "last_frame")
+        }
+        for _ in range(2)
+    ]
+    cond = fam.encode_conditions(frames)
+    ids = fam.tokenize(PROMPTS[:1]).input_ids.expand(2, -1)
+    lat, patches = net.split_cond(cond)
+    assert lat.shape == (2, 2, 4, 1, 8, 12) and patches.shape == (2, 2, 96, 96)
+    assert hash_cond_rows(cond)[0] != hash_cond_rows(cond)[1]  # the hash follows the frames
+    net.cache.store.clear()
+    misses = net.cache.misses
+    sem = net.semantic_states(ids, patches, torch.float32)
+    n_pre = len(p.prefix()[0])
+    (plain,) = net.conditions(ids[:1], dtype=torch.float32)
+    assert sem.shape[1] == n_pre + plain.shape[1]
+    assert not torch.allclose(sem[0, n_pre:], plain[0])  # the prompt attends to the keyframes
+    assert not torch.allclose(sem[0], sem[1])  # other keyframes, other states
+    assert net.cache.misses - misses == 3  # the two FL2VA rows and the text-only one
+    x = torch.randn(2, *fam.latent_shape())
+    with torch.no_grad():
+        v = model(x, torch.tensor([0.5, 0.5]), ids, cond=cond)
+        with fam.conditioned(model, lat) as text_only:  # the keyframe rows alone
+            v_text = text_only(x, torch.tensor([0.5, 0.5]), ids)
+        with pytest.raises(ContractError, match="semantic branch takes one flat row"):
+            model(x, torch.tensor([0.5, 0.5]), ids, cond=lat)
+    assert net.cache.misses - misses == 3  # cached: the forward re-encodes nothing
+    assert torch.isfinite(v).all() and not torch.allclose(v, v_text)
+    lay = net.layout(n_pre + 3, minimax_h3.ANCHORS, "cpu", tuple(p.prefix()[1]))
+    assert (lay["token_tags"][:n_pre] == minimax_h3.VIDEO_TAG).sum() == 2 * (24 + 2)
+    # under ETP the build encodes the presentations before sealing the cache (diffrl.build)
+    net.cache.store.clear()
+    net.encode_with_conditions(ids, cond, chunk=1)
+    net.conditions(ids)  # the text-only rows (encode_all's part)
+    net.cache.sealed = "test"
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, torch.tensor([0.5, 0.5]), ids, cond=cond), v)
+        with pytest.raises(ContractError, match="sealed"):
+            model(x, torch.tensor([0.5, 0.5]), ids, cond=cond + 0.5)  # other keyframes
+    finally:
+        net.cache.sealed = ""
+
+
+def test_fl2va_semantic_branch_matches_the_pipelines_text_step() -> None:
+    """diffrl's FL2VA presentation against diffusers' ``MiniMaxH3FL2VATextEncoderStep`` run on
+    the same keyframe patches (the image processor needs torchvision: it stands in with
+    diffrl's patches, whose layout ``image_patches`` documents): the same states, row for row,
+    and the same per-row tags; a presentation without the labels is caught."""
+    from types import SimpleNamespace
+
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3FL2VATextEncoderStep
+    from diffusers.modular_pipelines.modular_pipeline import PipelineState
+
+    from diffrl.models.families import _h3_vision
+
+    torch.manual_seed(0)
+    model = _semantic_model()
+    net, fam = model.net, model.family
+    p = net.semantic
+    rng = np.random.default_rng(1)
+    frames = [
+        {
+            k: rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+            for k in ("first_frame", "last_frame")
+        }
+    ]
+    _, patches = net.split_cond(fam.encode_conditions(frames))
+    gh, gw = p.grid
+    processor = minimax_h3._pipeline_classes()[2](fam.tokenizer)
+    processor.image_processor = lambda images, return_tensors: {
+        "pixel_values": patches[0].reshape(-1, patches.shape[-1]),
+        "image_grid_thw": torch.tensor([[1, gh, gw]] * 2),
+    }
+    processor.image_processor.merge_size = p.merge
+    components = SimpleNamespace(
+        tokenizer=fam.tokenizer, processor=processor, text_encoder=net.frozen.text_encoder,
+        text_tag=minimax_h3.TEXT_TAG, video_tag=minimax_h3.VIDEO_TAG, text_encoder_layer=1,
+        _execution_device=torch.device("cpu"),
+    )  # fmt: skip
+    state = PipelineState()
+    state.set("prompt", PROMPTS[0])
+    state.set("keyframes", ["first", "last"])  # two images: the stand-in processor's
+    _, state = MiniMaxH3FL2VATextEncoderStep()(components, state)
+    want, want_tags = state.get("prompt_embeds")[0], state.get("text_token_tags")
+    ids = fam.tokenize(PROMPTS[:1]).input_ids
+    got = net.semantic_states(ids, patches, torch.float32)[0, : want.shape[0]]
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    tags = list(p.prefix()[1]) + [minimax_h3.TEXT_TAG] * (want.shape[0] - len(p.prefix()[1]))
+    assert want_tags.tolist() == tags
+    te, n_prompt = net.frozen.text_encoder, want.shape[0] - len(p.prefix()[0])
+    swapped = _h3_vision.encode(te, ids, net.pad_id, patches.flip(1), p, 1)[0, : want.shape[0]]
+    assert not torch.allclose(swapped, want.float(), atol=1e-4)  # last keyframe first: caught
+    unlabelled = _h3_vision.Presentation(**{**vars(p), "labels": ((), ())})
+    states = _h3_vision.encode(te, ids, net.pad_id, patches, unlabelled, 1)[0]
+    n_pre = len(unlabelled.prefix()[0])
+    prompt = states[n_pre : n_pre + n_prompt]  # the prompt's rows without the labels ahead
+    assert not torch.allclose(prompt, want[-n_prompt:].float(), atol=1e-4)
