@@ -32,6 +32,7 @@ TASK_MODULES = {
     "prompts": "diffrl.tasks.prompts",
     "avbench": "diffrl.tasks.avbench",  # T2VA
     "avbench_fl2va": "diffrl.tasks.avbench",  # FL2VA: the same module, mode from cfg.task
+    "avbench_ref2va": "diffrl.tasks.avbench",  # Ref2VA: a reference image and soundtrack
 }
 
 # scorer name (as recipes spell it) -> the task's scorer

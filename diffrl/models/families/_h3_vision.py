@@ -58,6 +58,7 @@ class Presentation:
     merge: int
     temporal: int
     size: tuple[int, int]  # (H, W) the keyframes are presented at
+    tail: tuple[int, ...] = ()  # text after the blocks (Ref2VA: "<Audio 1>: ")
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -84,12 +85,16 @@ class Presentation:
             block = [self.start, *[self.pad] * self.n_image_tokens, self.end]
             ids += [*label, *block]
             tags += [TEXT_TAG] * len(label) + [VIDEO_TAG] * len(block)
-        return ids, tags
+        return ids + list(self.tail), tags + [TEXT_TAG] * len(self.tail)
 
 
-def presentation(tokenizer, vision_config, size: tuple[int, int], n_keyframes: int):
-    """The presentation of ``n_keyframes`` keyframes at frame ``size`` (H, W) for this
-    tokenizer and vision tower; a ConfigError when the tokenizer has no vision tokens."""
+def presentation(
+    tokenizer, vision_config, size: tuple[int, int], n_keyframes: int, audio_refs: int = 0
+):
+    """The presentation of ``n_keyframes`` images at frame ``size`` (H, W) for this tokenizer
+    and vision tower, then ``audio_refs`` "<Audio j>: " labels (Ref2VA's reference soundtrack:
+    a waveform never reaches the encoder, its label does); a ConfigError when the tokenizer has
+    no vision tokens."""
     vocab = tokenizer.get_vocab()
     missing = [t for t in VISION_TOKENS if t not in vocab]
     if missing:
@@ -110,6 +115,11 @@ def presentation(tokenizer, vision_config, size: tuple[int, int], n_keyframes: i
         merge=vision_config.spatial_merge_size,
         temporal=vision_config.temporal_patch_size,
         size=(int(side[0]), int(side[1])),
+        tail=tuple(
+            i
+            for j in range(audio_refs)
+            for i in tokenizer(f"<Audio {j + 1}>: ", add_special_tokens=False)["input_ids"]
+        ),
     )
 
 

@@ -42,6 +42,13 @@ What the family owns, and where diffusers says it:
   travel in ``cond`` beside the keyframe latents (so ``cond_hash`` covers them) and the states
   are cached per (ids, patches). On for a real checkpoint directory (its tokenizer has the
   vision tokens); off for the presets (word tokenizers), whose FL2VA is text-only as before.
+- **Ref2VA** (``_h3_ref2va``, the pipeline's ``ref2va`` task with the references fixed to one
+  image and one soundtrack): the data stage encodes ``{"ref_image", "ref_audio"}`` once
+  (``ref2va_conditions``: the image as a keyframe, the soundtrack through the audio codec over
+  the clip's duration) into one flat ``cond`` row; the net packs ``[text | image | soundtrack |
+  target audio | target video]``, the image at t = max(t, 0.999), the soundtrack clean at
+  t = 1, both detached and cut from the output. The condition keys set the net's
+  ``cond_mode``; a row of the wrong length is a ContractError.
 - **Serving layout** (contract 2). ``MiniMaxH3Attention``'s processor computes with ``to_qkv``
   once ``fused_projections`` is set, so the rollout fuses q/k/v natively (blocks and token
   refiner) and holds the SwiGLU up-projection ``ff.net.0.proj`` as two swapped row shards.
@@ -95,6 +102,7 @@ from diffrl.models.families._diffusers import (
 )
 from diffrl.models.families._encoder_plans import QWEN3_VL_ENCODER_PLAN
 from diffrl.models.families._h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
+from diffrl.models.families._h3_ref2va import ref2va_layout
 from diffrl.models.family import (
     Builtin,
     EncodesClips,
@@ -379,6 +387,10 @@ class MiniMaxH3Net(DiffusersNet):
         self._layouts: dict[tuple, dict[str, Tensor]] = {}  # layout() per (n_text, anchors)
         # the FL2VA semantic branch (_h3_vision): set by build when on, else text-only FL2VA
         self.semantic: vision.Presentation | None = None
+        self.semantic_ref: vision.Presentation | None = None  # Ref2VA's (one image, one audio)
+        # what the data stage's conditions are ("fl2va" keyframes, or "ref2va" references):
+        # set by family.encode_conditions from the task's condition keys
+        self.cond_mode = "fl2va"
         n_layers = text_encoder.config.text_config.num_hidden_layers
         if not 0 < text_layer <= n_layers:
             raise ConfigError(
@@ -422,6 +434,27 @@ class MiniMaxH3Net(DiffusersNet):
             self._layouts[key] = self._build_layout(n_text, anchors, device, prefix)
         return self._layouts[key]
 
+    def ref2va_layout(
+        self, n_text: int, prefix: tuple[int, ...], n_ref_audio: int, device
+    ) -> dict[str, Tensor]:
+        """Ref2VA's sequence (``_h3_ref2va``), built once per (text length, prefix, device)."""
+        key = (n_text, "ref2va", str(device), prefix, n_ref_audio)
+        if key not in self._layouts:
+            tags = torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
+            patch = tuple(self.transformer.config.patch_size)
+            pos, tag, vid, aud, txt, _, _ = ref2va_layout(
+                tags, self.video_shape, self.audio_shape, patch, n_ref_audio, (VIDEO_TAG, AUDIO_TAG)
+            )
+            out = dict(
+                position_ids=pos.float(),
+                token_tags=tag,
+                video_indices=vid,
+                audio_indices=aud,
+                text_indices=txt,
+            )
+            self._layouts[key] = {k: v.to(device) for k, v in out.items()}
+        return self._layouts[key]
+
     def _build_layout(
         self, n_text: int, anchors: tuple[str, ...], device, prefix: tuple[int, ...] = ()
     ) -> dict[str, Tensor]:
@@ -462,8 +495,11 @@ class MiniMaxH3Net(DiffusersNet):
         cond: Tensor | None,
         anchors,
         prefix: tuple[int, ...] = (),
+        ref_audio: Tensor | None = None,
     ) -> Tensor:
-        """One transformer call for samples sharing text length n_text and time t (scalar)."""
+        """One transformer call for samples sharing text length n_text and time t (scalar).
+        ``ref_audio``: Ref2VA's clean reference soundtrack (b, ch, N, Ca), packed ahead of the
+        generated audio at t = 1 (``_h3_ref2va``); ``cond`` is then its one image."""
         b = x.shape[0]
         dv, _ = self.dims
         patch = tuple(self.transformer.config.patch_size)
@@ -478,11 +514,19 @@ class MiniMaxH3Net(DiffusersNet):
             cond_rows = patchify(cond.detach().squeeze(3).transpose(1, 2), patch)  # (b, K*rows, Cp)
             n_cond = cond_rows.shape[1]
             video = torch.cat([cond_rows.to(video), video], dim=1)
-        lay = self.layout(n_text, anchors, x.device, prefix)
+        n_ref = 0
+        if ref_audio is not None:  # Ref2VA: the soundtrack's rows ahead of the generated ones
+            ref_rows = ref_audio.detach().reshape(b, -1, self.audio_shape[-1])
+            n_ref = ref_rows.shape[1]
+            audio_rows = torch.cat([ref_rows.to(audio_rows), audio_rows], dim=1)
+            lay = self.ref2va_layout(n_text, prefix, ref_audio.shape[2], x.device)
+        else:
+            lay = self.layout(n_text, anchors, x.device, prefix)
         seq_len = lay["position_ids"].shape[0]
         row_t = torch.full((seq_len,), float(t), device=x.device)
         row_t[lay["audio_indices"]] = float(1.0 - sigma_a)
         row_t[lay["video_indices"][:n_cond]] = max(float(t), KEYFRAME_T)
+        row_t[lay["audio_indices"][:n_ref]] = 1.0  # a reference soundtrack is clean
         timestep, timestep_indices = torch.unique(row_t, sorted=True, return_inverse=True)
         dtype = txt.dtype
         v_out, a_out = self.transformer(
@@ -495,7 +539,7 @@ class MiniMaxH3Net(DiffusersNet):
             **lay,
         )
         v_video = unpatchify(v_out[:, n_cond:], self.video_shape, patch).flatten(1)
-        u = a_out.float().flatten(1)  # H3's data-ward audio velocity a0 - eps, at sigma_a
+        u = a_out[:, n_ref:].float().flatten(1)  # H3's data-ward audio velocity, at sigma_a
         canon = (1 - 1 / self.k) * y - ((1 - sigma_a) + sigma_a / self.k) * u  # eps - b0
         return torch.cat([v_video.to(x.dtype), (-canon).to(x.dtype)], dim=1)
 
@@ -520,10 +564,13 @@ class MiniMaxH3Net(DiffusersNet):
         gh, gw = p.grid
         return lat, cond[:, n_lat:].reshape(b, len(ANCHORS), gh * gw, -1)
 
-    def semantic_states(self, input_ids: Tensor, patches: Tensor, dtype) -> Tensor:
-        """(B, P + L, hidden) states of the FL2VA presentation (``_h3_vision``), encoded once
-        per (prompt ids, keyframe patches) through the net's ``EncodeCache``."""
-        p = self.semantic
+    def semantic_states(
+        self, input_ids: Tensor, patches: Tensor, dtype, p: vision.Presentation | None = None
+    ) -> Tensor:
+        """(B, P + L, hidden) states of the FL2VA presentation (or ``p``: Ref2VA's) from
+        ``_h3_vision``, encoded once per (prompt ids, image patches) through the net's
+        ``EncodeCache``."""
+        p = p or self.semantic
         assert p is not None
         key = torch.cat([input_ids.cpu(), vision.row_keys(patches)], dim=1)
         where = {tuple(r.tolist()): i for i, r in enumerate(key)}
@@ -548,17 +595,71 @@ class MiniMaxH3Net(DiffusersNet):
         rows = self.cache.get(key, encode)
         return torch.stack([r[0] for r in rows]).to(dtype)
 
+    def split_ref2va(self, cond: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Ref2VA's per-row conditions, one flat row each -> the reference image's latent
+        (B, 1, C, 1, h, w), its soundtrack's H3-space latents (B, ch, N, Ca) and, with the
+        semantic branch, the image's vision patches (B, 1, n, d)."""
+        c, _, h, w = self.video_shape
+        n_img, n_aud = c * h * w, math.prod(self.audio_shape)
+        p = self.semantic_ref
+        want = n_img + n_aud + (p.pixel_dim if p is not None else 0)
+        if cond.ndim != 2 or cond.shape[1] != want:
+            raise ContractError(
+                f"minimax_h3: Ref2VA conditions of shape {tuple(cond.shape)}; expected one flat "
+                f"row of {want} values per sample (the image latent, the soundtrack latent"
+                f"{', the image patches' if p is not None else ''})"
+            )
+        b = cond.shape[0]
+        image = cond[:, :n_img].reshape(b, 1, c, 1, h, w)
+        audio = cond[:, n_img : n_img + n_aud].reshape(b, *self.audio_shape)
+        n_patches = p.grid[0] * p.grid[1] if p is not None else 0
+        patches = None if p is None else cond[:, n_img + n_aud :].reshape(b, 1, n_patches, -1)
+        return image, audio, patches
+
+    def _forward_ref2va(self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor) -> Tensor:
+        """Ref2VA (``_h3_ref2va``): the reference image as a conditioning frame, the reference
+        soundtrack as clean audio rows, both cut from the output."""
+        image, audio, patches = self.split_ref2va(cond)
+        lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
+        prefix: tuple[int, ...] = ()
+        if patches is not None and self.semantic_ref is not None:
+            txt = self.semantic_states(input_ids, patches, x.dtype, self.semantic_ref)
+            ids, tags = self.semantic_ref.prefix()
+            prefix = tuple(tags)
+            lengths = [n + len(ids) for n in lengths]
+        else:
+            (txt,) = self.conditions(input_ids, dtype=x.dtype)
+        if image.shape[0] != x.shape[0]:
+            raise ContractError(
+                f"minimax_h3: Ref2VA conditions for {image.shape[0]} rows, {x.shape[0]} samples"
+            )
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        groups: dict[tuple[int, float], list[int]] = {}
+        for i, (n, ti) in enumerate(zip(lengths, t.float().tolist(), strict=True)):
+            groups.setdefault((n, ti), []).append(i)
+        for (n, _), rows in groups.items():
+            idx = torch.tensor(rows, device=x.device)
+            out[idx] = self._group(
+                x[idx], t[rows[0]], txt[idx], n, image[idx], ("first",), prefix, audio[idx]
+            )
+        return out
+
     def encode_with_conditions(self, input_ids: Tensor, cond: Tensor, chunk: int) -> None:
         """Encode the FL2VA presentations of a prompt set ((N, L) ids, (N, ...) conditions) into
         the cache, ``chunk`` rows per encoder call: under ETP before the cache is sealed
         (``diffrl.build``), since an encode is a collective there. Nothing without the
         semantic branch."""
-        if self.semantic is None:
+        p = self.semantic_ref if self.cond_mode == "ref2va" else self.semantic
+        if p is None:
             return
-        _, patches = self.split_cond(cond)
+        if self.cond_mode == "ref2va":
+            patches = self.split_ref2va(cond)[2]
+        else:
+            patches = self.split_cond(cond)[1]
+        assert patches is not None
         for start in range(0, input_ids.shape[0], max(1, chunk)):
             rows = slice(start, start + chunk)
-            self.semantic_states(input_ids[rows], patches[rows], torch.float32)
+            self.semantic_states(input_ids[rows], patches[rows], torch.float32, p)
 
     def forward(
         self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor | None = None
@@ -567,6 +668,8 @@ class MiniMaxH3Net(DiffusersNet):
         data stage encoded them (with the semantic branch: one flat row of those latents and
         the keyframes' vision patches); else the ones ``family.conditioned`` set, else none
         (T2VA)."""
+        if cond is not None and self.cond_mode == "ref2va":
+            return self._forward_ref2va(x, t, input_ids, cond)
         lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
         patches, prefix = None, ()
         if cond is not None:
@@ -691,7 +794,11 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
     @torch.no_grad()
     def encode_conditions(self, conditions: Sequence[dict]) -> Tensor:
         """Per-prompt FL2VA conditions, {"first_frame", "last_frame"} (H, W, 3) uint8 each, ->
-        (N, 2, C, 1, h, w) keyframe latents, encoded once in the data stage."""
+        (N, 2, C, 1, h, w) keyframe latents, encoded once in the data stage; Ref2VA's
+        {"ref_image", "ref_audio"} -> ``ref2va_conditions``."""
+        if conditions and {"ref_image", "ref_audio"} <= set(conditions[0]):
+            return self.ref2va_conditions(conditions)
+        self.net.cond_mode = "fl2va"
         missing = [k for k in ("first_frame", "last_frame") if k not in (conditions or [{}])[0]]
         if not conditions or missing:
             raise ConfigError(f"minimax_h3: FL2VA conditions need {missing or 'some rows'}")
@@ -707,6 +814,33 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         pixels = images_from_uint8(torch.stack([first, last], 1).flatten(0, 1))
         patches = vision.image_patches(self._resize(pixels), p).reshape(len(conditions), -1)
         return torch.cat([latents.flatten(1), patches], dim=1)
+
+    @torch.no_grad()
+    def ref2va_conditions(self, conditions: Sequence[dict]) -> Tensor:
+        """Ref2VA's per-prompt references, {"ref_image": (H, W, 3) uint8, "ref_audio":
+        (samples,) float at the model's sample rate}, -> one flat row each: the image's latent
+        (a keyframe's encoding), the soundtrack's H3-space latent over the clip's duration
+        (cut or zero-padded to it), and with the semantic branch the image's vision patches.
+        Sets the net's condition mode (``_h3_ref2va``)."""
+        image = torch.from_numpy(np.stack([c["ref_image"] for c in conditions]))
+        if image.dtype != torch.uint8 or image.ndim != 4:
+            raise ValueError(f"Ref2VA ref_image must be (H, W, 3) uint8; got {image.dtype}")
+        device = next(self.net.transformer.parameters()).device
+        pixels = images_from_uint8(image.to(device))
+        latent = self.encode_keyframes(pixels[:, None]).float().cpu().flatten(1)
+        hop = getattr(self.audio_codec, "hop", None) or self.audio_codec.vae.hop_length
+        samples = self.net.audio_shape[1] * hop
+        wave = torch.zeros(len(conditions), samples)
+        for i, c in enumerate(conditions):
+            ref = torch.as_tensor(np.asarray(c["ref_audio"], dtype=np.float32)).reshape(-1)
+            wave[i, : min(samples, ref.numel())] = ref[:samples]
+        audio = self.audio_codec.encode(wave.to(device), self.net.audio_shape).float().cpu()
+        rows = [latent, audio.flatten(1)]
+        p = self.net.semantic_ref
+        if p is not None:
+            rows.append(vision.image_patches(self._resize(pixels), p).reshape(len(conditions), -1))
+        self.net.cond_mode = "ref2va"
+        return torch.cat([r.cpu() for r in rows], dim=1)
 
     def keyframe_latents(self, first: Tensor, last: Tensor) -> Tensor:
         """First and last frames, (B, H, W, 3) uint8 each, -> (B, 2, C, 1, h, w) latents."""
@@ -1015,6 +1149,7 @@ def build(
     if semantic_keyframes:  # FL2VA presents the keyframes to the encoder too (_h3_vision)
         vcfg = text_encoder.config.vision_config
         net.semantic = vision.presentation(tokenizer, vcfg, size, len(ANCHORS))
+        net.semantic_ref = vision.presentation(tokenizer, vcfg, size, 1, audio_refs=1)
     family = MiniMaxH3Family(tokenizer, net, size, frames, fps, video_codec, audio_codec)
     return FamilyModel(net, family, convention)
 

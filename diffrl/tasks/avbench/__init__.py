@@ -5,6 +5,9 @@ frames). See docs/avbench.md.
 Two registered tasks share this module; ``cfg.task`` picks the mode:
 
 - ``avbench``: text to video+audio (T2VA);
+- ``avbench_ref2va``: the same prompts plus a reference image and a reference soundtrack
+  (Ref2VA, diffrl's definition over AVBench): the canonical clip's middle frame and its
+  waveform (seed ``condition_seed``), graded as T2VA;
 - ``avbench_fl2va``: the same prompts plus first/last frame conditions (FL2VA).
   ``Prompt.frames`` holds file paths, so the conditions are served as arrays instead, by
   ``task.conditions(text, seed)``. Evaluation grades a clip against the frames the rollout
@@ -31,7 +34,7 @@ from diffrl.tasks.avbench.verify import VERIFIERS, Checks, verify_clips
 from diffrl.tasks.base import EvalResult, ProbeData, Prompt, TaskConfig, first_of_each_prompt
 from diffrl.types import Trajectory
 
-MODES = {"avbench": "t2va", "avbench_fl2va": "fl2va"}
+MODES = {"avbench": "t2va", "avbench_fl2va": "fl2va", "avbench_ref2va": "ref2va"}
 
 
 def _rates(traj: Trajectory, key: str, default: int) -> np.ndarray:
@@ -72,7 +75,9 @@ class AVBenchTask:
             raise ValueError(f"AVBench task {cfg.task!r}: must be one of {sorted(MODES)}")
         self.cfg, self.name = cfg, cfg.task
         self.fl2va = MODES[cfg.task] == "fl2va"
-        self.needs_conditions = self.fl2va  # first/last frames per prompt (prompt_conditions)
+        self.ref2va = MODES[cfg.task] == "ref2va"
+        # first/last frames, or a reference image and soundtrack, per prompt (prompt_conditions)
+        self.needs_conditions = self.fl2va or self.ref2va
         self.condition_seed = 0  # the seed of each prompt's canonical FL2VA conditions
 
     def prompts(self, split: str) -> list[Prompt]:
@@ -81,7 +86,7 @@ class AVBenchTask:
     def prompt_conditions(self, prompts: list[Prompt], geometry: dict) -> list[dict] | None:
         """FL2VA: each prompt's canonical first/last frames (seed ``condition_seed``) at the
         model's ``geometry`` (frames, size, fps, sample_rate); None for T2VA (text only)."""
-        if not self.fl2va:
+        if not self.needs_conditions:
             return None
         spec = ClipSpec(
             int(geometry["frames"]),
@@ -89,6 +94,8 @@ class AVBenchTask:
             float(geometry["fps"]),
             int(geometry["sample_rate"]),
         )
+        if self.ref2va:
+            return [ref2va_conditions(p.text, self.condition_seed, spec) for p in prompts]
         return [conditions(p.text, self.condition_seed, spec) for p in prompts]
 
     def conditions(
@@ -135,6 +142,13 @@ class AVBenchTask:
         prompts = [p.text for p in split_prompts("train")[:n]]
         video, audio = render_batch(prompts, list(range(len(prompts))))
         return ProbeData(None, prompts, torch.from_numpy(video), torch.from_numpy(audio))
+
+
+def ref2va_conditions(text: str, seed: int, spec: ClipSpec) -> dict[str, np.ndarray]:
+    """Ref2VA's references for one prompt: the canonical clip's middle frame ((H, W, 3)
+    uint8) and its waveform ((samples,) float32)."""
+    video, audio = render(text, seed, spec)
+    return {"ref_image": video[video.shape[0] // 2].copy(), "ref_audio": audio}
 
 
 def build(cfg: TaskConfig) -> AVBenchTask:

@@ -454,6 +454,16 @@ def test_fl2va_semantic_branch() -> None:
             model(x, torch.tensor([0.5, 0.5]), ids, cond=cond + 0.5)  # other keyframes
     finally:
         net.cache.sealed = ""
+    # Ref2VA's presentation: "<Picture 1>: " and a vision block, then "<Audio 1>: " (text)
+    q = net.semantic_ref
+    assert len(q.labels) == 1 and q.tail and q.prefix()[1][-len(q.tail) :] == [1] * len(q.tail)
+    refs = [
+        {"ref_image": f["first_frame"], "ref_audio": np.zeros(4000, np.float32)} for f in frames
+    ]
+    ref_cond = fam.encode_conditions(refs)
+    assert net.cond_mode == "ref2va" and net.split_ref2va(ref_cond)[2].shape == (2, 1, 96, 96)
+    with torch.no_grad():
+        assert torch.isfinite(model(x, torch.tensor([0.5, 0.5]), ids, cond=ref_cond)).all()
 
 
 def test_fl2va_semantic_branch_matches_the_pipelines_text_step() -> None:
@@ -510,3 +520,87 @@ def test_fl2va_semantic_branch_matches_the_pipelines_text_step() -> None:
     n_pre = len(unlabelled.prefix()[0])
     prompt = states[n_pre : n_pre + n_prompt]  # the prompt's rows without the labels ahead
     assert not torch.allclose(prompt, want[-n_prompt:].float(), atol=1e-4)
+
+
+def test_ref2va_layout_is_the_pipelines_for_stereo() -> None:
+    """[text | image | soundtrack | target audio | target video]: diffrl's Ref2VA layout equals
+    diffusers' ``build_ref2va_packed_sequence`` for an [image, audio] request (stereo, where the
+    pipeline's audio helper applies), non-square; a wrong clock is caught."""
+    from types import SimpleNamespace
+
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3Ref2VAPrepareLayoutStep as Step,
+    )
+
+    from diffrl.models.families._h3_ref2va import ref2va_layout
+
+    tags = torch.tensor([1, 1, 0, 0, 0, 1, 1])  # a label, a vision block, the prompt
+    video_shape, audio_shape, patch = (4, 7, 6, 10), (2, 9, 4), (1, 2, 2)
+    refs = [
+        SimpleNamespace(kind="image", has_audio=False),
+        SimpleNamespace(kind="audio", has_audio=True),
+    ]
+    want = Step.build_ref2va_packed_sequence(
+        tags, refs, [torch.zeros(1, 4, 1, 6, 10)], [torch.zeros(2 * 5, 4)], 7, 6, 10, 9, patch, 2,
+        minimax_h3.AUDIO_TAG, minimax_h3.VIDEO_TAG,
+    )  # fmt: skip
+    got = ref2va_layout(tags, video_shape, audio_shape, patch, 5, (0, 2))
+    assert got[5:] == want[5:] == (15, 10)
+    for g, w in zip(got[:5], want[:5], strict=True):
+        assert torch.equal(g, w)
+    late = ref2va_layout(
+        torch.ones(8, dtype=torch.long), video_shape, audio_shape, patch, 5, (0, 2)
+    )
+    assert not torch.equal(late[0][8:], want[0][7:])  # one more text row moves the whole clock
+
+
+def test_ref2va_task_mode() -> None:
+    """AVBench Ref2VA on h3-avbench: the data stage encodes a reference image and soundtrack
+    once (hashed with the ids); the net packs them as conditioning rows (image at
+    t = max(t, 0.999), soundtrack clean at t = 1), cut from the output, no gradient; a
+    different reference changes the velocity."""
+    from diffrl.build import prompt_set
+    from diffrl.tasks import build_task
+    from diffrl.tasks.base import TaskConfig
+    from diffrl.types import images_from_uint8
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset="h3-avbench"))
+    net, fam = model.net, model.family
+    task = build_task(TaskConfig(task="avbench_ref2va"))
+    prompts = task.prompts("train")[:2]
+    pset = prompt_set(task, model, prompts)
+    assert net.cond_mode == "ref2va" and pset.cond.shape == (2, 3 * 16 * 16 + 60 * 100)
+    image, audio, patches = net.split_ref2va(pset.cond)
+    ref = task.prompt_conditions(prompts, fam.media_geometry())[1]
+    pixels = images_from_uint8(torch.from_numpy(ref["ref_image"])[None])[0]
+    assert torch.equal(image[1, 0, :, 0], pixels)  # h3-avbench's latents are its pixels
+    wave = torch.from_numpy(ref["ref_audio"])[None]
+    torch.testing.assert_close(audio[1], fam.audio_codec.encode(wave, net.audio_shape)[0])
+    assert patches is None and pset.batch([0, 1]).cond_hash is not None
+    seen = {}
+    forward = net.transformer.forward
+
+    def spy(**kw):
+        seen.update(kw)
+        return forward(**kw)
+
+    net.transformer.forward = spy
+    ids = pset.input_ids
+    x = torch.randn(2, *fam.latent_shape(), requires_grad=True)
+    cond = pset.cond.clone().requires_grad_(True)
+    sigma = torch.tensor([0.6, 0.6])
+    v = model(x, sigma, ids, cond=cond)
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    row_t = seen["timestep"][seen["timestep_indices"]]
+    aud, vid = seen["audio_indices"], seen["video_indices"]
+    assert torch.all(row_t[aud[:60]] == 1.0) and torch.all(row_t[vid[:16]] == 0.999)
+    assert torch.allclose(row_t[vid[16:]], torch.tensor(0.4)) and len(aud) == 120
+    v.square().mean().backward()
+    assert cond.grad is None and x.grad.abs().sum() > 0
+    other = pset.cond.clone()
+    other[:, 3 * 16 * 16 :] = other[:, 3 * 16 * 16 :].roll(7, dims=1)  # another soundtrack
+    with torch.no_grad():
+        assert not torch.allclose(model(x, sigma, ids, cond=other), v)
+    with pytest.raises(ContractError, match="Ref2VA conditions of shape"):
+        model(x, sigma, ids, cond=pset.cond[:, :-1])
