@@ -47,8 +47,9 @@ What the family owns, and where diffusers says it:
   (``ref2va_conditions``: the image as a keyframe, the soundtrack through the audio codec over
   the clip's duration) into one flat ``cond`` row; the net packs ``[text | image | soundtrack |
   target audio | target video]``, the image at t = max(t, 0.999), the soundtrack clean at
-  t = 1, both detached and cut from the output. The condition keys set the net's
-  ``cond_mode``; a row of the wrong length is a ContractError.
+  t = 1, both detached and cut from the output. A flat row's length says Ref2VA from FL2VA
+  (``cond_kind``; the mode ``encode_conditions`` records decides only where both lengths
+  agree); a row of the wrong length is a ContractError. ``diffrl plan`` sizes FL2VA rows only.
 - **Serving layout** (contract 2). ``MiniMaxH3Attention``'s processor computes with ``to_qkv``
   once ``fused_projections`` is set, so the rollout fuses q/k/v natively (blocks and token
   refiner) and holds the SwiGLU up-projection ``ff.net.0.proj`` as two swapped row shards.
@@ -595,6 +596,22 @@ class MiniMaxH3Net(DiffusersNet):
         rows = self.cache.get(key, encode)
         return torch.stack([r[0] for r in rows]).to(dtype)
 
+    def cond_kind(self, cond: Tensor) -> str:
+        """ "fl2va" or "ref2va" for the data stage's conditions, by their shape: keyframe latents
+        are 6-D, a flat row's length says which it is; only where both flat lengths agree
+        (the semantic branch with a soundtrack as long as an image latent and its patches)
+        does the mode ``encode_conditions`` recorded decide (an engine built elsewhere then
+        needs it set)."""
+        if cond.ndim != 2:
+            return "fl2va"
+        c, _, h, w = self.video_shape
+        n_img, n_aud = c * h * w, math.prod(self.audio_shape)
+        ref = n_img + n_aud + (self.semantic_ref.pixel_dim if self.semantic_ref else 0)
+        fl2va = len(ANCHORS) * (n_img + self.semantic.pixel_dim) if self.semantic else -1
+        if ref == fl2va:
+            return self.cond_mode
+        return "ref2va" if cond.shape[1] == ref else "fl2va"
+
     def split_ref2va(self, cond: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Ref2VA's per-row conditions, one flat row each -> the reference image's latent
         (B, 1, C, 1, h, w), its soundtrack's H3-space latents (B, ch, N, Ca) and, with the
@@ -649,13 +666,11 @@ class MiniMaxH3Net(DiffusersNet):
         the cache, ``chunk`` rows per encoder call: under ETP before the cache is sealed
         (``diffrl.build``), since an encode is a collective there. Nothing without the
         semantic branch."""
-        p = self.semantic_ref if self.cond_mode == "ref2va" else self.semantic
+        ref2va = self.cond_kind(cond) == "ref2va"
+        p = self.semantic_ref if ref2va else self.semantic
         if p is None:
             return
-        if self.cond_mode == "ref2va":
-            patches = self.split_ref2va(cond)[2]
-        else:
-            patches = self.split_cond(cond)[1]
+        patches = self.split_ref2va(cond)[2] if ref2va else self.split_cond(cond)[1]
         assert patches is not None
         for start in range(0, input_ids.shape[0], max(1, chunk)):
             rows = slice(start, start + chunk)
@@ -668,7 +683,7 @@ class MiniMaxH3Net(DiffusersNet):
         data stage encoded them (with the semantic branch: one flat row of those latents and
         the keyframes' vision patches); else the ones ``family.conditioned`` set, else none
         (T2VA)."""
-        if cond is not None and self.cond_mode == "ref2va":
+        if cond is not None and self.cond_kind(cond) == "ref2va":
             return self._forward_ref2va(x, t, input_ids, cond)
         lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
         patches, prefix = None, ()
