@@ -267,6 +267,11 @@ def rollout_side(
     checked = run_probe(cfg, task, base) if probe else ProbeResult(skipped=True)
     etp = ""
     if ranks.etp_size > 1:  # every row the run can ask for, in step on the ETP group; sealed
+        for prompts in (train, eval_set):  # presentations with conditions (H3's FL2VA)
+            if prompts.cond is not None and hasattr(base.net, "encode_with_conditions"):
+                base.net.encode_with_conditions(
+                    prompts.input_ids, prompts.cond, cfg.rollout.max_batch
+                )
         rows = [train.input_ids, eval_set.input_ids, base.family.null_ids()]
         n = encode_all(base, rows, ranks.meshes.group("etp"), cfg.rollout.max_batch)
         etp = (

@@ -63,6 +63,10 @@ class ModelConfig:
     convention: str = ""  # "" = the family's native one; else one of CONVENTIONS
     dtype: str = "float32"  # float32 | bfloat16
     resolution: int = 0  # image side in pixels; 0 = the family's (or preset's) default
+    # non-square frames (families that render them: minimax_h3): both, or neither (0 = square
+    # frames of model.resolution)
+    height: int = 0
+    width: int = 0
     frames: int = 0  # video families: frames per clip; 0 = the family's default
     max_text_len: int = 0  # text tokens per tokenizer; 0 = the family's default
     # diffusers families: a .safetensors of the model's weights (transformer and frozen
@@ -87,8 +91,15 @@ class ModelConfig:
                 self.path,
                 "give model.path or model.preset, not both",
             )
-        for key in ("resolution", "frames", "max_text_len"):
+        for key in ("resolution", "height", "width", "frames", "max_text_len"):
             check(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0")
+        check(
+            (self.height == 0) == (self.width == 0),
+            "height",
+            self.height,
+            f"give model.height and model.width together (width is {self.width}); neither = "
+            "square frames of model.resolution",
+        )
 
     @property
     def resolved_family(self) -> str:
@@ -97,7 +108,7 @@ class ModelConfig:
 
 # what a tiny preset brings with it: the model's source and geometry. A recipe's values of these
 # keys were written for the recipe's real model, not for a CPU-sized stand-in
-PRESET_OWNS = ("path", "weights", "resolution", "frames", "max_text_len")
+PRESET_OWNS = ("path", "weights", "resolution", "height", "width", "frames", "max_text_len")
 
 
 def preset_takes_over(recipe: DictConfig, cli: DictConfig) -> DictConfig:

@@ -33,6 +33,7 @@ TASK_MODULES = {
     "avbench": "diffrl.tasks.avbench",  # T2VA
     "avbench_fl2va": "diffrl.tasks.avbench",  # FL2VA: the same module, mode from cfg.task
     "avbench_i2av": "diffrl.tasks.avbench",  # I2AV (first frame): the same module
+    "avbench_ref2va": "diffrl.tasks.avbench",  # Ref2VA: a reference image and soundtrack
 }
 
 # scorer name (as recipes spell it) -> the task's scorer

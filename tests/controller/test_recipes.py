@@ -50,6 +50,8 @@ def tiny_family_overrides(recipe: str) -> list[str]:
         "run.device=auto",  # a plan-only real-size recipe (e.g. h3_fl2va_8gpu) names cuda
         f"model.preset={preset}",
         "model.resolution=0",
+        "model.height=0",  # h3_fl2va_8gpu's 288 x 448
+        "model.width=0",
         f"model.frames={frames}",
         "model.dtype=float32",
         "data.eval_prompts=2",

@@ -20,6 +20,7 @@ pytest.importorskip("diffusers")
 RECIPE = "recipes/h3_fl2va_8gpu.yaml"
 TINY = [
     "model.preset=h3-avbench-tp4", "model.dtype=float32", "model.resolution=0", "model.frames=0",
+    "model.height=0", "model.width=0",
     "run.device=cpu", "data.prompts_per_step=2", "rollout.group_size=2", "rollout.max_batch=4",
     "rollout.num_steps=2", "data.eval_prompts=2", "data.eval_samples_per_prompt=1",
     "probe.mode=off",

@@ -54,6 +54,8 @@ SD35_CALIBRATION = [
 H3_CALIBRATION = [
     *ONE_GPU,
     "model.resolution=352",
+    "model.height=0",  # square, as measured (the recipe's is 288 x 448)
+    "model.width=0",
     "model.max_text_len=16",
     # the measured step's 2 clips (as 1 prompt x 2: a group of one trains nothing, and the
     # config refuses it; the plan depends on the clips per step, not on how they are grouped)
@@ -267,8 +269,8 @@ def test_a_pipeline_directory_is_sized_from_its_configs(tmp_path) -> None:
     path = minimax_h3.save_tiny(tmp_path / "h3")
     for f in path.rglob("*.safetensors"):
         f.write_bytes(b"not weights")  # the plan must not need them
-    cfg = load_config(RECIPE, ["model.preset=''", f"model.path={path}", "model.resolution=0",
-                               "model.frames=0", *ONE_GPU])  # fmt: skip
+    square = ["model.resolution=0", "model.height=0", "model.width=0", "model.frames=0"]
+    cfg = load_config(RECIPE, ["model.preset=''", f"model.path={path}", *square, *ONE_GPU])
     p = plan(cfg, PlanOptions(conditioned=True))
     assert p.fits and "h3" in p.title
     dit = next(r for r in p.rows if r.component == "DiT weights (actor)")

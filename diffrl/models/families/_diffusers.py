@@ -133,7 +133,9 @@ def save_pipeline_dir(path: str | Path, components: dict[str, object], pipeline_
 
 # --- the load every diffusers family shares ----------------------------------------------------
 
-SIZE_KEYS = ("resolution", "frames", "max_text_len")  # model.* keys where 0 = the family's default
+# model.* keys where 0 = the family's default (height and width: only families whose settings
+# have them render non-square frames)
+SIZE_KEYS = ("resolution", "height", "width", "frames", "max_text_len")
 
 
 def load_source(cfg, family: str, presets, from_dir, from_preset) -> tuple[dict, dict]:
@@ -155,6 +157,13 @@ def load_source(cfg, family: str, presets, from_dir, from_preset) -> tuple[dict,
             f"model family {family!r} needs model.path (a diffusers directory) or model.preset "
             f"(one of {sorted(presets)}); got preset {cfg.preset!r}"
         )
+    for key in ("height", "width"):
+        value = getattr(cfg, key, 0)
+        if value and key not in settings:
+            raise ConfigError(
+                f"model.{key} = {value}: model family {family!r} renders square frames only; "
+                "set model.resolution (and leave model.height/model.width 0)"
+            )
     return parts, {k: (getattr(cfg, k) if k in SIZE_KEYS else 0) or v for k, v in settings.items()}
 
 

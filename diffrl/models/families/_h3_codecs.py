@@ -42,25 +42,28 @@ class VAEVideo:
     def __init__(self, vae) -> None:
         self.vae = vae
 
-    def latent_shape(self, frames: int, resolution: int, patch: tuple[int, ...]):
+    def latent_shape(self, frames: int, height: int, width: int, patch: tuple[int, ...]):
         vae = self.vae
         ratio = vae.spatial_compression_ratio
-        if resolution % (ratio * patch[1]):
-            raise ConfigError(
-                f"minimax_h3: resolution {resolution} must be a multiple of "
-                f"{ratio * patch[1]} (VAE x{ratio}, patch {patch[1]})"
-            )
-        if resolution <= vae.tile_sample_min_height:
+        for key, side, p in (("height", height, patch[1]), ("width", width, patch[2])):
+            if side % (ratio * p):
+                raise ConfigError(
+                    f"minimax_h3: model.{key} (or model.resolution) = {side} must be a multiple "
+                    f"of {ratio * p} (VAE x{ratio}, patch {p})"
+                )
+        if height <= vae.tile_sample_min_height and width <= vae.tile_sample_min_width:
             vae.disable_tiling()  # one tile is the whole frame (the release tiles 768 px frames)
         clip, chunk = vae.config.clip_length, vae.tokens_chunk_size
         if frames % clip != chunk % clip or frames < clip:
+            first = clip * (1 + chunk // clip) + chunk % clip  # the smallest count it takes
+            allowed = ", ".join(str(first + clip * i) for i in range(4))
             raise ConfigError(
-                f"minimax_h3: frames {frames} must be {clip} * n + {chunk} (n >= 1) for this "
-                "video VAE"
+                f"minimax_h3: model.frames = {frames}: this video VAE encodes {clip} n + "
+                f"{chunk} frames (n >= 1: {allowed}, ...)"
             )
         n_latent = (frames - chunk) // clip * chunk + 2  # 17n+5 pixel frames -> 5n+2 latents
-        side = resolution // ratio
-        return (self.vae.config.latent_channels, n_latent, side, side)
+        c = vae.config.latent_channels
+        return (c, n_latent, height // ratio, width // ratio)
 
     def _norm(self, like: Tensor) -> tuple[Tensor, Tensor]:
         cfg, c = self.vae.config, self.vae.config.latent_channels
@@ -95,13 +98,16 @@ class PixelVideo:
 
     kind = "pixels"
 
-    def latent_shape(self, frames: int, resolution: int, patch: tuple[int, ...]):
-        if frames % patch[0] or resolution % patch[1] or resolution % patch[2]:
-            raise ConfigError(
-                f"minimax_h3: {frames} frames of {resolution} px do not split into patches "
-                f"{tuple(patch)}"
-            )
-        return (3, frames, resolution, resolution)
+    def latent_shape(self, frames: int, height: int, width: int, patch: tuple[int, ...]):
+        for key, value, p in (("frames", frames, patch[0]), ("height", height, patch[1]),
+                              ("width", width, patch[2])):  # fmt: skip
+            if value % p:
+                what = "" if key == "frames" else " (or model.resolution)"
+                raise ConfigError(
+                    f"minimax_h3: model.{key}{what} = {value} must be a multiple of the "
+                    f"transformer's patch {p} (pixel latents: patches {tuple(patch)})"
+                )
+        return (3, frames, height, width)
 
     def encode(self, pixels: Tensor) -> Tensor:
         return pixels.float()

@@ -36,7 +36,20 @@ What the family owns, and where diffusers says it:
 - **Conditioning rows** (FL2VA). ``family.conditioned(model, keyframes)`` packs first/last
   keyframe latents (``encode_keyframes``) as conditioning rows, held at t = max(t, 0.999)
   (the pipeline's ``keyframe_noise_aug``), detached, and cut from the output: no gradient, no
-  loss. The vision block H3 also puts into the text presentation for FL2VA is not built here.
+  loss. The semantic branch (``_h3_vision``, the pipeline's FL2VA text step): the keyframes
+  also enter the encoder's presentation, a ``"<Picture i>: "`` label and a Qwen3-VL vision block
+  each ahead of the prompt, whose rows the packed sequence tags VIDEO. Their vision patches
+  travel in ``cond`` beside the keyframe latents (so ``cond_hash`` covers them) and the states
+  are cached per (ids, patches). On for a real checkpoint directory (its tokenizer has the
+  vision tokens); off for the presets (word tokenizers), whose FL2VA is text-only as before.
+- **Ref2VA** (``_h3_ref2va``, the pipeline's ``ref2va`` task with the references fixed to one
+  image and one soundtrack): the data stage encodes ``{"ref_image", "ref_audio"}`` once
+  (``ref2va_conditions``: the image as a keyframe, the soundtrack through the audio codec over
+  the clip's duration) into one flat ``cond`` row; the net packs ``[text | image | soundtrack |
+  target audio | target video]``, the image at t = max(t, 0.999), the soundtrack clean at
+  t = 1, both detached and cut from the output. A flat row's length says Ref2VA from FL2VA
+  (``cond_kind``; the mode ``encode_conditions`` records decides only where both lengths
+  agree); a row of the wrong length is a ContractError. ``diffrl plan`` sizes FL2VA rows only.
 - **Serving layout** (contract 2). ``MiniMaxH3Attention``'s processor computes with ``to_qkv``
   once ``fused_projections`` is set, so the rollout fuses q/k/v natively (blocks and token
   refiner) and holds the SwiGLU up-projection ``ff.net.0.proj`` as two swapped row shards.
@@ -52,6 +65,10 @@ What the family owns, and where diffusers says it:
   the audio map). Presets off the release's geometry (h3-tiny: 16 fps mono) run the pipeline's
   packed sequence at the family's latent sizes instead of its 24 fps layout step; h3-avbench
   (no autoencoders, the post-norm text layer) has no pipeline to compare with.
+- **Geometry.** Frames are ``model.height`` x ``model.width`` (``model.resolution`` square when
+  neither is set); the packed sequence's rotary grid takes the latent height and width as the
+  pipeline's layout step does. Frame counts are the video VAE's ``clip_length n +
+  tokens_chunk_size`` (17 n + 5), else a ConfigError naming ``model.frames``.
 - **Batching.** The transformer's batch axis replicates ONE layout and ONE timestep table, so
   the net groups samples by (text length, sigma, keyframes or not): a rollout step is one call
   per prompt length, training (a sigma per sample) one call per sample.
@@ -72,6 +89,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError, ContractError
+from diffrl.models.families import _h3_vision as vision
 from diffrl.models.families._diffusers import (
     TINY_WORDS,
     DiffusersNet,
@@ -85,6 +103,7 @@ from diffrl.models.families._diffusers import (
 )
 from diffrl.models.families._encoder_plans import QWEN3_VL_ENCODER_PLAN
 from diffrl.models.families._h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
+from diffrl.models.families._h3_ref2va import ref2va_layout
 from diffrl.models.family import (
     Builtin,
     EncodesClips,
@@ -367,6 +386,12 @@ class MiniMaxH3Net(DiffusersNet):
         self.offload = offload_text_encoder
         self.keyframes: tuple[Tensor, tuple[str, ...]] | None = None  # set by conditioned()
         self._layouts: dict[tuple, dict[str, Tensor]] = {}  # layout() per (n_text, anchors)
+        # the FL2VA semantic branch (_h3_vision): set by build when on, else text-only FL2VA
+        self.semantic: vision.Presentation | None = None
+        self.semantic_ref: vision.Presentation | None = None  # Ref2VA's (one image, one audio)
+        # what the data stage's conditions are ("fl2va" keyframes, or "ref2va" references):
+        # set by family.encode_conditions from the task's condition keys
+        self.cond_mode = "fl2va"
         n_layers = text_encoder.config.text_config.num_hidden_layers
         if not 0 < text_layer <= n_layers:
             raise ConfigError(
@@ -399,23 +424,50 @@ class MiniMaxH3Net(DiffusersNet):
         return (hidden,)
 
     # --- the packed sequence ------------------------------------------------------------
-    def layout(self, n_text: int, anchors: tuple[str, ...], device) -> dict[str, Tensor]:
+    def layout(
+        self, n_text: int, anchors: tuple[str, ...], device, prefix: tuple[int, ...] = ()
+    ) -> dict[str, Tensor]:
         """position_ids, token_tags and the three index tensors of one request's sequence,
-        built once per (text length, anchors, device)."""
-        key = (n_text, tuple(anchors), str(device))
+        built once per (text length, anchors, device, the text rows' leading tags ``prefix``:
+        the FL2VA semantic branch's labels and vision blocks)."""
+        key = (n_text, tuple(anchors), str(device), prefix)
         if key not in self._layouts:
-            self._layouts[key] = self._build_layout(n_text, anchors, device)
+            self._layouts[key] = self._build_layout(n_text, anchors, device, prefix)
         return self._layouts[key]
 
-    def _build_layout(self, n_text: int, anchors: tuple[str, ...], device) -> dict[str, Tensor]:
+    def ref2va_layout(
+        self, n_text: int, prefix: tuple[int, ...], n_ref_audio: int, device
+    ) -> dict[str, Tensor]:
+        """Ref2VA's sequence (``_h3_ref2va``), built once per (text length, prefix, device)."""
+        key = (n_text, "ref2va", str(device), prefix, n_ref_audio)
+        if key not in self._layouts:
+            tags = torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
+            patch = tuple(self.transformer.config.patch_size)
+            pos, tag, vid, aud, txt, _, _ = ref2va_layout(
+                tags, self.video_shape, self.audio_shape, patch, n_ref_audio, (VIDEO_TAG, AUDIO_TAG)
+            )
+            out = dict(
+                position_ids=pos.float(),
+                token_tags=tag,
+                video_indices=vid,
+                audio_indices=aud,
+                text_indices=txt,
+            )
+            self._layouts[key] = {k: v.to(device) for k, v in out.items()}
+        return self._layouts[key]
+
+    def _build_layout(
+        self, n_text: int, anchors: tuple[str, ...], device, prefix: tuple[int, ...] = ()
+    ) -> dict[str, Tensor]:
         from diffusers.modular_pipelines.minimax_h3.before_denoise import (
             MiniMaxH3PrepareLayoutStep,
         )
 
         _, f, h, w = self.video_shape
         ch, n_audio, _ = self.audio_shape
+        text_tags = torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
         pos, tags, vid, aud, txt, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            torch.full((n_text,), TEXT_TAG),
+            text_tags,
             f,
             h,
             w,
@@ -436,9 +488,19 @@ class MiniMaxH3Net(DiffusersNet):
         return {k: v.to(device) for k, v in out.items()}
 
     def _group(
-        self, x: Tensor, t: Tensor, txt: Tensor, n_text: int, cond: Tensor | None, anchors
+        self,
+        x: Tensor,
+        t: Tensor,
+        txt: Tensor,
+        n_text: int,
+        cond: Tensor | None,
+        anchors,
+        prefix: tuple[int, ...] = (),
+        ref_audio: Tensor | None = None,
     ) -> Tensor:
-        """One transformer call for samples sharing text length n_text and time t (scalar)."""
+        """One transformer call for samples sharing text length n_text and time t (scalar).
+        ``ref_audio``: Ref2VA's clean reference soundtrack (b, ch, N, Ca), packed ahead of the
+        generated audio at t = 1 (``_h3_ref2va``); ``cond`` is then its one image."""
         b = x.shape[0]
         dv, _ = self.dims
         patch = tuple(self.transformer.config.patch_size)
@@ -453,11 +515,19 @@ class MiniMaxH3Net(DiffusersNet):
             cond_rows = patchify(cond.detach().squeeze(3).transpose(1, 2), patch)  # (b, K*rows, Cp)
             n_cond = cond_rows.shape[1]
             video = torch.cat([cond_rows.to(video), video], dim=1)
-        lay = self.layout(n_text, anchors, x.device)
+        n_ref = 0
+        if ref_audio is not None:  # Ref2VA: the soundtrack's rows ahead of the generated ones
+            ref_rows = ref_audio.detach().reshape(b, -1, self.audio_shape[-1])
+            n_ref = ref_rows.shape[1]
+            audio_rows = torch.cat([ref_rows.to(audio_rows), audio_rows], dim=1)
+            lay = self.ref2va_layout(n_text, prefix, ref_audio.shape[2], x.device)
+        else:
+            lay = self.layout(n_text, anchors, x.device, prefix)
         seq_len = lay["position_ids"].shape[0]
         row_t = torch.full((seq_len,), float(t), device=x.device)
         row_t[lay["audio_indices"]] = float(1.0 - sigma_a)
         row_t[lay["video_indices"][:n_cond]] = max(float(t), KEYFRAME_T)
+        row_t[lay["audio_indices"][:n_ref]] = 1.0  # a reference soundtrack is clean
         timestep, timestep_indices = torch.unique(row_t, sorted=True, return_inverse=True)
         dtype = txt.dtype
         v_out, a_out = self.transformer(
@@ -470,17 +540,162 @@ class MiniMaxH3Net(DiffusersNet):
             **lay,
         )
         v_video = unpatchify(v_out[:, n_cond:], self.video_shape, patch).flatten(1)
-        u = a_out.float().flatten(1)  # H3's data-ward audio velocity a0 - eps, at sigma_a
+        u = a_out[:, n_ref:].float().flatten(1)  # H3's data-ward audio velocity, at sigma_a
         canon = (1 - 1 / self.k) * y - ((1 - sigma_a) + sigma_a / self.k) * u  # eps - b0
         return torch.cat([v_video.to(x.dtype), (-canon).to(x.dtype)], dim=1)
+
+    def split_cond(self, cond: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The data stage's per-row conditions -> keyframe latents (B, 2, C, 1, h, w) and, with
+        the semantic branch, the keyframes' vision patches (B, 2, n, d) (one flat row each)."""
+        p = self.semantic
+        if p is None:
+            return cond, None
+        _, _, h, w = self.video_shape
+        c = self.video_shape[0]
+        n_lat = len(ANCHORS) * c * h * w
+        want = n_lat + len(ANCHORS) * p.pixel_dim
+        if cond.ndim != 2 or cond.shape[1] != want:
+            raise ContractError(
+                f"minimax_h3: FL2VA conditions of shape {tuple(cond.shape)}; the semantic "
+                f"branch takes one flat row of {want} values per sample (keyframe latents, then "
+                "their vision patches)"
+            )
+        b = cond.shape[0]
+        lat = cond[:, :n_lat].reshape(b, len(ANCHORS), c, 1, h, w)
+        gh, gw = p.grid
+        return lat, cond[:, n_lat:].reshape(b, len(ANCHORS), gh * gw, -1)
+
+    def semantic_states(
+        self, input_ids: Tensor, patches: Tensor, dtype, p: vision.Presentation | None = None
+    ) -> Tensor:
+        """(B, P + L, hidden) states of the FL2VA presentation (or ``p``: Ref2VA's) from
+        ``_h3_vision``, encoded once per (prompt ids, image patches) through the net's
+        ``EncodeCache``."""
+        p = p or self.semantic
+        assert p is not None
+        key = torch.cat([input_ids.cpu(), vision.row_keys(patches)], dim=1)
+        where = {tuple(r.tolist()): i for i, r in enumerate(key)}
+
+        def encode(rows: Tensor) -> tuple[Tensor]:
+            sel = [where[tuple(r.tolist())] for r in rows.cpu()]
+            device = self.compute_device()
+            te = self.frozen.text_encoder
+            if self.offload:
+                te.to(device)
+            try:
+                te.eval()
+                states = vision.encode(
+                    te, input_ids[sel].to(device), self.pad_id, patches[sel].to(device), p,
+                    self.text_layer,
+                )  # fmt: skip
+            finally:
+                if self.offload:
+                    te.to("cpu")
+            return (states,)
+
+        rows = self.cache.get(key, encode)
+        return torch.stack([r[0] for r in rows]).to(dtype)
+
+    def cond_kind(self, cond: Tensor) -> str:
+        """ "fl2va" or "ref2va" for the data stage's conditions, by their shape: keyframe latents
+        are 6-D, a flat row's length says which it is; only where both flat lengths agree
+        (the semantic branch with a soundtrack as long as an image latent and its patches)
+        does the mode ``encode_conditions`` recorded decide (an engine built elsewhere then
+        needs it set)."""
+        if cond.ndim != 2:
+            return "fl2va"
+        c, _, h, w = self.video_shape
+        n_img, n_aud = c * h * w, math.prod(self.audio_shape)
+        ref = n_img + n_aud + (self.semantic_ref.pixel_dim if self.semantic_ref else 0)
+        fl2va = len(ANCHORS) * (n_img + self.semantic.pixel_dim) if self.semantic else -1
+        if ref == fl2va:
+            return self.cond_mode
+        return "ref2va" if cond.shape[1] == ref else "fl2va"
+
+    def split_ref2va(self, cond: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Ref2VA's per-row conditions, one flat row each -> the reference image's latent
+        (B, 1, C, 1, h, w), its soundtrack's H3-space latents (B, ch, N, Ca) and, with the
+        semantic branch, the image's vision patches (B, 1, n, d)."""
+        c, _, h, w = self.video_shape
+        n_img, n_aud = c * h * w, math.prod(self.audio_shape)
+        p = self.semantic_ref
+        want = n_img + n_aud + (p.pixel_dim if p is not None else 0)
+        if cond.ndim != 2 or cond.shape[1] != want:
+            raise ContractError(
+                f"minimax_h3: Ref2VA conditions of shape {tuple(cond.shape)}; expected one flat "
+                f"row of {want} values per sample (the image latent, the soundtrack latent"
+                f"{', the image patches' if p is not None else ''})"
+            )
+        b = cond.shape[0]
+        image = cond[:, :n_img].reshape(b, 1, c, 1, h, w)
+        audio = cond[:, n_img : n_img + n_aud].reshape(b, *self.audio_shape)
+        n_patches = p.grid[0] * p.grid[1] if p is not None else 0
+        patches = None if p is None else cond[:, n_img + n_aud :].reshape(b, 1, n_patches, -1)
+        return image, audio, patches
+
+    def _forward_ref2va(self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor) -> Tensor:
+        """Ref2VA (``_h3_ref2va``): the reference image as a conditioning frame, the reference
+        soundtrack as clean audio rows, both cut from the output."""
+        image, audio, patches = self.split_ref2va(cond)
+        lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
+        prefix: tuple[int, ...] = ()
+        if patches is not None and self.semantic_ref is not None:
+            txt = self.semantic_states(input_ids, patches, x.dtype, self.semantic_ref)
+            ids, tags = self.semantic_ref.prefix()
+            prefix = tuple(tags)
+            lengths = [n + len(ids) for n in lengths]
+        else:
+            (txt,) = self.conditions(input_ids, dtype=x.dtype)
+        if image.shape[0] != x.shape[0]:
+            raise ContractError(
+                f"minimax_h3: Ref2VA conditions for {image.shape[0]} rows, {x.shape[0]} samples"
+            )
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        groups: dict[tuple[int, float], list[int]] = {}
+        for i, (n, ti) in enumerate(zip(lengths, t.float().tolist(), strict=True)):
+            groups.setdefault((n, ti), []).append(i)
+        for (n, _), rows in groups.items():
+            idx = torch.tensor(rows, device=x.device)
+            out[idx] = self._group(
+                x[idx], t[rows[0]], txt[idx], n, image[idx], ("first",), prefix, audio[idx]
+            )
+        return out
+
+    def encode_with_conditions(self, input_ids: Tensor, cond: Tensor, chunk: int) -> None:
+        """Encode the FL2VA presentations of a prompt set ((N, L) ids, (N, ...) conditions) into
+        the cache, ``chunk`` rows per encoder call: under ETP before the cache is sealed
+        (``diffrl.build``), since an encode is a collective there. Nothing without the
+        semantic branch."""
+        ref2va = self.cond_kind(cond) == "ref2va"
+        p = self.semantic_ref if ref2va else self.semantic
+        if p is None:
+            return
+        patches = self.split_ref2va(cond)[2] if ref2va else self.split_cond(cond)[1]
+        assert patches is not None
+        for start in range(0, input_ids.shape[0], max(1, chunk)):
+            rows = slice(start, start + chunk)
+            self.semantic_states(input_ids[rows], patches[rows], torch.float32, p)
 
     def forward(
         self, x: Tensor, t: Tensor, input_ids: Tensor, cond: Tensor | None = None
     ) -> Tensor:
         """``cond``: (B, 2, C, 1, h, w) first/last keyframe latents per row (FL2VA), as the
-        data stage encoded them; else the ones ``family.conditioned`` set, else none (T2VA)."""
-        (txt,) = self.conditions(input_ids, dtype=x.dtype)
+        data stage encoded them (with the semantic branch: one flat row of those latents and
+        the keyframes' vision patches); else the ones ``family.conditioned`` set, else none
+        (T2VA)."""
+        if cond is not None and self.cond_kind(cond) == "ref2va":
+            return self._forward_ref2va(x, t, input_ids, cond)
         lengths = (input_ids != self.pad_id).sum(1).clamp(min=1).tolist()
+        patches, prefix = None, ()
+        if cond is not None:
+            cond, patches = self.split_cond(cond)
+        if patches is not None and self.semantic is not None:
+            txt = self.semantic_states(input_ids, patches, x.dtype)
+            ids, tags = self.semantic.prefix()
+            prefix = tuple(tags)
+            lengths = [n + len(ids) for n in lengths]
+        else:
+            (txt,) = self.conditions(input_ids, dtype=x.dtype)
         if cond is not None:
             anchors = ANCHORS
             if cond.shape[0] != x.shape[0] or cond.shape[1] != len(anchors):
@@ -497,7 +712,7 @@ class MiniMaxH3Net(DiffusersNet):
         for (n, _), rows in groups.items():
             idx = torch.tensor(rows, device=x.device)
             c = None if cond is None else cond[idx]
-            out[idx] = self._group(x[idx], t[rows[0]], txt[idx], n, c, anchors)
+            out[idx] = self._group(x[idx], t[rows[0]], txt[idx], n, c, anchors, prefix)
         return out
 
 
@@ -511,7 +726,7 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         self,
         tokenizer,
         net: MiniMaxH3Net,
-        resolution: int,
+        size: tuple[int, int],
         frames: int,
         fps: float,
         video_codec,
@@ -519,7 +734,8 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
     ) -> None:
         self.tokenizer, self.net = tokenizer, net
         self.video_codec, self.audio_codec = video_codec, audio_codec
-        self.resolution, self.frames, self.fps = resolution, frames, fps
+        self.height, self.width = size  # pixels; square unless model.height/width say otherwise
+        self.frames, self.fps = frames, fps
         self.max_text_len = tokenizer.model_max_length
 
     # --- contract 3 ---------------------------------------------------------------------
@@ -578,10 +794,14 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         return torch.cat([z_v, z_a.flatten(1).to(z_v)], dim=1)
 
     def media_geometry(self) -> dict[str, float]:
-        """What a task renders conditions at: frames, size (px), fps and sample rate."""
+        """What a task renders conditions at: frames, size (px), fps and sample rate; a
+        non-square model also says its height and width (``size`` is then the longer side, which
+        a square-rendering task draws at and the family resizes to its frame)."""
         return dict(
             frames=self.frames,
-            size=self.resolution,
+            size=max(self.height, self.width),
+            height=self.height,
+            width=self.width,
             fps=self.fps,
             sample_rate=self.audio_codec.sample_rate,
         )
@@ -589,14 +809,53 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
     @torch.no_grad()
     def encode_conditions(self, conditions: Sequence[dict]) -> Tensor:
         """Per-prompt FL2VA conditions, {"first_frame", "last_frame"} (H, W, 3) uint8 each, ->
-        (N, 2, C, 1, h, w) keyframe latents, encoded once in the data stage."""
+        (N, 2, C, 1, h, w) keyframe latents, encoded once in the data stage; Ref2VA's
+        {"ref_image", "ref_audio"} -> ``ref2va_conditions``."""
+        if conditions and {"ref_image", "ref_audio"} <= set(conditions[0]):
+            return self.ref2va_conditions(conditions)
+        self.net.cond_mode = "fl2va"
         missing = [k for k in ("first_frame", "last_frame") if k not in (conditions or [{}])[0]]
         if not conditions or missing:
             raise ConfigError(f"minimax_h3: FL2VA conditions need {missing or 'some rows'}")
         first = torch.from_numpy(np.stack([c["first_frame"] for c in conditions]))
         last = torch.from_numpy(np.stack([c["last_frame"] for c in conditions]))
         device = next(self.net.transformer.parameters()).device
-        return self.keyframe_latents(first.to(device), last.to(device)).float().cpu()
+        latents = self.keyframe_latents(first.to(device), last.to(device)).float().cpu()
+        p = self.net.semantic
+        if p is None:
+            return latents
+        # the semantic branch: the keyframes' vision patches travel beside their latents, one
+        # flat row per prompt, so cond_hash covers both (_h3_vision)
+        pixels = images_from_uint8(torch.stack([first, last], 1).flatten(0, 1))
+        patches = vision.image_patches(self._resize(pixels), p).reshape(len(conditions), -1)
+        return torch.cat([latents.flatten(1), patches], dim=1)
+
+    @torch.no_grad()
+    def ref2va_conditions(self, conditions: Sequence[dict]) -> Tensor:
+        """Ref2VA's per-prompt references, {"ref_image": (H, W, 3) uint8, "ref_audio":
+        (samples,) float at the model's sample rate}, -> one flat row each: the image's latent
+        (a keyframe's encoding), the soundtrack's H3-space latent over the clip's duration
+        (cut or zero-padded to it), and with the semantic branch the image's vision patches.
+        Sets the net's condition mode (``_h3_ref2va``)."""
+        image = torch.from_numpy(np.stack([c["ref_image"] for c in conditions]))
+        if image.dtype != torch.uint8 or image.ndim != 4:
+            raise ValueError(f"Ref2VA ref_image must be (H, W, 3) uint8; got {image.dtype}")
+        device = next(self.net.transformer.parameters()).device
+        pixels = images_from_uint8(image.to(device))
+        latent = self.encode_keyframes(pixels[:, None]).float().cpu().flatten(1)
+        hop = getattr(self.audio_codec, "hop", None) or self.audio_codec.vae.hop_length
+        samples = self.net.audio_shape[1] * hop
+        wave = torch.zeros(len(conditions), samples)
+        for i, c in enumerate(conditions):
+            ref = torch.as_tensor(np.asarray(c["ref_audio"], dtype=np.float32)).reshape(-1)
+            wave[i, : min(samples, ref.numel())] = ref[:samples]
+        audio = self.audio_codec.encode(wave.to(device), self.net.audio_shape).float().cpu()
+        rows = [latent, audio.flatten(1)]
+        p = self.net.semantic_ref
+        if p is not None:
+            rows.append(vision.image_patches(self._resize(pixels), p).reshape(len(conditions), -1))
+        self.net.cond_mode = "ref2va"
+        return torch.cat([r.cpu() for r in rows], dim=1)
 
     def keyframe_latents(self, first: Tensor, last: Tensor) -> Tensor:
         """First and last frames, (B, H, W, 3) uint8 each, -> (B, 2, C, 1, h, w) latents."""
@@ -609,9 +868,9 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
         return self.encode_keyframes(pixels.unflatten(0, (first.shape[0], 2)))
 
     def _resize(self, pixels: Tensor) -> Tensor:
-        if pixels.shape[-1] == self.resolution and pixels.shape[-2] == self.resolution:
+        size = (self.height, self.width)
+        if tuple(pixels.shape[-2:]) == size:
             return pixels
-        size = (self.resolution, self.resolution)
         flat = pixels.flatten(0, -4) if pixels.ndim == 5 else pixels
         out = F.interpolate(flat, size=size, mode="bilinear", antialias=True)
         return out.reshape(*pixels.shape[:-2], *size) if pixels.ndim == 5 else out
@@ -828,7 +1087,7 @@ def reference_pipeline(model: FamilyModel, shift: float) -> Reference:
         try:
             pipe(
                 prompt=prompt, latents=video, audio_latents=audio, num_inference_steps=steps + 1,
-                height=fam.resolution, width=fam.resolution, num_frames=fam.frames,
+                height=fam.height, width=fam.width, num_frames=fam.frames,
                 output_type="pt",
             )  # fmt: skip
         finally:
@@ -866,11 +1125,14 @@ def build(
     resolution: int,
     frames: int,
     max_text_len: int,
+    height: int = 0,
+    width: int = 0,
     fps: float,
     audio_shift_ratio: float,
     audio_channels: int,
     text_layer: int,
     offload_text_encoder: bool = False,
+    semantic_keyframes: bool = False,
     convention: str = "",
 ) -> FamilyModel:
     tokenizer.padding_side = "right"
@@ -879,7 +1141,8 @@ def build(
         raise ConfigError("minimax_h3: the tokenizer has no pad token")
     text_encoder = trim_text_encoder(text_encoder, text_layer)
     cfg = transformer.config
-    video_shape = video_codec.latent_shape(frames, resolution, tuple(cfg.patch_size))
+    size = (height or resolution, width or resolution)  # model.height/width: non-square frames
+    video_shape = video_codec.latent_shape(frames, *size, tuple(cfg.patch_size))
     audio_shape = audio_codec.latent_shape(frames / fps, audio_channels)
     if cfg.in_channels != video_shape[0] or cfg.audio_in_channels != audio_shape[-1]:
         raise ConfigError(
@@ -898,7 +1161,11 @@ def build(
         text_layer=text_layer,
         offload_text_encoder=offload_text_encoder,
     )
-    family = MiniMaxH3Family(tokenizer, net, resolution, frames, fps, video_codec, audio_codec)
+    if semantic_keyframes:  # FL2VA presents the keyframes to the encoder too (_h3_vision)
+        vcfg = text_encoder.config.vision_config
+        net.semantic = vision.presentation(tokenizer, vcfg, size, len(ANCHORS))
+        net.semantic_ref = vision.presentation(tokenizer, vcfg, size, 1, audio_refs=1)
+    family = MiniMaxH3Family(tokenizer, net, size, frames, fps, video_codec, audio_codec)
     return FamilyModel(net, family, convention)
 
 
@@ -989,6 +1256,9 @@ def load(cfg, device: torch.device) -> FamilyModel:
         keys = ("resolution", "frames", "max_text_len", "fps", "audio_channels")
         return {
             **{k: spec[k] for k in keys},
+            "semantic_keyframes": spec.get("semantic_keyframes", False),
+            "height": spec.get("height", 0),  # 0: square frames of the resolution
+            "width": spec.get("width", 0),
             "audio_shift_ratio": shifts[1] / shifts[0],
             "text_layer": text_layer,
             "offload_text_encoder": offload,
@@ -1022,7 +1292,11 @@ def load(cfg, device: torch.device) -> FamilyModel:
         n_layers = parts["text_encoder"].config.text_config.num_hidden_layers
         # the release's layer 50, or a small encoder's last pre-norm output (layer n - 1)
         text_layer = TEXT_LAYER if n_layers > TEXT_LAYER else n_layers - 1
-        return with_codecs(parts, spec), settings(spec, shifts, text_layer, offload)
+        s = settings(spec, shifts, text_layer, offload)
+        # a real checkpoint presents FL2VA keyframes to its encoder, as the release's pipeline
+        # does (_h3_vision); a tiny directory's word tokenizer has no vision tokens
+        s["semantic_keyframes"] = transformer.config.hidden_size >= 1024
+        return with_codecs(parts, spec), s
 
     def from_preset(name: str, dtype: torch.dtype) -> tuple[dict, dict]:
         spec = PRESETS[name]
@@ -1079,6 +1353,8 @@ def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
     n_cond = 2 * (hv // ph) * (wv // pw) if conditioned else 0  # FL2VA: first and last frames
     n_audio = net.audio_shape[0] * net.audio_shape[1]
     n_text = model.family.max_text_len  # the longest prompt: a row's real length at most
+    if conditioned and net.semantic is not None:  # FL2VA: the keyframes' labels, vision blocks
+        n_text += len(net.semantic.prefix()[0])
     n = n_video + n_cond + n_audio + n_text
     rot = 6 * cfg.rope_freq_dim  # cos and sin over 3 axes, twice (rotate_half)
     live = max(4 * w.h + 8 * w.f, 4 * w.h + 12 * w.a)

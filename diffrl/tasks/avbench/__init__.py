@@ -2,13 +2,16 @@
 exact verifiers (text-audio, audio-video sync, visual, and for FL2VA the given first/last
 frames). See docs/avbench.md.
 
-Two registered tasks share this module; ``cfg.task`` picks the mode:
+Four registered tasks share this module; ``cfg.task`` picks the mode:
 
 - ``avbench``: text to video+audio (T2VA);
 - ``avbench_i2av``: the same prompts plus the first frame as a condition (I2AV; LTX-2). It is
   graded by the T2VA checks: a family that holds the given frame (LTX-2 replaces the first
   latent frame) passes a first-frame check by construction, so it would measure the VAE, not
   the policy;
+- ``avbench_ref2va``: the same prompts plus a reference image and a reference soundtrack
+  (Ref2VA, diffrl's definition over AVBench): the canonical clip's middle frame and its
+  waveform (seed ``condition_seed``), graded as T2VA;
 - ``avbench_fl2va``: the same prompts plus first/last frame conditions (FL2VA).
   ``Prompt.frames`` holds file paths, so the conditions are served as arrays instead, by
   ``task.conditions(text, seed)``. Evaluation grades a clip against the frames the rollout
@@ -35,7 +38,12 @@ from diffrl.tasks.avbench.verify import VERIFIERS, Checks, verify_clips
 from diffrl.tasks.base import EvalResult, ProbeData, Prompt, TaskConfig, first_of_each_prompt
 from diffrl.types import Trajectory
 
-MODES = {"avbench": "t2va", "avbench_fl2va": "fl2va", "avbench_i2av": "i2av"}
+MODES = {
+    "avbench": "t2va",
+    "avbench_fl2va": "fl2va",
+    "avbench_i2av": "i2av",
+    "avbench_ref2va": "ref2va",
+}
 
 
 def _rates(traj: Trajectory, key: str, default: int) -> np.ndarray:
@@ -77,8 +85,10 @@ class AVBenchTask:
         self.cfg, self.name = cfg, cfg.task
         self.fl2va = MODES[cfg.task] == "fl2va"
         self.i2av = MODES[cfg.task] == "i2av"
-        # first/last (FL2VA) or first (I2AV) frames per prompt (prompt_conditions)
-        self.needs_conditions = self.fl2va or self.i2av
+        self.ref2va = MODES[cfg.task] == "ref2va"
+        # first/last frames (FL2VA), the first (I2AV), or a reference image and soundtrack
+        # (Ref2VA), per prompt (prompt_conditions)
+        self.needs_conditions = self.fl2va or self.i2av or self.ref2va
         self.condition_seed = 0  # the seed of each prompt's canonical FL2VA conditions
 
     def prompts(self, split: str) -> list[Prompt]:
@@ -86,8 +96,8 @@ class AVBenchTask:
 
     def prompt_conditions(self, prompts: list[Prompt], geometry: dict) -> list[dict] | None:
         """FL2VA: each prompt's canonical first/last frames (seed ``condition_seed``) at the
-        model's ``geometry`` (frames, size, fps, sample_rate); I2AV: the first of them; None for
-        T2VA (text only)."""
+        model's ``geometry`` (frames, size, fps, sample_rate); I2AV: the first of them; Ref2VA: a
+        reference image and soundtrack; None for T2VA (text only)."""
         if not self.needs_conditions:
             return None
         spec = ClipSpec(
@@ -96,6 +106,8 @@ class AVBenchTask:
             float(geometry["fps"]),
             int(geometry["sample_rate"]),
         )
+        if self.ref2va:
+            return [ref2va_conditions(p.text, self.condition_seed, spec) for p in prompts]
         conds = [conditions(p.text, self.condition_seed, spec) for p in prompts]
         return [{"first_frame": c["first_frame"]} for c in conds] if self.i2av else conds
 
@@ -143,6 +155,13 @@ class AVBenchTask:
         prompts = [p.text for p in split_prompts("train")[:n]]
         video, audio = render_batch(prompts, list(range(len(prompts))))
         return ProbeData(None, prompts, torch.from_numpy(video), torch.from_numpy(audio))
+
+
+def ref2va_conditions(text: str, seed: int, spec: ClipSpec) -> dict[str, np.ndarray]:
+    """Ref2VA's references for one prompt: the canonical clip's middle frame ((H, W, 3)
+    uint8) and its waveform ((samples,) float32)."""
+    video, audio = render(text, seed, spec)
+    return {"ref_image": video[video.shape[0] // 2].copy(), "ref_audio": audio}
 
 
 def build(cfg: TaskConfig) -> AVBenchTask:

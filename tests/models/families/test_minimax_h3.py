@@ -7,11 +7,12 @@ from __future__ import annotations
 import copy
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
 
-from diffrl.errors import ConfigError, ContractError
+from diffrl.errors import ConfigError, ContractError, FieldError
 from diffrl.models.convention import noised, probe_convention
 from diffrl.models.family import FamilyModel
 from diffrl.models.probe import NoReference
@@ -67,7 +68,7 @@ def test_missing_or_malformed_dir(pipe_dir, tmp_path) -> None:
     shutil.rmtree(broken / "audio_vae")
     with pytest.raises(ConfigError, match=r"lacks audio_vae/(.|\n)*audio_scheduler"):
         load_model(ModelConfig(family="minimax_h3", path=str(broken)))
-    with pytest.raises(ConfigError, match="frames 9 must be 5 \\* n \\+ 3"):
+    with pytest.raises(ConfigError, match=r"model.frames = 9: .* 5 n \+ 3 frames \(n >= 1: 8, 13"):
         load_model(ModelConfig(preset="h3-tiny", frames=9))
 
 
@@ -324,3 +325,285 @@ def test_reference_refuses_what_the_pipeline_cannot_run(model) -> None:
     avbench = load_model(ModelConfig(preset="h3-avbench"))
     with pytest.raises(NoReference, match="no diffusers pipeline to compare with"):
         avbench.family.reference(avbench, 1.0)
+
+
+def test_non_square_frames_and_frame_counts() -> None:
+    """model.height/model.width (2:3 here) reach the latents, the packed sequence's rotary
+    grid, decode, keyframes and the parity probe; a size or frame count the VAE cannot take
+    and a family that renders square frames only are refused, naming the key."""
+    from diffrl.models.probe import pipeline_parity
+    from diffrl.rollout.samplers import euler_step, sigma_schedule
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset="h3-tiny", height=32, width=48, frames=13))
+    fam, net = model.family, model.net
+    assert net.video_shape == (4, 8, 8, 12)  # 5 n + 3 frames -> 3 n + 2 latents; x4 VAE
+    assert fam.media_geometry()["height"] == 32 and fam.media_geometry()["width"] == 48
+    lay = net.layout(3, minimax_h3.ANCHORS, "cpu")
+    video_pos = lay["position_ids"][lay["video_indices"]]
+    assert video_pos[:, 1].unique().numel() == 4 and video_pos[:, 2].unique().numel() == 6
+    media = fam.decode(torch.randn(1, *fam.latent_shape()))
+    assert media["video"].shape == (1, 13, 32, 48, 3)
+    assert media["audio"].shape == (1, 6400)  # 32 latents of a hop of 200
+    keyframes = fam.keyframe_latents(*torch.randint(0, 256, (2, 1, 20, 30, 3), dtype=torch.uint8))
+    assert keyframes.shape == (1, 2, 4, 1, 8, 12)
+    ids = fam.tokenize(PROMPTS[:1]).input_ids
+    with torch.no_grad(), fam.conditioned(model, keyframes) as cond:
+        v = cond(torch.randn(1, *fam.latent_shape()), torch.tensor([0.5]), ids)
+    assert torch.isfinite(v).all()
+    report = pipeline_parity(model, sigma_schedule, euler_step, 6, 3.0, "a red circle")
+    assert report.calls == 2 and report.worst < 1.0
+    with pytest.raises(ConfigError, match="model.width .* = 44 must be a multiple of 8"):
+        load_model(ModelConfig(preset="h3-tiny", height=32, width=44))
+    with pytest.raises(FieldError, match="height=32: give model.height and model.width together"):
+        ModelConfig(preset="h3-tiny", height=32).validate()
+    with pytest.raises(ConfigError, match="model.height = 32: .*'sd3' renders square frames"):
+        load_model(ModelConfig(preset="sd35-tiny", height=32, width=48))
+    with pytest.raises(ConfigError, match=r"model.width \(or model.resolution\) = 18 .* patch 4"):
+        load_model(ModelConfig(preset="h3-avbench", height=16, width=18))
+
+
+def _semantic_model():
+    """h3-tiny (2:3 frames) with a tokenizer that has Qwen3-VL's vision tokens and the FL2VA
+    semantic branch on."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+    from diffusers import MiniMaxH3Transformer3DModel as DiT
+    from transformers import Qwen3VLForConditionalGeneration as VL
+
+    from diffrl.models.families._diffusers import random_component
+    from diffrl.models.families._h3_vision import VISION_TOKENS
+
+    spec, cpu = minimax_h3.PRESETS["h3-tiny"], torch.device("cpu")
+    tok = minimax_h3.tiny_tokenizer(spec["max_text_len"])
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    te_cfg = {k: dict(v) for k, v in spec["text_encoder"].items()}
+    te_cfg["text_config"]["vocab_size"] = len(tok)
+    start, pad, end = (tok.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    te_cfg |= dict(vision_start_token_id=start, image_token_id=pad, vision_end_token_id=end)
+    video, audio = minimax_h3.codecs(
+        random_component(AutoencoderKLMiniMaxH3, spec["vae"], torch.float32, cpu),
+        random_component(AutoencoderKLMiniMaxH3Audio, spec["audio_vae"], torch.float32, cpu),
+        spec,
+    )
+    return minimax_h3.build(
+        random_component(DiT, spec["transformer"], torch.float32, cpu),
+        random_component(VL, te_cfg, torch.float32, cpu), video, audio, tok,
+        resolution=0, height=32, width=48, frames=8, max_text_len=16, fps=16.0,
+        audio_shift_ratio=0.25, audio_channels=1, text_layer=1, semantic_keyframes=True,
+    )  # fmt: skip
+
+
+def _keyframes(rng) -> dict:
+    return {
+        k: rng.integers(0, 256, (32, 48, 3), dtype=np.uint8) for k in ("first_frame", "last_frame")
+    }
+
+
+def test_fl2va_semantic_branch() -> None:
+    """The keyframes' vision block changes the encoder states against text-only FL2VA; the
+    condition's hash changes with the keyframes; the second call hits the encode cache."""
+    from diffrl.types import hash_cond_rows
+
+    torch.manual_seed(0)
+    model = _semantic_model()
+    net, fam = model.net, model.family
+    p = net.semantic
+    assert p.n_image_tokens == 24  # 32 x 48 px in 4 px patches, 2 x 2 merged: 8 x 12 / 4
+    rng = np.random.default_rng(0)
+    frames = [
+        {
+            k: rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+            for k in ("first_frame", "last_frame")
+        }
+        for _ in range(2)
+    ]
+    cond = fam.encode_conditions(frames)
+    ids = fam.tokenize(PROMPTS[:1]).input_ids.expand(2, -1)
+    lat, patches = net.split_cond(cond)
+    assert lat.shape == (2, 2, 4, 1, 8, 12) and patches.shape == (2, 2, 96, 96)
+    assert hash_cond_rows(cond)[0] != hash_cond_rows(cond)[1]  # the hash follows the frames
+    net.cache.store.clear()
+    misses = net.cache.misses
+    sem = net.semantic_states(ids, patches, torch.float32)
+    n_pre = len(p.prefix()[0])
+    (plain,) = net.conditions(ids[:1], dtype=torch.float32)
+    assert sem.shape[1] == n_pre + plain.shape[1]
+    assert not torch.allclose(sem[0, n_pre:], plain[0])  # the prompt attends to the keyframes
+    assert not torch.allclose(sem[0], sem[1])  # other keyframes, other states
+    assert net.cache.misses - misses == 3  # the two FL2VA rows and the text-only one
+    x = torch.randn(2, *fam.latent_shape())
+    with torch.no_grad():
+        v = model(x, torch.tensor([0.5, 0.5]), ids, cond=cond)
+        with fam.conditioned(model, lat) as text_only:  # the keyframe rows alone
+            v_text = text_only(x, torch.tensor([0.5, 0.5]), ids)
+        with pytest.raises(ContractError, match="semantic branch takes one flat row"):
+            model(x, torch.tensor([0.5, 0.5]), ids, cond=lat)
+    assert net.cache.misses - misses == 3  # cached: the forward re-encodes nothing
+    assert torch.isfinite(v).all() and not torch.allclose(v, v_text)
+    lay = net.layout(n_pre + 3, minimax_h3.ANCHORS, "cpu", tuple(p.prefix()[1]))
+    assert (lay["token_tags"][:n_pre] == minimax_h3.VIDEO_TAG).sum() == 2 * (24 + 2)
+    # under ETP the build encodes the presentations before sealing the cache (diffrl.build)
+    net.cache.store.clear()
+    net.encode_with_conditions(ids, cond, chunk=1)
+    net.conditions(ids)  # the text-only rows (encode_all's part)
+    net.cache.sealed = "test"
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, torch.tensor([0.5, 0.5]), ids, cond=cond), v)
+        with pytest.raises(ContractError, match="sealed"):
+            model(x, torch.tensor([0.5, 0.5]), ids, cond=cond + 0.5)  # other keyframes
+    finally:
+        net.cache.sealed = ""
+    # Ref2VA's presentation: "<Picture 1>: " and a vision block, then "<Audio 1>: " (text)
+    q = net.semantic_ref
+    assert len(q.labels) == 1 and q.tail and q.prefix()[1][-len(q.tail) :] == [1] * len(q.tail)
+    refs = [
+        {"ref_image": f["first_frame"], "ref_audio": np.zeros(4000, np.float32)} for f in frames
+    ]
+    ref_cond = fam.encode_conditions(refs)
+    assert net.cond_mode == "ref2va" and net.split_ref2va(ref_cond)[2].shape == (2, 1, 96, 96)
+    with torch.no_grad():
+        assert torch.isfinite(model(x, torch.tensor([0.5, 0.5]), ids, cond=ref_cond)).all()
+
+
+def test_fl2va_semantic_branch_matches_the_pipelines_text_step() -> None:
+    """diffrl's FL2VA presentation against diffusers' ``MiniMaxH3FL2VATextEncoderStep`` run on
+    the same keyframe patches (the image processor needs torchvision: it stands in with
+    diffrl's patches, whose layout ``image_patches`` documents): the same states, row for row,
+    and the same per-row tags; a presentation without the labels is caught."""
+    from types import SimpleNamespace
+
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3FL2VATextEncoderStep
+    from diffusers.modular_pipelines.modular_pipeline import PipelineState
+
+    from diffrl.models.families import _h3_vision
+
+    torch.manual_seed(0)
+    model = _semantic_model()
+    net, fam = model.net, model.family
+    p = net.semantic
+    rng = np.random.default_rng(1)
+    frames = [
+        {
+            k: rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)
+            for k in ("first_frame", "last_frame")
+        }
+    ]
+    _, patches = net.split_cond(fam.encode_conditions(frames))
+    gh, gw = p.grid
+    processor = minimax_h3._pipeline_classes()[2](fam.tokenizer)
+    processor.image_processor = lambda images, return_tensors: {
+        "pixel_values": patches[0].reshape(-1, patches.shape[-1]),
+        "image_grid_thw": torch.tensor([[1, gh, gw]] * 2),
+    }
+    processor.image_processor.merge_size = p.merge
+    components = SimpleNamespace(
+        tokenizer=fam.tokenizer, processor=processor, text_encoder=net.frozen.text_encoder,
+        text_tag=minimax_h3.TEXT_TAG, video_tag=minimax_h3.VIDEO_TAG, text_encoder_layer=1,
+        _execution_device=torch.device("cpu"),
+    )  # fmt: skip
+    state = PipelineState()
+    state.set("prompt", PROMPTS[0])
+    state.set("keyframes", ["first", "last"])  # two images: the stand-in processor's
+    _, state = MiniMaxH3FL2VATextEncoderStep()(components, state)
+    want, want_tags = state.get("prompt_embeds")[0], state.get("text_token_tags")
+    ids = fam.tokenize(PROMPTS[:1]).input_ids
+    got = net.semantic_states(ids, patches, torch.float32)[0, : want.shape[0]]
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    tags = list(p.prefix()[1]) + [minimax_h3.TEXT_TAG] * (want.shape[0] - len(p.prefix()[1]))
+    assert want_tags.tolist() == tags
+    te, n_prompt = net.frozen.text_encoder, want.shape[0] - len(p.prefix()[0])
+    swapped = _h3_vision.encode(te, ids, net.pad_id, patches.flip(1), p, 1)[0, : want.shape[0]]
+    assert not torch.allclose(swapped, want.float(), atol=1e-4)  # last keyframe first: caught
+    unlabelled = _h3_vision.Presentation(**{**vars(p), "labels": ((), ())})
+    states = _h3_vision.encode(te, ids, net.pad_id, patches, unlabelled, 1)[0]
+    n_pre = len(unlabelled.prefix()[0])
+    prompt = states[n_pre : n_pre + n_prompt]  # the prompt's rows without the labels ahead
+    assert not torch.allclose(prompt, want[-n_prompt:].float(), atol=1e-4)
+
+
+def test_ref2va_layout_is_the_pipelines_for_stereo() -> None:
+    """[text | image | soundtrack | target audio | target video]: diffrl's Ref2VA layout equals
+    diffusers' ``build_ref2va_packed_sequence`` for an [image, audio] request (stereo, where the
+    pipeline's audio helper applies), non-square; a wrong clock is caught."""
+    from types import SimpleNamespace
+
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3Ref2VAPrepareLayoutStep as Step,
+    )
+
+    from diffrl.models.families._h3_ref2va import ref2va_layout
+
+    tags = torch.tensor([1, 1, 0, 0, 0, 1, 1])  # a label, a vision block, the prompt
+    video_shape, audio_shape, patch = (4, 7, 6, 10), (2, 9, 4), (1, 2, 2)
+    refs = [
+        SimpleNamespace(kind="image", has_audio=False),
+        SimpleNamespace(kind="audio", has_audio=True),
+    ]
+    want = Step.build_ref2va_packed_sequence(
+        tags, refs, [torch.zeros(1, 4, 1, 6, 10)], [torch.zeros(2 * 5, 4)], 7, 6, 10, 9, patch, 2,
+        minimax_h3.AUDIO_TAG, minimax_h3.VIDEO_TAG,
+    )  # fmt: skip
+    got = ref2va_layout(tags, video_shape, audio_shape, patch, 5, (0, 2))
+    assert got[5:] == want[5:] == (15, 10)
+    for g, w in zip(got[:5], want[:5], strict=True):
+        assert torch.equal(g, w)
+    late = ref2va_layout(
+        torch.ones(8, dtype=torch.long), video_shape, audio_shape, patch, 5, (0, 2)
+    )
+    assert not torch.equal(late[0][8:], want[0][7:])  # one more text row moves the whole clock
+
+
+def test_ref2va_task_mode() -> None:
+    """AVBench Ref2VA on h3-avbench: the data stage encodes a reference image and soundtrack
+    once (hashed with the ids); the net packs them as conditioning rows (image at
+    t = max(t, 0.999), soundtrack clean at t = 1), cut from the output, no gradient; a
+    different reference changes the velocity."""
+    from diffrl.build import prompt_set
+    from diffrl.tasks import build_task
+    from diffrl.tasks.base import TaskConfig
+    from diffrl.types import images_from_uint8
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset="h3-avbench"))
+    net, fam = model.net, model.family
+    task = build_task(TaskConfig(task="avbench_ref2va"))
+    prompts = task.prompts("train")[:2]
+    pset = prompt_set(task, model, prompts)
+    assert net.cond_mode == "ref2va" and pset.cond.shape == (2, 3 * 16 * 16 + 60 * 100)
+    image, audio, patches = net.split_ref2va(pset.cond)
+    ref = task.prompt_conditions(prompts, fam.media_geometry())[1]
+    pixels = images_from_uint8(torch.from_numpy(ref["ref_image"])[None])[0]
+    assert torch.equal(image[1, 0, :, 0], pixels)  # h3-avbench's latents are its pixels
+    wave = torch.from_numpy(ref["ref_audio"])[None]
+    torch.testing.assert_close(audio[1], fam.audio_codec.encode(wave, net.audio_shape)[0])
+    assert patches is None and pset.batch([0, 1]).cond_hash is not None
+    seen = {}
+    forward = net.transformer.forward
+
+    def spy(**kw):
+        seen.update(kw)
+        return forward(**kw)
+
+    net.transformer.forward = spy
+    ids = pset.input_ids
+    x = torch.randn(2, *fam.latent_shape(), requires_grad=True)
+    cond = pset.cond.clone().requires_grad_(True)
+    sigma = torch.tensor([0.6, 0.6])
+    v = model(x, sigma, ids, cond=cond)
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    row_t = seen["timestep"][seen["timestep_indices"]]
+    aud, vid = seen["audio_indices"], seen["video_indices"]
+    assert torch.all(row_t[aud[:60]] == 1.0) and torch.all(row_t[vid[:16]] == 0.999)
+    assert torch.allclose(row_t[vid[16:]], torch.tensor(0.4)) and len(aud) == 120
+    v.square().mean().backward()
+    assert cond.grad is None and x.grad.abs().sum() > 0
+    other = pset.cond.clone()
+    other[:, 3 * 16 * 16 :] = other[:, 3 * 16 * 16 :].roll(7, dims=1)  # another soundtrack
+    with torch.no_grad():
+        assert not torch.allclose(model(x, sigma, ids, cond=other), v)
+    net.cond_mode = "fl2va"  # an engine built apart from the data stage: the row's length decides
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, sigma, ids, cond=pset.cond), v.detach())
+    with pytest.raises(ContractError, match="conditions of shape"):
+        model(x, sigma, ids, cond=pset.cond[:, :-1])
