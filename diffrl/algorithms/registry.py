@@ -57,6 +57,9 @@ class AlgorithmConfig:
     """Base of every algorithm's config; each algorithm subclasses it with its own fields."""
 
     name: str = "diffusion_nft"
+    # credit per modality (video+audio families): each modality's advantage from its own
+    # rewards plus the joint ones, training its own part of the latent (algorithms/modality.py)
+    modality_credit: bool = False
 
     def validate(self) -> None:
         """The algorithm's own fields (``ConfigError`` names the key); none here."""

@@ -394,6 +394,10 @@ class LTX2Family(HasReferencePipeline, HasMediaGeometry):
     def latent_shape(self) -> tuple[int, ...]:
         return (sum(self.geometry.split),)
 
+    def modality_split(self) -> tuple[int, int]:
+        """(n_video, n_audio) elements of the flat x, video first (modality credit)."""
+        return self.geometry.split
+
     def _video_stats(self, like: Tensor) -> tuple[Tensor, Tensor, float]:
         vae = self.net.frozen.vae
         view = (1, -1, 1, 1, 1)

@@ -534,6 +534,11 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
     def latent_shape(self) -> tuple[int, ...]:
         return (sum(self.net.dims),)
 
+    def modality_split(self) -> tuple[int, int]:
+        """(n_video, n_audio) elements of the flat x: ``split``'s layout (modality credit)."""
+        dv, da = self.net.dims
+        return dv, da
+
     def split(self, latents: Tensor) -> tuple[Tensor, Tensor]:
         """(B, D) -> video (B, C, F, h, w) and H3-space audio (B, ch, N, Ca) (= k * b)."""
         dv, _ = self.net.dims

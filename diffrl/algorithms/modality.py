@@ -1,0 +1,97 @@
+"""Credit per modality (``algorithm.modality_credit``): a video+audio model trained on one scalar
+reward credits both branches alike for what only one of them did (a clip whose beeps are off
+but whose ball is right pushes the video away from a good picture). Under modality credit each
+modality is trained on its own rewards plus the joint ones.
+
+Rewards are declared per modality by the reward pool (``reward.scorers[*].modality``, or the
+scorer's own split: ``ScoredBatch.modality_rewards``, R_video + R_audio + R_joint = R). The rule:
+
+    A_video = groupnorm(R_video + R_joint)        A_audio = groupnorm(R_audio + R_joint)
+
+with ``groupnorm`` the algorithm's own group advantage (``advantage.group_advantages``, the
+group's or the batch's std). Each advantage then weights only its modality's elements of the
+flat latent x = [video | audio] (``TrainBatch.modality_split``):
+
+- DiffusionNFT: r_m = 1/2 + 1/2 clip(A_m / Z, -1, 1) weights the v+/v- errors of modality m's
+  elements; the per-sample error is a mean over all D elements, so it splits exactly into
+  e_video + e_audio (each a sum over the modality's elements / D), and the loss is
+  sum_m [r_m e+_m + (1 - r_m) e-_m] / beta;
+- FlowGRPO: the Gaussian step log-prob is a sum over elements, split into each modality's mean
+  (``samplers.modality_log_probs``; the rollout records both), so each modality has its own
+  ratio rho_m, clipped on its own, and its own KL (the KL is also a sum over elements); the
+  clipped objectives are weighed by the modality's share of the elements, D_m / D, so that with
+  A_video = A_audio and unclipped ratios the gradient is the joint loss's.
+
+With only joint rewards both advantages are the scalar one and the losses are the joint ones.
+Diffusion-DPO (pairs ranked by one scalar) refuses the key, and so does a family without two
+modalities (``check_family``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from diffrl.algorithms.advantage import group_advantages
+from diffrl.errors import ConfigError, ContractError
+from diffrl.models.family import HasModalities
+from diffrl.types import MODALITIES, ScoredBatch, TrainBatch
+
+KEY = "algorithm.modality_credit"
+
+
+def credited_rewards(scored: ScoredBatch) -> Tensor:
+    """(B, 2) each modality's reward (video, audio): its own plus the joint ones. A batch
+    without declared modalities (``modality_rewards`` empty) is all joint."""
+    by = scored.modality_rewards
+    if not by:
+        return scored.rewards[:, None].expand(-1, len(MODALITIES))
+    joint = by.get("joint", torch.zeros_like(scored.rewards))
+    zero = torch.zeros_like(scored.rewards)
+    return torch.stack([by.get(m, zero) + joint for m in MODALITIES], 1)
+
+
+def modality_advantages(scored: ScoredBatch, global_std: bool) -> Tensor:
+    """(B, 2) A_video, A_audio: the group advantage of each column of ``credited_rewards``."""
+    traj, rewards = scored.traj, credited_rewards(scored)
+    return torch.stack(
+        [
+            group_advantages(rewards[:, k], traj.group, scored.valid, global_std=global_std)
+            for k in range(len(MODALITIES))
+        ],
+        1,
+    )
+
+
+def split_of(batch: TrainBatch, algorithm: str) -> tuple[int, int]:
+    """The batch's (n_video, n_audio), checked against its flat x."""
+    split = batch.modality_split
+    if split is None:
+        raise ContractError(
+            f"{KEY}: {algorithm} got a batch without a modality split (the rollout of a "
+            "video+audio family records it on the trajectory)"
+        )
+    if batch.x0[0].numel() != sum(split) or batch.x0.ndim != 2:
+        raise ContractError(
+            f"{KEY}: the batch's x0 {tuple(batch.x0.shape)} is not the flat (B, {sum(split)}) "
+            f"latent its modality split {split} describes"
+        )
+    return split
+
+
+def element_shares(err: Tensor, split: tuple[int, int]) -> Tensor:
+    """(B, D) element errors -> (B, 2): each modality's sum over its elements / D, so the two
+    add up to the per-sample mean ``err.mean(1)``."""
+    video, audio = err.split(split, dim=1)
+    d = err.shape[1]
+    return torch.stack([video.sum(1) / d, audio.sum(1) / d], 1)
+
+
+def check_family(modality_credit: bool, family) -> None:
+    """Refuse modality credit for a family whose latent is not video + audio."""
+    if modality_credit and not isinstance(family, HasModalities):
+        raise ConfigError(
+            f"config key '{KEY}' = true: model family {family.name!r} has one modality; "
+            "credit per modality needs a video+audio family (its latent split into video and "
+            "audio parts: minimax_h3, ltx2); set algorithm.modality_credit=false"
+        )
