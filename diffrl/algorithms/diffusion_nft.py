@@ -222,6 +222,9 @@ def loss(
     if cfg.modality_credit and batch.modality_optimality is not None:
         for i, name in enumerate(MODALITIES):
             metrics[f"nft/r_mean_{name}"] = batch.modality_optimality[:, i].mean()
+        # how far the modalities' credit differs per sample (0: the scalar run's r)
+        r_m = batch.modality_optimality
+        metrics["nft/r_modality_gap"] = (r_m[:, 0] - r_m[:, 1]).abs().mean()
     k = cfg.timesteps_per_sample
     draws = [training_noise(batch, cfg, gen, j) for j in range(k)]  # gen's order is unchanged
     inputs = [noised(x0, sigma, eps) for sigma, eps in draws]

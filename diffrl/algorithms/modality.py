@@ -41,11 +41,14 @@ KEY = "algorithm.modality_credit"
 
 
 def credited_rewards(scored: ScoredBatch) -> Tensor:
-    """(B, 2) each modality's reward (video, audio): its own plus the joint ones. A batch
-    without declared modalities (``modality_rewards`` empty) is all joint."""
+    """(B, 2) each modality's reward (video, audio): its own plus the joint ones."""
     by = scored.modality_rewards
-    if not by:
-        return scored.rewards[:, None].expand(-1, len(MODALITIES))
+    if not by:  # the pool always fills it (all joint at least): a record on the way lost it
+        raise ContractError(
+            f"{KEY}: the scored batch carries no rewards per modality (the reward pool sums "
+            "them into ScoredBatch.modality_rewards; something between it and prepare dropped "
+            "them)"
+        )
     joint = by.get("joint", torch.zeros_like(scored.rewards))
     zero = torch.zeros_like(scored.rewards)
     return torch.stack([by.get(m, zero) + joint for m in MODALITIES], 1)

@@ -16,7 +16,7 @@ from diffrl.algorithms import diffusion_nft as nft
 from diffrl.algorithms import flow_grpo as grpo
 from diffrl.algorithms.modality import check_family, credited_rewards, modality_advantages
 from diffrl.config import load_config
-from diffrl.errors import ConfigError
+from diffrl.errors import ConfigError, ContractError
 from diffrl.rollout.samplers import modality_log_probs, sde_step_with_logprob, sigma_schedule
 from diffrl.types import PromptBatch, ScoredBatch, StepSpec, TrainBatch, Trajectory
 
@@ -67,12 +67,16 @@ def test_each_modality_is_credited_with_its_own_and_the_joint_rewards() -> None:
     np.testing.assert_allclose(adv[:, 1].numpy(), groupnorm(a + j, GROUPS), rtol=1e-5, atol=1e-6)
     # the columns differ where the modalities disagree (group 0's first two samples swap)
     assert adv[0, 0] > adv[1, 0] and adv[0, 1] < adv[1, 1]
-    # a batch with nothing declared per modality is all joint: both are the scalar advantage
-    plain = ScoredBatch(scored.traj, scored.rewards, scored.per_scorer, scored.valid)
-    assert torch.equal(credited_rewards(plain)[:, 0], scored.rewards)
-    assert torch.equal(
-        modality_advantages(plain, False)[:, 1], modality_advantages(plain, False)[:, 0]
-    )
+    # only joint rewards: both are the scalar advantage
+    joint = {"video": [0.0] * 6, "audio": [0.0] * 6, "joint": BY["joint"]}
+    only = modality_advantages(scored_batch(joint, GROUPS), False)
+    assert torch.equal(only[:, 0], only[:, 1])
+    want = groupnorm(np.array(BY["joint"]), GROUPS)
+    np.testing.assert_allclose(only[:, 0].numpy(), want, rtol=1e-5, atol=1e-6)
+    # a batch that lost its rewards per modality on the way is refused, not read as joint
+    lost = ScoredBatch(scored.traj, scored.rewards, scored.per_scorer, scored.valid)
+    with pytest.raises(ContractError, match="no rewards per modality"):
+        credited_rewards(lost)
 
 
 def test_nft_prepare_gives_r_per_modality() -> None:
