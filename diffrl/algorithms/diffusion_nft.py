@@ -119,7 +119,7 @@ def prepare_by_modality(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
     """algorithm.modality_credit: r per modality (``modality.py``), (B, 2); ``optimality``
     holds their mean (the logged r). A group is uniform only when both modalities' are."""
     traj = scored.traj
-    r = optimality(modality_advantages(scored, cfg.global_std), cfg.adv_clip)
+    r = optimality(modality_advantages(scored, cfg.global_std, cfg.modality_std), cfg.adv_clip)
     keep_mask = scored.valid
     if cfg.skip_uniform_groups:
         rewards = credited_rewards(scored)

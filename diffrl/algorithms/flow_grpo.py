@@ -139,7 +139,8 @@ def prepare(scored: ScoredBatch, cfg: GRPOConfig) -> TrainBatch:
                 "algorithm.modality_credit: flow_grpo needs the rollout's log-probs per "
                 "modality, which the rollout of a video+audio family records at its SDE steps"
             )
-        adv_m = modality_advantages(scored, cfg.global_std).clamp(-cfg.adv_clip, cfg.adv_clip)
+        adv_m = modality_advantages(scored, cfg.global_std, cfg.modality_std)
+        adv_m = adv_m.clamp(-cfg.adv_clip, cfg.adv_clip)
         return train_batch(scored, advantages=adv_m.mean(1), modality_advantages=adv_m).select(keep)
     adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
     adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)

@@ -6,10 +6,18 @@ modality is trained on its own rewards plus the joint ones.
 Rewards are declared per modality by the reward pool (``reward.scorers[*].modality``, or the
 scorer's own split: ``ScoredBatch.modality_rewards``, R_video + R_audio + R_joint = R). The rule:
 
-    A_video = groupnorm(R_video + R_joint)        A_audio = groupnorm(R_audio + R_joint)
+    A_video = norm(R_video + R_joint)        A_audio = norm(R_audio + R_joint)
 
-with ``groupnorm`` the algorithm's own group advantage (``advantage.group_advantages``, the
-group's or the batch's std). Each advantage then weights only its modality's elements of the
+each centred on its group's mean and scaled by one std per group pooled over both modalities'
+centred rewards (``algorithm.modality_std=pooled``, the default; the batch's with
+``global_std``), or by each modality's own group std (``own``: groupnorm per modality, the
+``group_advantages`` of each column). Pooled keeps what one modality did apart from what both
+did: on AVBench a broken ball also breaks the sync (joint), and with each modality's own std a
+group's one failing clip gets the same advantage in both modalities whatever the size of each
+one's loss (a group-normalised single outlier is always -sqrt(G-1)); pooled gives the audio only
+its share (the sync). It stays finite where the scalar's std is 0 because the modalities moved
+in opposite directions (the scalar then teaches nothing; pooled gives them opposite
+advantages). Each advantage then weights only its modality's elements of the
 flat latent x = [video | audio] (``TrainBatch.modality_split``):
 
 - DiffusionNFT: r_m = 1/2 + 1/2 clip(A_m / Z, -1, 1) weights the v+/v- errors of modality m's
@@ -54,16 +62,34 @@ def credited_rewards(scored: ScoredBatch) -> Tensor:
     return torch.stack([by.get(m, zero) + joint for m in MODALITIES], 1)
 
 
-def modality_advantages(scored: ScoredBatch, global_std: bool) -> Tensor:
-    """(B, 2) A_video, A_audio: the group advantage of each column of ``credited_rewards``."""
-    traj, rewards = scored.traj, credited_rewards(scored)
-    return torch.stack(
-        [
-            group_advantages(rewards[:, k], traj.group, scored.valid, global_std=global_std)
+def modality_advantages(
+    scored: ScoredBatch, global_std: bool, std: str = "pooled", eps: float = 1e-4
+) -> Tensor:
+    """(B, 2) A_video, A_audio: each column of ``credited_rewards`` centred on its group's
+    mean, over ``std``: "pooled", one std per group over both columns' centred values (the
+    batch's with ``global_std``); "own", each column's own (``group_advantages`` per column)."""
+    traj, rewards, valid = scored.traj, credited_rewards(scored), scored.valid
+    if std == "own":
+        columns = [
+            group_advantages(rewards[:, k], traj.group, valid, global_std=global_std, eps=eps)
             for k in range(len(MODALITIES))
-        ],
-        1,
-    )
+        ]
+        return torch.stack(columns, 1)
+    group, w = traj.group, valid.double()
+    r = torch.where(valid[:, None], rewards, torch.zeros_like(rewards)).double()
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, w).clamp(min=1)
+    mean = torch.zeros(n_groups, 2, dtype=torch.float64).index_add_(0, group, r * w[:, None])
+    centered = (r - (mean / count[:, None])[group]) * w[:, None]
+    if global_std:
+        spread = centered[valid].flatten()
+        scale = spread.std(unbiased=False) if len(spread) > 1 else torch.tensor(0.0)
+    else:
+        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(
+            0, group, centered.pow(2).sum(1)
+        )
+        scale = (var / (2 * count)).sqrt()[group][:, None]
+    return (centered / (scale + eps)).float()
 
 
 def split_of(batch: TrainBatch, algorithm: str) -> tuple[int, int]:

@@ -59,24 +59,72 @@ def groupnorm(r: np.ndarray, groups: list[int], eps: float = 1e-4) -> np.ndarray
     return out
 
 
+def pooled(cols: list[np.ndarray], groups: list[int], eps: float = 1e-4) -> list[np.ndarray]:
+    """Independent: each column centred on its group mean, over one std per group pooled
+    over both columns' centred values."""
+    g = np.array(groups)
+    out = [np.empty_like(c) for c in cols]
+    for k in set(groups):
+        m = g == k
+        centred = [c[m] - c[m].mean() for c in cols]
+        std = np.sqrt(np.mean(np.concatenate(centred) ** 2))
+        for o, c in zip(out, centred, strict=True):
+            o[m] = c / (std + eps)
+    return out
+
+
 def test_each_modality_is_credited_with_its_own_and_the_joint_rewards() -> None:
     scored = scored_batch(BY, GROUPS)
-    adv = modality_advantages(scored, global_std=False)
     v, a, j = (np.array(BY[m]) for m in ("video", "audio", "joint"))
-    np.testing.assert_allclose(adv[:, 0].numpy(), groupnorm(v + j, GROUPS), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(adv[:, 1].numpy(), groupnorm(a + j, GROUPS), rtol=1e-5, atol=1e-6)
+    own = modality_advantages(scored, global_std=False, std="own")
+    np.testing.assert_allclose(own[:, 0].numpy(), groupnorm(v + j, GROUPS), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(own[:, 1].numpy(), groupnorm(a + j, GROUPS), rtol=1e-5, atol=1e-6)
+    adv = modality_advantages(scored, global_std=False)  # pooled, the default
+    want_v, want_a = pooled([v + j, a + j], GROUPS)
+    np.testing.assert_allclose(adv[:, 0].numpy(), want_v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(adv[:, 1].numpy(), want_a, rtol=1e-5, atol=1e-6)
     # the columns differ where the modalities disagree (group 0's first two samples swap)
     assert adv[0, 0] > adv[1, 0] and adv[0, 1] < adv[1, 1]
-    # only joint rewards: both are the scalar advantage
+    # the batch's std with global_std: pooled over every valid entry of both columns
+    glob = modality_advantages(scored, global_std=True)
+    centred = np.zeros((len(GROUPS), 2))
+    for k, col in enumerate((v + j, a + j)):
+        for grp in set(GROUPS):
+            m = np.array(GROUPS) == grp
+            centred[m, k] = col[m] - col[m].mean()
+    np.testing.assert_allclose(glob.numpy(), centred / (centred.std() + 1e-4), rtol=1e-5, atol=1e-6)
+    # only joint rewards: both are the scalar advantage, under either std
     joint = {"video": [0.0] * 6, "audio": [0.0] * 6, "joint": BY["joint"]}
-    only = modality_advantages(scored_batch(joint, GROUPS), False)
-    assert torch.equal(only[:, 0], only[:, 1])
-    want = groupnorm(np.array(BY["joint"]), GROUPS)
-    np.testing.assert_allclose(only[:, 0].numpy(), want, rtol=1e-5, atol=1e-6)
+    for std in ("pooled", "own"):
+        only = modality_advantages(scored_batch(joint, GROUPS), False, std)
+        assert torch.equal(only[:, 0], only[:, 1])
+        want = groupnorm(np.array(BY["joint"]), GROUPS)
+        np.testing.assert_allclose(only[:, 0].numpy(), want, rtol=1e-5, atol=1e-6)
     # a batch that lost its rewards per modality on the way is refused, not read as joint
     lost = ScoredBatch(scored.traj, scored.rewards, scored.per_scorer, scored.valid)
     with pytest.raises(ContractError, match="no rewards per modality"):
         credited_rewards(lost)
+
+
+def test_pooled_credit_separates_coupled_failures_and_opposite_moves() -> None:
+    """Clip 3 loses its video and with it the sync (joint), as a broken ball does on AVBench:
+    pooled charges the audio only the sync, own charges it in full. Group 1's modalities move
+    in opposite directions with a constant total: no scalar signal, opposite credit."""
+    by = {
+        "video": [0.4, 0.4, 0.4, 0.2, 0.4, 0.2, 0.4, 0.2],
+        "audio": [0.4, 0.4, 0.4, 0.4, 0.2, 0.4, 0.2, 0.4],
+        "joint": [0.2, 0.2, 0.2, 0.0, 0.2, 0.2, 0.2, 0.2],
+    }
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    scored = scored_batch(by, groups)
+    own = modality_advantages(scored, False, "own")
+    adv = modality_advantages(scored, False)
+    assert own[3, 0] == pytest.approx(float(own[3, 1]), rel=2e-3)  # one outlier: -sqrt(3) in both
+    assert adv[3, 0] == pytest.approx(-(3**0.5) * 2**0.5 * 0.4 / (0.4**2 + 0.2**2) ** 0.5, rel=1e-3)
+    assert adv[3, 1] == pytest.approx(float(adv[3, 0]) / 2, rel=1e-3)  # the sync's 0.2 of the 0.4
+    scalar = nft.prepare(scored, nft.NFTConfig()).optimality
+    assert torch.equal(scalar[4:], torch.full((4,), 0.5))  # the scalar: no signal in group 1
+    assert (adv[4:, 0] * adv[4:, 1] < 0).all() and adv[4:].abs().max() < 2
 
 
 def test_nft_prepare_gives_r_per_modality() -> None:
@@ -287,6 +335,8 @@ def test_refused_without_two_modalities_and_by_dpo() -> None:
     check_family(False, image_only)  # off: nothing to check
     with pytest.raises(ConfigError, match=r"algorithm\.modality_credit"):
         load_config("shapes_dpo.yaml", ["algorithm.modality_credit=true"])
+    with pytest.raises(ConfigError, match=r"algorithm\.modality_std' = 'mean'"):
+        load_config("shapes_nft.yaml", ["algorithm.modality_std=mean"])
 
 
 # Golden values of the default path, computed on main before modality credit existed (commit
