@@ -44,8 +44,8 @@ class ScorerConfig:
     params: dict[str, Any] = field(default_factory=dict)  # passed to the scorer's constructor
     label: str = ""  # name in metrics/logs; set it to use one scorer type twice (two servers)
     # what the score grades, for algorithm.modality_credit: video | audio | joint (both, shared
-    # by both) | auto (the scorer's own split where it declares one, as AVBench's verifiers
-    # do, else joint). Read only under modality credit
+    # by both) | auto (the scorer's own split where it returns one, as AVBench's verifiers do,
+    # else the scorer's ``modality`` attribute, else joint). Read only under modality credit
     modality: str = "auto"
 
     @property
@@ -107,6 +107,12 @@ class RewardPool:
                 self.scorers.append((sc, build_scorer(sc.name, sc.params)))
             except (KeyError, ValueError) as e:
                 raise DiffrlError(f"reward.scorers: {e}") from None
+            declared = getattr(self.scorers[-1][1], "modality", "joint")
+            if declared not in REWARD_MODALITIES:
+                raise DiffrlError(
+                    f"reward.scorers: scorer {sc.key!r} declares modality {declared!r}; a "
+                    f"scorer's modality attribute is one of {list(REWARD_MODALITIES)}"
+                )
         self.dead_steps = {sc.key: 0 for sc in cfg.scorers}  # consecutive all-missing steps
 
     def observe_step(self, scored: ScoredBatch) -> None:
@@ -156,7 +162,7 @@ class RewardPool:
         valid = torch.ones(n, dtype=torch.bool)
         per_scorer, metrics = {}, {}
         by_modality = {m: torch.zeros(n) for m in REWARD_MODALITIES}
-        for (sc, _), res in zip(self.scorers, results, strict=True):
+        for (sc, scorer), res in zip(self.scorers, results, strict=True):
             overflow = ""  # for the error: a score the cast (or the weight) made inf
             if isinstance(res, Exception):
                 scores, ok = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bool)
@@ -178,7 +184,7 @@ class RewardPool:
             valid &= ok
             total += sc.weight * torch.nan_to_num(scores, nan=0.0)  # masked by `valid` below
             if not isinstance(res, Exception):
-                for modality, part in modality_parts(sc, res).items():
+                for modality, part in modality_parts(sc, res, scorer).items():
                     by_modality[modality] += sc.weight * torch.nan_to_num(part * ok, nan=0.0)
         over = valid & ~torch.isfinite(total)
         if over.any():  # each weighted score fits float32, their sum does not
@@ -193,12 +199,16 @@ class RewardPool:
         return scored, {**metrics, **reward_summary(scored)}
 
 
-def modality_parts(sc: ScorerConfig, result: ScoreResult) -> dict[str, Tensor]:
-    """modality -> (B,) unweighted part of one scorer's scores: all of it under the declared
-    modality, or under ``auto`` the scorer's own split (``ScoreResult.parts``), else joint."""
-    if sc.modality == "auto":
-        return dict(result.parts) if result.parts else {"joint": result.scores}
-    return {sc.modality: result.scores}
+def modality_parts(sc: ScorerConfig, result: ScoreResult, scorer: object) -> dict[str, Tensor]:
+    """modality -> (B,) unweighted part of one scorer's scores: all of it under the entry's
+    modality; under ``auto`` the result's own split (``ScoreResult.parts``), else all of it
+    under the scorer's declared ``modality`` attribute (e.g. "audio" for audio-text), else
+    joint."""
+    if sc.modality != "auto":
+        return {sc.modality: result.scores}
+    if result.parts:
+        return dict(result.parts)
+    return {getattr(scorer, "modality", "joint"): result.scores}
 
 
 def finite_as(scores: Tensor, dtype: torch.dtype, weight: float) -> Tensor:

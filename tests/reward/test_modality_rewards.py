@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffrl.config import load_config
-from diffrl.errors import ConfigError
+from diffrl.errors import ConfigError, DiffrlError
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
 from diffrl.reward.scorer import ScoreResult, register_scorer
 from diffrl.reward.scorers import build_scorer
@@ -49,6 +49,18 @@ class Flat:
         return ScoreResult(s, torch.ones(N, dtype=torch.bool))
 
 
+@register_scorer("test_audio_text")
+class AudioText(Flat):
+    """A scorer that says what it grades (as an audio-text similarity would)."""
+
+    name, modality = "test_audio_text", "audio"
+
+
+@register_scorer("test_bad_modality")
+class Speech(Flat):
+    name, modality = "test_bad_modality", "speech"
+
+
 def traj() -> Trajectory:
     from diffrl.types import PromptBatch
 
@@ -64,12 +76,13 @@ def test_the_pool_sums_weighted_scores_per_declared_modality() -> None:
         ScorerConfig("test_flat", weight=0.5, params={"value": 3.0}, modality="audio"),
         ScorerConfig("test_flat", weight=1.0, label="flat_auto"),  # auto, no split: joint
         ScorerConfig("test_split", weight=1.0, label="split_as_joint", modality="joint"),
+        ScorerConfig("test_audio_text", weight=0.25),  # auto: the scorer's declared modality
     ]
     scored, metrics = asyncio.run(RewardPool(RewardConfig(scorers)).score(traj()))
     s = torch.tensor([1.0, 2.0, 4.0])
     by = scored.modality_rewards
     torch.testing.assert_close(by["video"], 2.0 * s / 4)
-    torch.testing.assert_close(by["audio"], 2.0 * s * 3 / 4 + 0.5 * 3.0)
+    torch.testing.assert_close(by["audio"], 2.0 * s * 3 / 4 + 0.5 * 3.0 + 0.25)
     torch.testing.assert_close(by["joint"], 1.0 + s)
     torch.testing.assert_close(by["video"] + by["audio"] + by["joint"], scored.rewards)
     assert metrics["reward/modality/video/mean"] == pytest.approx(float((s / 2).mean()))
@@ -78,6 +91,8 @@ def test_the_pool_sums_weighted_scores_per_declared_modality() -> None:
 def test_a_modality_outside_the_list_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"reward\.scorers\[0\]\.modality' = 'speech'"):
         load_config(None, ["reward.scorers=[{name: shapes, modality: speech}]"])
+    with pytest.raises(DiffrlError, match="declares modality 'speech'"):
+        RewardPool(RewardConfig([ScorerConfig("test_bad_modality")]))
     with pytest.raises(ValueError, match="parts are named"):
         ScoreResult(torch.ones(2), torch.ones(2, dtype=torch.bool), {}, {"speech": torch.ones(2)})
 
