@@ -68,7 +68,14 @@ from diffrl.models.families._diffusers import (
     tokenize_padded,
 )
 from diffrl.models.families._encoder_plans import GEMMA3_ENCODER_PLAN
-from diffrl.models.family import FamilyModel, FamilySpec, HasMediaGeometry, TokenBatch, hash_rows
+from diffrl.models.family import (
+    FamilyModel,
+    FamilySpec,
+    HasMediaGeometry,
+    HasModalities,
+    TokenBatch,
+    hash_rows,
+)
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalRope, Plan, ShardedRMSNorm, optional
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
@@ -324,7 +331,7 @@ class LTX2Net(DiffusersNet):
         return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
 
 
-class LTX2Family(HasReferencePipeline, HasMediaGeometry):
+class LTX2Family(HasReferencePipeline, HasMediaGeometry, HasModalities):
     name = "ltx2"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS

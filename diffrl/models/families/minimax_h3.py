@@ -90,6 +90,7 @@ from diffrl.models.family import (
     EncodesClips,
     FamilyModel,
     FamilySpec,
+    HasModalities,
     TakesConditions,
     TokenBatch,
     hash_rows,
@@ -501,7 +502,7 @@ class MiniMaxH3Net(DiffusersNet):
         return out
 
 
-class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
+class MiniMaxH3Family(TakesConditions, EncodesClips, HasModalities, HasReferencePipeline):
     name = "minimax_h3"
     native_convention = "data_progress"
     lora_targets = LORA_TARGETS
