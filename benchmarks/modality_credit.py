@@ -19,6 +19,16 @@ Usage:
   python benchmarks/modality_credit.py summary OUT
   python benchmarks/modality_credit.py commands OUT [...]   (print the commands, run nothing)
 Overrides after ``--`` go to every run (e.g. run.steps=4 rollout.compile=false for a smoke).
+The recipe's 200 steps run whole (its 19.5-minute CPU budget is lifted for equal samples); on a
+GPU add ``-- run.device=cuda rollout.compile=false actor.compile=false`` (the recipe's compile
+fails on the GPU image, issue 40) and ``--jobs 4`` to run the four side by side.
+
+Smoke run (tiny, 3 steps, CPU), what was checked: the four runs train and the summary and figure
+are written; its numbers say nothing about the method (8 held-out clips):
+  python benchmarks/modality_credit.py run /tmp/mc_smoke --jobs 2 -- run.steps=3 \
+      run.eval_every=3 data.prompts_per_step=2 rollout.group_size=4 rollout.num_steps=4 \
+      rollout.eval_num_steps=4 data.eval_samples_per_prompt=2 data.eval_prompts=4 \
+      rollout.compile=false actor.compile=false run.threads=1
 """
 
 from __future__ import annotations
