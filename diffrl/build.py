@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from diffrl.actor.engine import ActorConfig, ActorEngine
+from diffrl.algorithms.modality import check_family
 from diffrl.algorithms.registry import Algorithm, get_algorithm
 from diffrl.config import Config
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
@@ -255,6 +256,7 @@ def rollout_side(
     config, whose first replica ran it; ``backends/ray.py``)."""
     task = build_task(cfg.data)
     base = load_model(cfg.model, device)
+    check_family(cfg.algorithm.modality_credit, base.family)  # before any work
     check_model_fits(cfg, base, expanded_targets(base, actor_targets(cfg)), device, ranks.dp_size)
     sharded = []
     if ranks.etp_size > 1:  # before anything encodes (parallel/etp.py)

@@ -20,7 +20,10 @@ from torch import Tensor
 
 from diffrl.errors import ContractError
 
-ROW = {"rows": True}  # field metadata: the field has one entry per row of its record
+ROW = {"rows": True}
+# the two modalities of a video+audio family's latent, in the order of its flat x (video
+# elements first); a reward may also be "joint" (of both, shared by both under modality credit)
+MODALITIES = ("video", "audio")  # field metadata: the field has one entry per row of its record
 
 
 def rows(default=None):
@@ -177,6 +180,12 @@ class Trajectory:
     step_versions: Tensor | None = rows()
     # media, e.g. "image" (B, H, W, 3) uint8; "video" (B, T, H, W, 3) uint8 with "fps" (B,)
     extra_fields: dict[str, Tensor] = field(default_factory=dict, metadata=ROW)
+    # a video+audio family's flat x as (n_video, n_audio) elements, video first (its
+    # ``modality_split()``); None for a family of one modality
+    modality_split: tuple[int, int] | None = None
+    # (B, T, 2) the per-step log-prob split by modality (video, audio): each the mean over its
+    # own elements, so (n_v lp_v + n_a lp_a) / (n_v + n_a) = log_probs; with modality_split
+    modality_log_probs: Tensor | None = rows()
 
     def __len__(self) -> int:
         return self.x0.shape[0]
@@ -220,6 +229,9 @@ class ScoredBatch:
     rewards: Tensor = rows()  # (B,) float32 weighted sum over scorers
     per_scorer: dict[str, Tensor] = rows()  # name -> (B,) raw score (NaN where missing)
     valid: Tensor = rows()  # (B,) bool
+    # modality ("video", "audio", "joint") -> (B,) the weighted scores declared of it
+    # (``reward.scorers[*].modality``); they sum to ``rewards``. Empty = all joint
+    modality_rewards: dict[str, Tensor] = field(default_factory=dict, metadata=ROW)
 
     def __len__(self) -> int:
         return self.rewards.shape[0]
@@ -254,6 +266,12 @@ class TrainBatch:
     sde_mask: Tensor | None = None  # (T,) bool, from the trajectory
     step_spec: StepSpec | None = None  # from the trajectory
     step_versions: Tensor | None = rows()  # (B, T) int64, from the trajectory
+    # algorithm.modality_credit: (B, 2) per modality (video, audio), from its own rewards plus
+    # the joint ones: DiffusionNFT's r, FlowGRPO's clipped advantage
+    modality_optimality: Tensor | None = rows()
+    modality_advantages: Tensor | None = rows()
+    modality_split: tuple[int, int] | None = None  # from the trajectory
+    modality_log_probs: Tensor | None = rows()  # (B, T, 2) from the trajectory
     # the actor's version when this update starts, set by the async loop with
     # run.async_sync=step: FlowGRPO weighs the steps an older version took by truncated
     # importance sampling against it (None: no per-step correction, today's loss)
@@ -299,6 +317,8 @@ def train_batch(scored: ScoredBatch, **fields: Tensor) -> TrainBatch:
         sde_mask=t.sde_mask,
         step_spec=t.step_spec,
         step_versions=t.step_versions,
+        modality_split=t.modality_split,
+        modality_log_probs=t.modality_log_probs,
         prox_version=None,  # set by the async loop (run.async_sync=step), not by prepare
         **fields,
     )

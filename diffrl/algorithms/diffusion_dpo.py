@@ -60,6 +60,13 @@ class DPOConfig(AlgorithmConfig):
         check(self.margin >= 0, "margin", self.margin, "must be >= 0")
         check_choice("mode", self.mode, ("online", "offline"))
         check(self.ref_every >= 1, "ref_every", self.ref_every, "must be >= 1")
+        check(
+            not self.modality_credit,
+            "modality_credit",
+            self.modality_credit,
+            "diffusion_dpo ranks whole samples into pairs by one scalar reward, so it has no "
+            "per-modality credit; set it false (or use diffusion_nft or flow_grpo)",
+        )
 
 
 def make_pairs(rewards: Tensor, group: Tensor, valid: Tensor, how: str, margin: float) -> Tensor:

@@ -24,6 +24,12 @@ import torch
 from torch import Tensor
 
 from diffrl.algorithms.advantage import group_advantages, group_ranges
+from diffrl.algorithms.modality import (
+    credited_rewards,
+    element_shares,
+    modality_advantages,
+    split_of,
+)
 from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
@@ -39,7 +45,7 @@ from diffrl.algorithms.registry import (
 )
 from diffrl.errors import check, check_choice
 from diffrl.models.family import broadcast, noised
-from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
+from diffrl.types import MODALITIES, ScoredBatch, TrainBatch, host_to_device, train_batch
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+
     from typing_extensions import Self
@@ -99,11 +105,29 @@ def optimality(advantages: Tensor, z: float) -> Tensor:
 
 def prepare(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
     traj = scored.traj
+    if cfg.modality_credit:
+        return prepare_by_modality(scored, cfg)
     adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
     keep_mask = scored.valid
     if cfg.skip_uniform_groups:
         keep_mask = keep_mask & informative_groups(scored.rewards, traj.group, scored.valid)
     batch = train_batch(scored, optimality=optimality(adv, cfg.adv_clip), noise_key=group_key(traj))
+    return batch.select(keep_mask.nonzero().squeeze(1))
+
+
+def prepare_by_modality(scored: ScoredBatch, cfg: NFTConfig) -> TrainBatch:
+    """algorithm.modality_credit: r per modality (``modality.py``), (B, 2); ``optimality``
+    holds their mean (the logged r). A group is uniform only when both modalities' are."""
+    traj = scored.traj
+    r = optimality(modality_advantages(scored, cfg.global_std, cfg.modality_std), cfg.adv_clip)
+    keep_mask = scored.valid
+    if cfg.skip_uniform_groups:
+        rewards = credited_rewards(scored)
+        informative = [informative_groups(rewards[:, k], traj.group, scored.valid) for k in (0, 1)]
+        keep_mask = keep_mask & (informative[0] | informative[1])
+    batch = train_batch(
+        scored, optimality=r.mean(1), modality_optimality=r, noise_key=group_key(traj)
+    )
     return batch.select(keep_mask.nonzero().squeeze(1))
 
 
@@ -153,6 +177,36 @@ def _per_sample_error(
     return (x0_hat - x0).pow(2).flatten(1).mean(1) / scale
 
 
+def _modality_errors(
+    v_pm: Tensor, v: Tensor, x: Tensor, x0: Tensor, sigma: Tensor, weighting: str, split
+) -> Tensor:
+    """(B, 2) ``_per_sample_error`` split by modality (video, audio): each modality's elements'
+    share of it, so the two add up to it (the adaptive scale stays the whole sample's)."""
+    if weighting == "uniform":
+        return element_shares((v_pm - v).pow(2).flatten(1), split)
+    x0_hat = x - broadcast(sigma, x) * v_pm
+    scale = (x0_hat.detach() - x0).abs().flatten(1).mean(1).clamp(min=1e-5)
+    return element_shares((x0_hat - x0).pow(2).flatten(1), split) / scale[:, None]
+
+
+def weighted_errors(
+    batch: TrainBatch, r: Tensor, v_pos: Tensor, v_neg: Tensor, v: Tensor, x, sigma, cfg
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(B,) r l+ + (1 - r) l-, and the (B,) errors l+ and l- (for the metrics); under
+    modality credit each modality's elements weighted by its own r (``modality.py``)."""
+    x0 = batch.x0
+    if not cfg.modality_credit:
+        l_pos = _per_sample_error(v_pos, v, x, x0, sigma, cfg.weighting)
+        l_neg = _per_sample_error(v_neg, v, x, x0, sigma, cfg.weighting)
+        return r * l_pos + (1 - r) * l_neg, l_pos, l_neg
+    assert batch.modality_optimality is not None, "prepare gives every row its r per modality"
+    split = split_of(batch, "diffusion_nft")
+    r_m = batch.modality_optimality.to(x0)  # (B, 2)
+    e_pos = _modality_errors(v_pos, v, x, x0, sigma, cfg.weighting, split)
+    e_neg = _modality_errors(v_neg, v, x, x0, sigma, cfg.weighting, split)
+    return (r_m * e_pos + (1 - r_m) * e_neg).sum(1), e_pos.sum(1), e_neg.sum(1)
+
+
 def loss(
     policy: Policy,
     batch: TrainBatch,
@@ -165,6 +219,12 @@ def loss(
     cond = batch.cond
     total = x0.new_zeros(())
     metrics: Metrics = {"nft/r_mean": r.mean()}
+    if cfg.modality_credit and batch.modality_optimality is not None:
+        for i, name in enumerate(MODALITIES):
+            metrics[f"nft/r_mean_{name}"] = batch.modality_optimality[:, i].mean()
+        # how far the modalities' credit differs per sample (0: the scalar run's r)
+        r_m = batch.modality_optimality
+        metrics["nft/r_modality_gap"] = (r_m[:, 0] - r_m[:, 1]).abs().mean()
     k = cfg.timesteps_per_sample
     draws = [training_noise(batch, cfg, gen, j) for j in range(k)]  # gen's order is unchanged
     inputs = [noised(x0, sigma, eps) for sigma, eps in draws]
@@ -182,9 +242,8 @@ def loss(
                 v_old = policy.velocity(x, sigma, ids, adapter="old", cond=cond)
         v_theta = policy.velocity(x, sigma, ids, adapter="default", cond=cond)
         v_pos, v_neg = implicit_policies(v_theta, v_old, cfg.beta)
-        l_pos = _per_sample_error(v_pos, v, x, x0, sigma, cfg.weighting)
-        l_neg = _per_sample_error(v_neg, v, x, x0, sigma, cfg.weighting)
-        step_loss = ((r * l_pos + (1 - r) * l_neg) / cfg.beta).mean()
+        weighted, l_pos, l_neg = weighted_errors(batch, r, v_pos, v_neg, v, x, sigma, cfg)
+        step_loss = (weighted / cfg.beta).mean()
         if cfg.kl_coef > 0:
             if None in frozen:
                 v_ref = frozen[None][j]

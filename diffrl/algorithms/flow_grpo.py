@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from diffrl.algorithms.advantage import group_advantages
+from diffrl.algorithms.modality import element_shares, modality_advantages, split_of
 from diffrl.algorithms.registry import (
     Algorithm,
     AlgorithmConfig,
@@ -62,8 +63,8 @@ from diffrl.algorithms.registry import (
 )
 from diffrl.errors import ContractError, check, check_choice
 from diffrl.models.family import broadcast
-from diffrl.rollout.samplers import STOCHASTIC_STEPS, guided_velocity
-from diffrl.types import ScoredBatch, TrainBatch, host_to_device, train_batch
+from diffrl.rollout.samplers import STOCHASTIC_STEPS, guided_velocity, modality_log_probs
+from diffrl.types import MODALITIES, ScoredBatch, TrainBatch, host_to_device, train_batch
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+
     from typing_extensions import Self
@@ -131,9 +132,19 @@ def prepare(scored: ScoredBatch, cfg: GRPOConfig) -> TrainBatch:
             "flow_grpo needs stochastic trajectories with latents: set rollout.sampler=sde, "
             "rollout.noise_level > 0 and rollout.keep_latents=true"
         )
+    keep = scored.valid.nonzero().squeeze(1)
+    if cfg.modality_credit:  # A per modality (modality.py); ``advantages`` their mean, logged
+        if traj.modality_log_probs is None:
+            raise ValueError(
+                "algorithm.modality_credit: flow_grpo needs the rollout's log-probs per "
+                "modality, which the rollout of a video+audio family records at its SDE steps"
+            )
+        adv_m = modality_advantages(scored, cfg.global_std, cfg.modality_std)
+        adv_m = adv_m.clamp(-cfg.adv_clip, cfg.adv_clip)
+        return train_batch(scored, advantages=adv_m.mean(1), modality_advantages=adv_m).select(keep)
     adv = group_advantages(scored.rewards, traj.group, scored.valid, global_std=cfg.global_std)
     adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-    return train_batch(scored, advantages=adv).select(scored.valid.nonzero().squeeze(1))
+    return train_batch(scored, advantages=adv).select(keep)
 
 
 def train_steps(sde_steps: Tensor, batch: int, cfg: GRPOConfig, gen: torch.Generator) -> Tensor:
@@ -236,6 +247,42 @@ def truncated_is(
     return anchor, w
 
 
+def modality_objective(
+    batch: TrainBatch,
+    j: Tensor,
+    mean: Tensor,
+    std: Tensor,
+    behind: Tensor | None,
+    cfg: GRPOConfig,
+    m: Metrics,
+    k: int,
+) -> Tensor:
+    """algorithm.modality_credit: (n,) the clipped objective of one trained step with a ratio
+    per modality, rho_m = exp(logp_m - logp_m(rollout)) from the step's Gaussian split by
+    modality, each clipped on its own against its own advantage A_m, weighed by the modality's
+    share of the elements D_m / D (``modality.py``). ``behind`` (n,) bool: rows whose step an
+    older version took, weighed by their own truncated importance weight per modality."""
+    split = split_of(batch, "flow_grpo")
+    x, rollout_m, adv_m = batch.latents, batch.modality_log_probs, batch.modality_advantages
+    assert x is not None and rollout_m is not None and adv_m is not None, NO_PATH
+    at = torch.arange(len(j), device=j.device)
+    logp_m = modality_log_probs(x[at, j + 1], mean, std, split)  # (n, 2)
+    mu_m = rollout_m.to(logp_m)[at, j]  # (n, 2)
+    share = torch.tensor(split, dtype=logp_m.dtype, device=logp_m.device) / sum(split)
+    if behind is None:
+        ratio = torch.exp(logp_m - mu_m)
+        w = torch.ones_like(ratio)
+    else:
+        anchor, w = truncated_is(logp_m, mu_m, behind[:, None].expand_as(logp_m), cfg.tis_cap)
+        ratio = torch.exp(logp_m - anchor)
+    objective = w * clipped_objective(ratio, adv_m.to(ratio), cfg.clip_range)  # (n, 2)
+    clipped = ((ratio.detach() - 1).abs() > cfg.clip_range).float().mean(0)
+    for i, name in enumerate(MODALITIES):
+        key = f"grpo/clip_frac_{name}"
+        m[key] = m.get(key, 0.0) + clipped[i] / k
+    return (objective * share).sum(1)
+
+
 def loss(
     policy: Policy,
     batch: TrainBatch,
@@ -261,7 +308,8 @@ def loss(
         assert versions is not None, "a batch with prox_version carries step_versions"
         m["grpo/tis_weight_mean"], m["grpo/tis_stale_frac"] = 0.0, 0.0
         w_max = rollout_logp.new_zeros((), device=batch.x0.device)
-    for c in range(steps.shape[1]):
+    k = steps.shape[1]
+    for c in range(k):
         j = steps[:, c]
         at = torch.arange(n, device=j.device)
         mu = rollout_logp[at, j]
@@ -276,10 +324,16 @@ def loss(
             behind = versions.to(j.device)[at, j] < prox
             anchor, w = truncated_is(logp, mu, behind, cfg.tis_cap)
             ratio = torch.exp(logp - anchor)
-            step_loss = (w * clipped_objective(ratio, adv, cfg.clip_range)).mean()
+            if cfg.modality_credit:
+                objective = modality_objective(batch, j, mean, std, behind, cfg, m, k)
+                step_loss = objective.mean()
+            else:
+                step_loss = (w * clipped_objective(ratio, adv, cfg.clip_range)).mean()
             m["grpo/tis_weight_mean"] += w.mean() / steps.shape[1]
             m["grpo/tis_stale_frac"] += behind.float().mean() / steps.shape[1]
             w_max = torch.maximum(w_max, w.max().to(w_max))
+        elif cfg.modality_credit:
+            step_loss = modality_objective(batch, j, mean, std, None, cfg, m, k).mean()
         else:
             step_loss = clipped_objective(ratio, adv, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
@@ -289,9 +343,15 @@ def loss(
                 with torch.no_grad():
                     _, mean_ref, _ = step_logprob(policy, batch, j, adapter=None)
             std_b = broadcast(std, mean)
-            kl = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1).mean(1).mean()
+            kl_elements = ((mean - mean_ref) ** 2 / (2 * std_b**2)).flatten(1)
+            kl = kl_elements.mean(1).mean()
             step_loss = step_loss + cfg.kl_coef * kl
             m["grpo/kl"] += kl.detach() / steps.shape[1]
+            if cfg.modality_credit:  # the KL is a sum over elements: each modality's share
+                shares = element_shares(kl_elements.detach(), split_of(batch, "flow_grpo"))
+                for i, name in enumerate(MODALITIES):
+                    key = f"grpo/kl_{name}"
+                    m[key] = m.get(key, 0.0) + shares[:, i].mean() / steps.shape[1]
         total = add_part(total, step_loss / steps.shape[1], backward)
         r = ratio.detach()
         m["grpo/clip_frac"] += ((r - 1).abs() > cfg.clip_range).float().mean() / steps.shape[1]

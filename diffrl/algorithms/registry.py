@@ -52,11 +52,20 @@ class WeightPlan:
     sync: bool = True  # push rollout_adapter's weights to the rollout after this update
 
 
+MODALITY_STDS = ("pooled", "own")  # algorithm.modality_std (algorithms/modality.py)
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """Base of every algorithm's config; each algorithm subclasses it with its own fields."""
 
     name: str = "diffusion_nft"
+    # credit per modality (video+audio families): each modality's advantage from its own
+    # rewards plus the joint ones, training its own part of the latent (algorithms/modality.py)
+    modality_credit: bool = False
+    # the scale of the modalities' advantages: pooled (one std per group over both modalities'
+    # centred rewards) | own (each modality's own group std)
+    modality_std: str = "pooled"
 
     def validate(self) -> None:
         """The algorithm's own fields (``ConfigError`` names the key); none here."""
@@ -232,6 +241,11 @@ class Algorithm(Generic[C]):
                 "trains nothing); set rollout.group_size >= 2"
             )
         check_rollout_for(self, cfg.rollout)
+        if cfg.algorithm.modality_std not in MODALITY_STDS:
+            raise ConfigError(
+                f"config key 'algorithm.modality_std' = {cfg.algorithm.modality_std!r}: must be "
+                f"one of {list(MODALITY_STDS)}"
+            )
         run = cfg.run
         if run.mode == "async" and run.stale == "correct" and not self.needs_logprobs:
             raise ConfigError(

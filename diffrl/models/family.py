@@ -1,5 +1,6 @@
 """The ``ModelFamily`` protocol: all the engines know about one family of models; the optional
-capabilities a family declares (``ResolutionFree``, ``TakesConditions``, ``EncodesClips``); and
+capabilities a family declares (``ResolutionFree``, ``TakesConditions``, ``EncodesClips``,
+``HasModalities``); and
 ``FamilySpec``, the one record each ``models/families/<name>.py`` exports as ``FAMILY``.
 
 A family is data plus a few functions (STYLE 12). It says its native time convention and its
@@ -112,6 +113,15 @@ class EncodesClips(Protocol):
     time-convention probe and the AVBench pretraining read clips through it)."""
 
     def encode_clip(self, video: Tensor, audio: Tensor) -> Tensor:  # (B,T,H,W,3), (B,S) -> (B,D)
+        ...
+
+
+@runtime_checkable
+class HasModalities(Protocol):
+    """A video+audio family whose flat latent x (B, D) holds the video's elements first and the
+    audio's after: ``algorithm.modality_credit`` trains each part on its own rewards."""
+
+    def modality_split(self) -> tuple[int, int]:  # (n_video, n_audio) elements of one x
         ...
 
 

@@ -150,7 +150,8 @@ def _row(batch: ScoredBatch, j: int, traj: Trajectory) -> ScoredBatch:
     copied again)."""
     i = torch.tensor([j])
     per_scorer = {k: v[i] for k, v in batch.per_scorer.items()}
-    return ScoredBatch(traj, batch.rewards[i], per_scorer, batch.valid[i])
+    by_modality = {k: v[i] for k, v in batch.modality_rewards.items()}
+    return ScoredBatch(traj, batch.rewards[i], per_scorer, batch.valid[i], by_modality)
 
 
 class StreamCut(RuntimeError):

@@ -16,10 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diffrl.errors import DiffrlError, check
-from diffrl.reward.scorer import Scorer, check_fields, missing_fields, producers_of
+from diffrl.errors import DiffrlError, check, check_choice
+from diffrl.reward.scorer import (
+    REWARD_MODALITIES,
+    Scorer,
+    ScoreResult,
+    check_fields,
+    missing_fields,
+    producers_of,
+)
 from diffrl.reward.scorers import build_scorer
-from diffrl.types import ScoredBatch, Trajectory
+from diffrl.types import MODALITIES, ScoredBatch, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,10 @@ class ScorerConfig:
     required: bool = True  # failure stops training; else its samples are marked missing
     params: dict[str, Any] = field(default_factory=dict)  # passed to the scorer's constructor
     label: str = ""  # name in metrics/logs; set it to use one scorer type twice (two servers)
+    # what the score grades, for algorithm.modality_credit: video | audio | joint (both, shared
+    # by both) | auto (the scorer's own split where it returns one, as AVBench's verifiers do,
+    # else the scorer's ``modality`` attribute, else joint). Read only under modality credit
+    modality: str = "auto"
 
     @property
     def key(self) -> str:
@@ -43,6 +54,7 @@ class ScorerConfig:
 
     def validate(self) -> None:
         check(bool(self.name), "name", self.name, "a registered scorer name")
+        check_choice("modality", self.modality, ("auto", *REWARD_MODALITIES))
         check(
             math.isfinite(self.weight) and abs(self.weight) <= MAX_WEIGHT,
             "weight",
@@ -95,6 +107,12 @@ class RewardPool:
                 self.scorers.append((sc, build_scorer(sc.name, sc.params)))
             except (KeyError, ValueError) as e:
                 raise DiffrlError(f"reward.scorers: {e}") from None
+            declared = getattr(self.scorers[-1][1], "modality", "joint")
+            if declared not in REWARD_MODALITIES:
+                raise DiffrlError(
+                    f"reward.scorers: scorer {sc.key!r} declares modality {declared!r}; a "
+                    f"scorer's modality attribute is one of {list(REWARD_MODALITIES)}"
+                )
         self.dead_steps = {sc.key: 0 for sc in cfg.scorers}  # consecutive all-missing steps
 
     def observe_step(self, scored: ScoredBatch) -> None:
@@ -143,7 +161,8 @@ class RewardPool:
         total = torch.zeros(n)
         valid = torch.ones(n, dtype=torch.bool)
         per_scorer, metrics = {}, {}
-        for (sc, _), res in zip(self.scorers, results, strict=True):
+        by_modality = {m: torch.zeros(n) for m in REWARD_MODALITIES}
+        for (sc, scorer), res in zip(self.scorers, results, strict=True):
             overflow = ""  # for the error: a score the cast (or the weight) made inf
             if isinstance(res, Exception):
                 scores, ok = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bool)
@@ -164,6 +183,9 @@ class RewardPool:
             per_scorer[sc.key] = scores
             valid &= ok
             total += sc.weight * torch.nan_to_num(scores, nan=0.0)  # masked by `valid` below
+            if not isinstance(res, Exception):
+                for modality, part in modality_parts(sc, res, scorer).items():
+                    by_modality[modality] += sc.weight * torch.nan_to_num(part * ok, nan=0.0)
         over = valid & ~torch.isfinite(total)
         if over.any():  # each weighted score fits float32, their sum does not
             raise RewardFailure(
@@ -171,8 +193,22 @@ class RewardPool:
                 "samples; lower the scorers' weights (reward.scorers[*].weight)"
             )
         total = torch.where(valid, total, torch.full_like(total, float("nan")))
-        scored = ScoredBatch(traj, total, per_scorer, valid)
+        nan = torch.full_like(total, float("nan"))
+        by_modality = {m: torch.where(valid, r, nan) for m, r in by_modality.items()}
+        scored = ScoredBatch(traj, total, per_scorer, valid, by_modality)
         return scored, {**metrics, **reward_summary(scored)}
+
+
+def modality_parts(sc: ScorerConfig, result: ScoreResult, scorer: object) -> dict[str, Tensor]:
+    """modality -> (B,) unweighted part of one scorer's scores: all of it under the entry's
+    modality; under ``auto`` the result's own split (``ScoreResult.parts``), else all of it
+    under the scorer's declared ``modality`` attribute (e.g. "audio" for audio-text), else
+    joint."""
+    if sc.modality != "auto":
+        return {sc.modality: result.scores}
+    if result.parts:
+        return dict(result.parts)
+    return {getattr(scorer, "modality", "joint"): result.scores}
 
 
 def finite_as(scores: Tensor, dtype: torch.dtype, weight: float) -> Tensor:
@@ -211,4 +247,8 @@ def reward_summary(scored: ScoredBatch) -> dict[str, float]:
         out[f"reward/{name}/valid_frac"] = float(ok.float().mean())
     if scored.valid.any():
         out["reward/mean"] = float(scored.rewards[scored.valid].double().mean())
+        by = scored.modality_rewards
+        if any(bool(by[m][scored.valid].ne(0).any()) for m in MODALITIES if m in by):
+            for m, part in by.items():  # declared per modality: each one's share of reward/mean
+                out[f"reward/modality/{m}/mean"] = float(part[scored.valid].double().mean())
     return out

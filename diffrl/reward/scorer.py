@@ -15,7 +15,10 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from diffrl.types import Trajectory
+from diffrl.types import MODALITIES, Trajectory
+
+# what a reward may grade: one modality, or both ("joint", shared by both under modality credit)
+REWARD_MODALITIES = (*MODALITIES, "joint")
 
 # which engine sets which extra field (for error messages)
 PRODUCERS = {
@@ -59,6 +62,10 @@ class ScoreResult:
     scores: Tensor  # (B,) float32; NaN where a sample could not be scored
     valid: Tensor  # (B,) bool; False = missing (excluded from advantages, never treated as 0)
     metrics: dict[str, float] = field(default_factory=dict)  # scorer-specific, e.g. accuracy
+    # optional split of ``scores`` by modality ("video", "audio", "joint") -> (B,), summing to
+    # it: the scorer's own declaration of what each part grades (AVBench's verifiers), read
+    # by ``reward.scorers[*].modality=auto`` under algorithm.modality_credit
+    parts: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.scores.ndim != 1 or self.valid.shape != self.scores.shape:
@@ -66,6 +73,13 @@ class ScoreResult:
                 f"scores must be (B,) with a matching valid mask, got "
                 f"{tuple(self.scores.shape)} and {tuple(self.valid.shape)}"
             )
+        for name, part in self.parts.items():
+            if name not in REWARD_MODALITIES or part.shape != self.scores.shape:
+                raise ValueError(
+                    f"a scorer's part {name!r} of shape {tuple(part.shape)}: parts are named "
+                    f"one of {REWARD_MODALITIES}, each of the scores' shape "
+                    f"{tuple(self.scores.shape)}"
+                )
 
 
 @runtime_checkable

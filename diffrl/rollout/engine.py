@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from diffrl.channel import Channel
 from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.compile import compile_blocks
-from diffrl.models.family import FamilyModel
+from diffrl.models.family import FamilyModel, HasModalities
 from diffrl.models.graphs import graph_transformer
 from diffrl.parallel.tp import Plan
 from diffrl.parallel.tp_sync import (
@@ -45,6 +45,7 @@ from diffrl.rollout.samplers import (
     coarse_tail,
     euler_step,
     guided_velocity,
+    modality_log_probs,
     noise_from_seeds,
     sde_window,
     sigma_schedule,
@@ -532,8 +533,12 @@ class RolloutEngine:
         batch = prompts.repeat(g)
         # contract 3: the ids (and conditions) sampled with are the data stage's, on this rank
         check_token_hashes(batch, "the rollout engine")
+        split = self.modality_split()
+        # a video+audio family's SDE steps keep their log-probs per modality too (FlowGRPO's
+        # algorithm.modality_credit clips each modality's ratio against them)
+        by_modality: list[Tensor] | None = [] if split is not None and mask.any() else None
         x0, latents, log_probs, versions = self._sample(
-            batch.input_ids, seeds, sigmas, mask, g, batch.cond
+            batch.input_ids, seeds, sigmas, mask, g, batch.cond, by_modality
         )
         group = torch.arange(len(prompts)).repeat_interleave(g) + group_offset
         traj = Trajectory(
@@ -555,8 +560,17 @@ class RolloutEngine:
             ),
             step_versions=torch.tensor(versions, dtype=torch.int64).expand(len(batch), -1).clone(),
             extra_fields=self.family.decode(x0) if decode else {},
+            modality_split=split,
+            modality_log_probs=None if not by_modality else torch.stack(by_modality, 1).cpu(),
         )
         return traj, x0
+
+    def modality_split(self) -> tuple[int, int] | None:
+        """(n_video, n_audio) elements of x for a video+audio family, else None."""
+        if not isinstance(self.family, HasModalities):
+            return None
+        n_video, n_audio = self.family.modality_split()
+        return n_video, n_audio
 
     def batcher(self, token_budget: int, max_wait_s: float = 0.0) -> ContinuousBatcher:
         """Request-level continuous batching (``diffrl.rollout.scheduler``) over this engine's
@@ -586,9 +600,12 @@ class RolloutEngine:
         mask: Tensor,
         g: int,
         cond: Tensor | None = None,
+        by_modality: list[Tensor] | None = None,
     ):
         """One micro-batch: returns x0 (b, *S), latents (b, T+1, *S), log_probs (b, T) and the
-        version that took each step (T ints). An offered update is applied before each step."""
+        version that took each step (T ints). An offered update is applied before each step.
+        Given ``by_modality`` (a video+audio family), each step's (b, 2) log-prob split by
+        modality is appended to it (``samplers.modality_log_probs``; zeros for ODE steps)."""
         shape = tuple(self.family.latent_shape())
         t_steps = len(sigmas) - 1
         dtype = next(self.model.parameters()).dtype
@@ -632,7 +649,7 @@ class RolloutEngine:
             v = v.to(dtype)
             if mask[i]:
                 copies = min(copies, after[i])  # the SDE noise splits the runs of copies
-                x, lp, _, _ = step_fn(
+                x, lp, mean, std = step_fn(
                     x,
                     v,
                     sigma,
@@ -641,11 +658,17 @@ class RolloutEngine:
                     float(sigmas[1]),
                     noise=noise[:, i + 1],
                 )
+                if by_modality is not None:
+                    split = self.modality_split()
+                    assert split is not None, "by_modality is asked of a video+audio family"
+                    by_modality.append(modality_log_probs(x, mean, std, split).float())
             else:  # ODE steps, and always the last step to sigma=0 (its SDE std is 0)
                 x, lp = (
                     euler_step(x, v, sigma, sigma_next),
                     torch.zeros(x.shape[0], device=x.device),
                 )
+                if by_modality is not None:
+                    by_modality.append(torch.zeros(x.shape[0], 2, device=x.device))
             latents.append(x)
             log_probs.append(lp)
         lat, lp = torch.stack(latents, 1).float(), torch.stack(log_probs, 1).float()

@@ -61,6 +61,18 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return lp.flatten(1).mean(dim=1)
 
 
+def modality_log_probs(x: Tensor, mean: Tensor, std: Tensor, split: tuple[int, int]) -> Tensor:
+    """(B, 2): ``gaussian_log_prob`` split by modality over a flat (B, D) x whose first
+    ``split[0]`` elements are the video's and the rest the audio's, each the mean over its own
+    elements (so a per-modality ratio keeps the joint one's scale, and the clip range its
+    meaning). The Gaussian's log-density is a sum over elements, so the element-weighted sum
+    (n_v lp_v + n_a lp_a) / D is the joint log-prob."""
+    std = _bcast(std, x)
+    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    video, audio = lp.flatten(1).split(split, dim=1)
+    return torch.stack([video.mean(1), audio.mean(1)], 1)
+
+
 def sde_step_with_logprob(
     x: Tensor,
     v: Tensor,

@@ -88,6 +88,7 @@ from diffrl.models.family import (
     FamilyModel,
     FamilySpec,
     HasMediaGeometry,
+    HasModalities,
     TakesConditions,
     TokenBatch,
     hash_rows,
@@ -444,7 +445,7 @@ class LTX2Net(DiffusersNet):
         return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
 
 
-class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry):
+class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry, HasModalities):
     name = "ltx2"
     native_convention = "sigma_x1000"
     lora_targets = LORA_TARGETS
@@ -513,6 +514,10 @@ class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry):
 
     def latent_shape(self) -> tuple[int, ...]:
         return (sum(self.geometry.split),)
+
+    def modality_split(self) -> tuple[int, int]:
+        """(n_video, n_audio) elements of the flat x, video first (modality credit)."""
+        return self.geometry.split
 
     def _video_stats(self, like: Tensor) -> tuple[Tensor, Tensor, float]:
         vae = self.net.frozen.vae

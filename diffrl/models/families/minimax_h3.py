@@ -109,6 +109,7 @@ from diffrl.models.family import (
     EncodesClips,
     FamilyModel,
     FamilySpec,
+    HasModalities,
     TakesConditions,
     TokenBatch,
     hash_rows,
@@ -716,7 +717,7 @@ class MiniMaxH3Net(DiffusersNet):
         return out
 
 
-class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
+class MiniMaxH3Family(TakesConditions, EncodesClips, HasModalities, HasReferencePipeline):
     name = "minimax_h3"
     native_convention = "data_progress"
     lora_targets = LORA_TARGETS
@@ -749,6 +750,11 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasReferencePipeline):
     # --- shapes and media ---------------------------------------------------------------
     def latent_shape(self) -> tuple[int, ...]:
         return (sum(self.net.dims),)
+
+    def modality_split(self) -> tuple[int, int]:
+        """(n_video, n_audio) elements of the flat x: ``split``'s layout (modality credit)."""
+        dv, da = self.net.dims
+        return dv, da
 
     def split(self, latents: Tensor) -> tuple[Tensor, Tensor]:
         """(B, D) -> video (B, C, F, h, w) and H3-space audio (B, ch, N, Ca) (= k * b)."""
