@@ -141,3 +141,13 @@ def test_avbench_splits_its_partial_score_by_verifier() -> None:
     assert (p_bad["audio"] < p_good["audio"]).any()
     # the all-pass score has no additive split: it is joint
     assert asyncio.run(build_scorer("avbench", {"mode": "overall"}).score(good)).parts == {}
+
+
+def test_the_av_model_scorers_declare_their_modality() -> None:
+    """CLAP judges the sound against the text (audio); ImageBind the sound against the picture
+    (joint: both modalities' credit shares it)."""
+    from diffrl.reward.scorers.clap import ClapScorer
+    from diffrl.reward.scorers.imagebind import ImageBindAVScorer
+
+    assert ClapScorer.modality == "audio"
+    assert ImageBindAVScorer.modality == "joint"

@@ -55,6 +55,7 @@ class ClapScorer:
     """
 
     needs = frozenset({"audio"})
+    modality = "audio"  # the sound against the text: credit per modality gives it to the audio
 
     def __init__(
         self,

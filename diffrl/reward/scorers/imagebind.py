@@ -175,6 +175,7 @@ class ImageBindAVScorer:
     """
 
     needs = frozenset({"audio", "video"})
+    modality = "joint"  # the sound against the picture: both modalities share it
 
     def __init__(
         self,
