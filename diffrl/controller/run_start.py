@@ -188,7 +188,8 @@ def started(cfg: Config, primary: bool, begun: RunStart | None) -> Iterator[RunS
 def changed_keys(saved: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (saved value, new value) for each key whose value differs. Keys only one
     side has (a key added or removed by a newer diffrl) are not changes, nor ``NOT_COMPARED``;
-    lists compare whole."""
+    lists compare whole, but for a list of entries (``reward.scorers``) whose fields a newer
+    diffrl added to or removed from: each entry compares on the fields both sides hold."""
     try:
         old = yaml.safe_load(saved.read_text())
     except FileNotFoundError:
@@ -198,7 +199,18 @@ def changed_keys(saved: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
         raise DiffrlError(f"{saved} is unreadable ({e}); restore it to resume") from None
     new = yaml.safe_load(to_yaml(cfg))  # the same round trip the saved file took
     a, b = dict(_flat(old if isinstance(old, dict) else {})), dict(_flat(new))
-    return {k: (a[k], b[k]) for k in b if k in a and a[k] != b[k] and k not in NOT_COMPARED}
+    return {
+        k: (a[k], b[k]) for k in b if k in a and not _same(a[k], b[k]) and k not in NOT_COMPARED
+    }
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Equal, comparing entries of a list of mappings on their shared fields only."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return all(_same(old[k], new[k]) for k in old.keys() & new.keys())
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(_same(x, y) for x, y in zip(old, new, strict=True))
+    return old == new
 
 
 def _flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -118,6 +118,11 @@ def test_changed_keys_lists_each_change_and_allows_only_those_that_keep_the_math
     del tree["algorithm"]["beta"]
     saved.write_text(yaml.safe_dump(tree))
     assert "algorithm.beta" not in changed_keys(saved, load_config(RECIPE, over))
+    # nor a field the saved scorer entries lack (reward.scorers[*].modality came later)
+    for entry in tree["reward"]["scorers"]:
+        del entry["modality"]
+    saved.write_text(yaml.safe_dump(tree))
+    assert "reward.scorers" not in changed_keys(saved, same)
 
 
 def test_move_aside_keeps_the_earlier_run_whole_and_the_lock_in_place(tmp_path):

@@ -41,6 +41,9 @@ from torch import Tensor
 
 from diffrl.errors import ConfigError
 
+# the AdaLN table's modality rows (a checkpoint fact; minimax_h3 packs its sequence with them)
+VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
+
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 MEAN = STD = 0.5  # Qwen3-VL's image processor: image_mean = image_std = (0.5, 0.5, 0.5)
 
@@ -77,8 +80,6 @@ class Presentation:
 
     def prefix(self) -> tuple[list[int], list[int]]:
         """(ids, tags) of the keyframes' labels and vision blocks, ahead of the prompt."""
-        from diffrl.models.families.minimax_h3 import TEXT_TAG, VIDEO_TAG
-
         ids: list[int] = []
         tags: list[int] = []
         for label in self.labels:

@@ -104,6 +104,7 @@ from diffrl.models.families._diffusers import (
 from diffrl.models.families._encoder_plans import QWEN3_VL_ENCODER_PLAN
 from diffrl.models.families._h3_codecs import DCTAudio, PixelVideo, VAEAudio, VAEVideo
 from diffrl.models.families._h3_ref2va import ref2va_layout
+from diffrl.models.families._h3_vision import AUDIO_TAG, TEXT_TAG, VIDEO_TAG
 from diffrl.models.family import (
     Builtin,
     EncodesClips,
@@ -142,7 +143,6 @@ COMPONENTS = {
     "scheduler": "MiniMaxH3Scheduler (video, shift 12)",
     "audio_scheduler": "MiniMaxH3Scheduler (audio, shift 3)",
 }
-VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # the AdaLN table's modality rows (a checkpoint fact)
 KEYFRAME_T = 0.999  # the pipeline's keyframe_noise_aug: conditioning rows sit just short of clean
 ANCHORS = ("first", "last")  # FL2VA: the two keyframes' places in the clip
 TEXT_LAYER = 50  # hidden_states[50] of Qwen3-VL-32B conditions the DiT
