@@ -31,7 +31,9 @@ GROUP = ["run.backend=ray", "placement.actor.replicas=2", "placement.actor.cpus=
 def tiny(checkpoint, out, steps, *extra):
     # shared_noise: a row's training draws follow its prompt group, not the rank or the
     # micro-batch that trains it (as in the torchrun dp tests)
-    over = ["rollout.num_steps=2", "actor.lr=1e-2", "run.eval_every=1", PARTIAL]
+    # one thread: the one-process run runs in this process, whose thread count an earlier
+    # test may have set
+    over = ["rollout.num_steps=2", "actor.lr=1e-2", "run.eval_every=1", PARTIAL, "run.threads=1"]
     return tiny_run(checkpoint, out, steps, *over, "algorithm.shared_noise=true", *extra)
 
 
@@ -69,11 +71,14 @@ def test_a_group_of_two_trains_as_the_local_backend(tiny_checkpoint, tmp_path):
     assert [r["step"] for r in group] == [0, 1, 2]
     assert untimed(group) == untimed(torchrun)
     for one, two in zip(local, group, strict=True):
+        # step 2's update is on weights one Adam step old, whose normalised first step turns
+        # rounding-level gradient differences into lr-sized ones (docs/parallel.md)
+        rel = 1e-4 if one["step"] < 2 else 5e-3
         for k in one:
             if k.startswith(("reward/", "eval/")):
                 assert two[k] == one[k], k
             elif k in UPDATE:
-                assert two[k] == pytest.approx(one[k], rel=1e-4), k
+                assert two[k] == pytest.approx(one[k], rel=rel), (one["step"], k)
     assert group[2]["actor/grad_norm"] > 0
     over = [*GROUP, "run.mode=async", "run.max_staleness=1"]
     asynced = run(tiny(tiny_checkpoint, tmp_path / "async", 2, *over), RECIPE)

@@ -83,9 +83,12 @@ def test_async_under_torchrun_is_the_fixed_schedule_of_one_process(tiny_checkpoi
     assert {k: v for k, v in rows[0].items() if k != "time"} == {
         k: v for k, v in one[0].items() if k != "time"
     }  # the untrained policy's held-out eval
-    for got, want in zip(rows[1:3], one[1:3], strict=True):
+    for got, want, rel in zip(rows[1:3], one[1:3], (1e-4, 5e-3), strict=True):
         _same_samples(got, want)  # iterations 0 and 1: the initial weights
-        _same_update(got, want, 1e-4)
+        # step 2's update is on weights one Adam step old: Adam's normalised first step turns
+        # rounding-level gradient differences in near-zero elements into lr-sized ones
+        # (docs/parallel.md), so its loss and grad norm agree to rel 5e-3, not 1e-4
+        _same_update(got, want, rel)
     # step 3 samples with weights two updates old, equal to ~1e-5: the partial reward of a
     # sample may flip, so its numbers are the run's own (the ranks still agree: the adapter
     # check passed on every step)
