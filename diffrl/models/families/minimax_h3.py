@@ -115,6 +115,7 @@ from diffrl.models.family import (
     TokenBatch,
     hash_rows,
 )
+from diffrl.models.host_offload import HostResident
 from diffrl.models.memory import BlockCost, Geometry, Widths
 from diffrl.models.probe import HasReferencePipeline, NoReference, Reference
 from diffrl.models.words import read_words
@@ -385,6 +386,11 @@ class MiniMaxH3Net(DiffusersNet):
         self.video_shape, self.audio_shape = video_shape, audio_shape  # (C,F,h,w), (ch,N,Ca)
         self.k = float(audio_shift_ratio)
         self.offload = offload_text_encoder
+        if offload_text_encoder and not hasattr(self.frozen, "te_home"):
+            # pinned, flat, streamed a layer ahead (models/host_offload.py); in the Shared
+            # holder, so the rollout's and evaluator's copies use this one host copy
+            on_host = next(text_encoder.parameters()).device.type == "cpu"
+            self.frozen.te_home = HostResident(text_encoder) if on_host else None
         self.keyframes: tuple[Tensor, tuple[str, ...]] | None = None  # set by conditioned()
         self._layouts: dict[tuple, dict[str, Tensor]] = {}  # layout() per (n_text, anchors)
         # the FL2VA semantic branch (_h3_vision): set by build when on, else text-only FL2VA
@@ -409,20 +415,22 @@ class MiniMaxH3Net(DiffusersNet):
         after each row's real tokens. Right padding leaves the real rows as the pipeline's
         unpadded call computes them (causal attention, positions from 0)."""
         te = self.frozen.text_encoder
-        device = input_ids.device
-        if self.offload:
-            te.to(device)
         mask = input_ids != self.pad_id
-        out = te.model(
-            input_ids=input_ids,
-            attention_mask=mask.long(),
-            use_cache=False,
-            output_hidden_states=True,
-        )
+        with self.encoder_on(input_ids.device):
+            out = te.model(
+                input_ids=input_ids,
+                attention_mask=mask.long(),
+                use_cache=False,
+                output_hidden_states=True,
+            )
         hidden = out.hidden_states[self.text_layer] * mask[..., None]
-        if self.offload:
-            te.to("cpu")
         return (hidden,)
+
+    def encoder_on(self, device: torch.device):
+        """A block in which the text encoder computes on ``device``: an offloaded one visits
+        from pinned host memory (``HostResident``) and leaves nothing behind; else a no-op."""
+        home = getattr(self.frozen, "te_home", None) if self.offload else None
+        return home.visit(device) if home is not None else contextlib.nullcontext()
 
     # --- the packed sequence ------------------------------------------------------------
     def layout(
@@ -581,17 +589,12 @@ class MiniMaxH3Net(DiffusersNet):
             sel = [where[tuple(r.tolist())] for r in rows.cpu()]
             device = self.compute_device()
             te = self.frozen.text_encoder
-            if self.offload:
-                te.to(device)
-            try:
+            with self.encoder_on(device):
                 te.eval()
                 states = vision.encode(
                     te, input_ids[sel].to(device), self.pad_id, patches[sel].to(device), p,
                     self.text_layer,
                 )  # fmt: skip
-            finally:
-                if self.offload:
-                    te.to("cpu")
             return (states,)
 
         rows = self.cache.get(key, encode)
@@ -1088,18 +1091,15 @@ def reference_pipeline(model: FamilyModel, shift: float) -> Reference:
         quiet = logging.getLogger("diffusers.modular_pipelines.modular_pipeline")
         level = quiet.level
         quiet.setLevel(logging.CRITICAL)  # the probe's stop is not a pipeline error to log
-        if net.offload:
-            f.text_encoder.to(device)  # as encode_uncached: on the device while it encodes
         try:
-            pipe(
-                prompt=prompt, latents=video, audio_latents=audio, num_inference_steps=steps + 1,
-                height=fam.height, width=fam.width, num_frames=fam.frames,
-                output_type="pt",
-            )  # fmt: skip
+            with net.encoder_on(device):  # as encode_uncached: on the device while it encodes
+                pipe(
+                    prompt=prompt, latents=video, audio_latents=audio,
+                    num_inference_steps=steps + 1, height=fam.height, width=fam.width,
+                    num_frames=fam.frames, output_type="pt",
+                )  # fmt: skip
         finally:
             quiet.setLevel(level)
-            if net.offload:
-                f.text_encoder.to("cpu")
 
     return Reference(net.transformer, call)
 

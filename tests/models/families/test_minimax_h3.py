@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from diffrl.errors import ConfigError, ContractError, FieldError
 from diffrl.models.convention import noised, probe_convention
 from diffrl.models.family import FamilyModel
+from diffrl.models.host_offload import HostResident
 from diffrl.models.probe import NoReference
 from diffrl.models.registry import ModelConfig, family, load_model
 
@@ -124,6 +125,33 @@ def test_forward_and_cache(model) -> None:
     assert v.shape == x.shape and torch.isfinite(v).all() and v.abs().max() > 0
     with pytest.raises(ContractError, match="per-sample shape"):
         model(torch.randn(2, 4, 5, 8, 8), torch.full((2,), 0.5), ids[:2])
+
+
+def test_offloaded_encoder_visits_from_the_host(model) -> None:
+    """MiniMax-H3's offloaded encoder (models/families/minimax_h3.py): the encode through a
+    visit equals the resident encoder's, bit for bit, and the copies share one host copy
+    (``models/host_offload.py``; its mechanics in tests/models/test_host_offload.py)."""
+    net = model.net
+    ids = model.family.tokenize(["a red ball bounces"]).input_ids
+    want = net.encode_uncached(ids)[0]
+    net.offload = True
+    net.frozen.te_home = home = HostResident(net.frozen.text_encoder)
+    visits = []
+    real = home.visit
+
+    def visit(device, copy=False):
+        visits.append(device)
+        return real(device, copy=True)
+
+    home.visit = visit  # type: ignore[method-assign]
+    try:
+        got = net.encode_uncached(ids)[0]
+        assert visits and torch.equal(got, want)
+        assert home.peak_on_device == 2
+        assert copy.deepcopy(model).net.frozen.te_home is home
+    finally:
+        net.offload = False
+        del net.frozen.te_home
 
 
 def test_decode_media(model) -> None:
