@@ -366,7 +366,9 @@ def _text_tags(n_text: int, prefix: tuple[int, ...]) -> Tensor:
     return torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
 
 
-def _layout_dict(packed: tuple[Tensor, ...], device) -> dict[str, Tensor]:
+def _layout_dict(
+    packed: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, int], device
+) -> dict[str, Tensor]:
     """The five tensors the transformer reads, on ``device``, from a packed-sequence builder's
     7-tuple: the pipeline's ``build_packed_sequence`` and ``_h3_ref2va.ref2va_layout`` both
     return (position_ids, token_tags, video, audio, text indices, two more)."""
