@@ -205,6 +205,21 @@ def _take_trailing(parser: argparse.ArgumentParser, args, extra: list[str]) -> N
     setattr(args, dest, [*getattr(args, dest), *extra])
 
 
+def _refusal(e: Exception, command: str) -> str | None:
+    """The one line a failure the user can act on is shown as (the command exits 2), or None
+    for one to raise with its traceback."""
+    if isinstance(e, DiffrlError):
+        return str(e)
+    if isinstance(e, OSError):  # a full disk in a write diffrl does not wrap (TensorBoard, ...)
+        from diffrl.diskio import DISK_ERRNOS, disk_message
+
+        return disk_message(e) if e.errno in DISK_ERRNOS else None
+    if isinstance(e, ImportError):  # an optional extra not installed: say which
+        hint = install_hint(e)
+        return None if hint is None else f"diffrl {command} needs {hint}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # what the start-up contract checks found is shown, not only their failures
@@ -341,21 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     _take_trailing(parser, args, extra)
     try:
         return args.fn(args)
-    except DiffrlError as e:
-        print(f"diffrl: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full disk in a write diffrl does not wrap itself (TensorBoard, ...)
-        from diffrl.diskio import DISK_ERRNOS, disk_message
-
-        if e.errno not in DISK_ERRNOS:
+    except (DiffrlError, OSError, ImportError) as e:
+        refusal = _refusal(e, args.command)
+        if refusal is None:
             raise
-        print(f"diffrl: error: {disk_message(e)}", file=sys.stderr)
-        return 2
-    except ImportError as e:  # an optional extra not installed: say which, not a traceback
-        hint = install_hint(e)
-        if hint is None:
-            raise
-        print(f"diffrl: error: diffrl {args.command} needs {hint}", file=sys.stderr)
+        print(f"diffrl: error: {refusal}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("diffrl: interrupted; resume by running the same command again", file=sys.stderr)

@@ -350,33 +350,15 @@ class LTX2Net(DiffusersNet):
         cond = cond if cond is not None else self.keyframes
         if cond is not None:
             return self._conditioned(x, t, input_ids, cond)
-        video_txt, audio_txt, txt_mask = self.conditions(input_ids, dtype=x.dtype)
-        g, cfg, pipe = self.geometry, self.transformer.config, _pipeline()
+        g, cfg, pipe, tf = self.geometry, self.transformer.config, _pipeline(), self.transformer
         video, audio = g.unflatten(x)
         _, f, h, w = g.video
         _, frames_a, mels_a = g.audio
-        b, tf = x.shape[0], self.transformer
-        out_v, out_a = tf(
-            hidden_states=pipe._pack_latents(video, cfg.patch_size, cfg.patch_size_t),
-            audio_hidden_states=pipe._pack_audio_latents(audio),  # (B, L_a, C_a * M_a)
-            encoder_hidden_states=video_txt,
-            audio_encoder_hidden_states=audio_txt,
-            timestep=t,  # audio_timestep defaults to it: one sigma for both modalities
-            sigma=t,  # as the pipeline passes it (LTX-2.3's prompt modulation reads it)
-            encoder_attention_mask=txt_mask,
-            audio_encoder_attention_mask=txt_mask,
-            num_frames=f,
-            height=h,
-            width=w,
-            fps=g.fps,
-            audio_num_frames=frames_a,
-            # the RoPE coordinates, built as the pipeline builds them (the transformer's own
-            # default when left out), so the parity probe sees them
-            video_coords=tf.rope.prepare_video_coords(b, f, h, w, x.device, fps=g.fps),
-            audio_coords=tf.audio_rope.prepare_audio_coords(b, frames_a, x.device),
-            use_cross_timestep=True,  # the pipeline's default (equal sigmas: same either way)
-            return_dict=False,
-        )
+        tokens = pipe._pack_latents(video, cfg.patch_size, cfg.patch_size_t)
+        # the RoPE coordinates, built as the pipeline builds them (the transformer's own
+        # default when left out), so the parity probe sees them
+        coords = tf.rope.prepare_video_coords(x.shape[0], f, h, w, x.device, fps=g.fps)
+        out_v, out_a = self._transformer(tokens, audio, input_ids, t, coords)
         p, p_t = cfg.patch_size, cfg.patch_size_t
         out_v = pipe._unpack_latents(out_v, f // p_t, h // p, w // p, p, p_t)
         out_a = pipe._unpack_audio_latents(out_a, frames_a, mels_a)
@@ -400,7 +382,6 @@ class LTX2Net(DiffusersNet):
                 f"(B, K, {c}, 1, {h}, {w}) keyframe latents, K = 1 (I2AV) or 2 (FL2VA)"
             )
         cond = cond.detach().to(x.dtype)
-        video_txt, audio_txt, txt_mask = self.conditions(input_ids, dtype=x.dtype)
         video, audio = g.unflatten(x)
         _, frames_a, mels_a = g.audio
         p, p_t = cfg.patch_size, cfg.patch_size_t
@@ -416,26 +397,7 @@ class LTX2Net(DiffusersNet):
             timestep = torch.cat([timestep, timestep.new_zeros(b, last.shape[1])], dim=1)
             kf = keyframe_coords(self, self.frames - 1).to(coords)
             coords = torch.cat([coords, kf.expand(b, -1, -1, -1)], dim=2)
-        out_v, out_a = tf(
-            hidden_states=tokens,
-            audio_hidden_states=pipe._pack_audio_latents(audio),
-            encoder_hidden_states=video_txt,
-            audio_encoder_hidden_states=audio_txt,
-            timestep=timestep,  # (b, tokens): 0 on the conditioning tokens
-            audio_timestep=t,
-            sigma=t,
-            encoder_attention_mask=txt_mask,
-            audio_encoder_attention_mask=txt_mask,
-            num_frames=f,
-            height=h,
-            width=w,
-            fps=g.fps,
-            audio_num_frames=frames_a,
-            video_coords=coords,
-            audio_coords=tf.audio_rope.prepare_audio_coords(b, frames_a, x.device),
-            use_cross_timestep=True,  # cross-modal modulation at the sample's sigma, not 0
-            return_dict=False,
-        )
+        out_v, out_a = self._transformer(tokens, audio, input_ids, t, coords, token_t=timestep)
         out_v = pipe._unpack_latents(out_v[:, :n], f // p_t, h // p, w // p, p, p_t)
         sigma = t.float().view(b, 1, 1, 1, 1) / 1000  # native 1000 sigma -> sigma
         held = (video[:, :, :1].float() - first.float()) / sigma.clamp_min(1e-12)
@@ -443,6 +405,50 @@ class LTX2Net(DiffusersNet):
         out_v = torch.cat([held.to(out_v), out_v[:, :, 1:]], dim=2)
         out_a = pipe._unpack_audio_latents(out_a, frames_a, mels_a)
         return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
+
+    def _transformer(
+        self,
+        tokens: Tensor,
+        audio: Tensor,
+        input_ids: Tensor,
+        t: Tensor,
+        video_coords: Tensor,
+        token_t: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The one transformer call of both paths: packed video ``tokens`` (B, N, C p p p_t)
+        placed at ``video_coords``, and the audio latents (B, C_a, L_a, M_a), both attending to
+        ``input_ids``' prompt, at the native time ``t`` (B,); ``token_t`` (B, N) overrides the
+        video's per token (0 on conditioning tokens). Returns the packed (video, audio) outputs.
+        """
+        g, tf = self.geometry, self.transformer
+        video_txt, audio_txt, txt_mask = self.conditions(input_ids, dtype=audio.dtype)
+        _, f, h, w = g.video
+        _, frames_a, _ = g.audio
+        b = audio.shape[0]
+        return tf(
+            hidden_states=tokens,
+            audio_hidden_states=_pipeline()._pack_audio_latents(audio),  # (B, L_a, C_a * M_a)
+            encoder_hidden_states=video_txt,
+            audio_encoder_hidden_states=audio_txt,
+            timestep=t if token_t is None else token_t,
+            # T2VA leaves it to the transformer's default (timestep), as the pipeline does: the
+            # parity probe refuses an input the pipeline does not pass
+            audio_timestep=None if token_t is None else t,
+            sigma=t,  # as the pipeline passes it (LTX-2.3's prompt modulation reads it)
+            encoder_attention_mask=txt_mask,
+            audio_encoder_attention_mask=txt_mask,
+            num_frames=f,
+            height=h,
+            width=w,
+            fps=g.fps,
+            audio_num_frames=frames_a,
+            video_coords=video_coords,
+            audio_coords=tf.audio_rope.prepare_audio_coords(b, frames_a, audio.device),
+            # the pipeline's default: cross-modal modulation at the sample's sigma (not a
+            # conditioning token's 0; with equal sigmas the same either way)
+            use_cross_timestep=True,
+            return_dict=False,
+        )
 
 
 class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry, HasModalities):

@@ -362,6 +362,28 @@ def unpatchify(rows: Tensor, shape: tuple[int, int, int, int], patch) -> Tensor:
     return z.reshape(-1, c, f, h, w)
 
 
+def _text_tags(n_text: int, prefix: tuple[int, ...]) -> Tensor:
+    """(n_text,) tags of the text rows: ``prefix`` (the semantic branch's), then TEXT_TAG."""
+    return torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
+
+
+def _layout_dict(
+    packed: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, int], device
+) -> dict[str, Tensor]:
+    """The five tensors the transformer reads, on ``device``, from a packed-sequence builder's
+    7-tuple: the pipeline's ``build_packed_sequence`` and ``_h3_ref2va.ref2va_layout`` both
+    return (position_ids, token_tags, video, audio, text indices, two more)."""
+    pos, tags, vid, aud, txt, _, _ = packed
+    out = dict(
+        position_ids=pos.float(),
+        token_tags=tags,
+        video_indices=vid,
+        audio_indices=aud,
+        text_indices=txt,
+    )
+    return {k: v.to(device) for k, v in out.items()}
+
+
 class MiniMaxH3Net(DiffusersNet):
     """forward(x (B, D), t = 1 - sigma (B,), input_ids (B, L)) -> H3's native data-ward
     velocity, flat (B, D): the video part as the transformer returns it, the audio part the
@@ -450,19 +472,12 @@ class MiniMaxH3Net(DiffusersNet):
         """Ref2VA's sequence (``_h3_ref2va``), built once per (text length, prefix, device)."""
         key = (n_text, "ref2va", str(device), prefix, n_ref_audio)
         if key not in self._layouts:
-            tags = torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
+            tags = _text_tags(n_text, prefix)
             patch = tuple(self.transformer.config.patch_size)
-            pos, tag, vid, aud, txt, _, _ = ref2va_layout(
+            packed = ref2va_layout(
                 tags, self.video_shape, self.audio_shape, patch, n_ref_audio, (VIDEO_TAG, AUDIO_TAG)
             )
-            out = dict(
-                position_ids=pos.float(),
-                token_tags=tag,
-                video_indices=vid,
-                audio_indices=aud,
-                text_indices=txt,
-            )
-            self._layouts[key] = {k: v.to(device) for k, v in out.items()}
+            self._layouts[key] = _layout_dict(packed, device)
         return self._layouts[key]
 
     def _build_layout(
@@ -474,9 +489,8 @@ class MiniMaxH3Net(DiffusersNet):
 
         _, f, h, w = self.video_shape
         ch, n_audio, _ = self.audio_shape
-        text_tags = torch.tensor([*prefix, *[TEXT_TAG] * (n_text - len(prefix))], dtype=torch.long)
-        pos, tags, vid, aud, txt, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            text_tags,
+        packed = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            _text_tags(n_text, prefix),
             f,
             h,
             w,
@@ -487,14 +501,7 @@ class MiniMaxH3Net(DiffusersNet):
             VIDEO_TAG,
             anchors,
         )
-        out = dict(
-            position_ids=pos.float(),
-            token_tags=tags,
-            video_indices=vid,
-            audio_indices=aud,
-            text_indices=txt,
-        )
-        return {k: v.to(device) for k, v in out.items()}
+        return _layout_dict(packed, device)
 
     def _group(
         self,
