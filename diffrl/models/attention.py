@@ -20,9 +20,10 @@ Any other attention module that calls SDPA its own way makes a non-default choic
 (``parallel/sp.py``) and reward models keep PyTorch's choice.
 
 The start-up check (:func:`setup_attention`, from ``load_model``) runs the model once on the
-empty prompt, captures each distinct attention call (its real shapes, masks, scale; batch 1 and
-at most ``CHECK_HEADS`` heads, which are independent), and runs each through the chosen backend
-forward and backward against SDPA math in float64. The largest error, relative to the
+empty prompt and a short one (rows of different text lengths, so padding masks appear), captures
+each distinct attention call (its real shapes, masks, scale; at most ``CHECK_HEADS`` heads,
+which are independent), and runs each through the chosen backend forward and backward against
+SDPA math in float64. The largest error, relative to the
 reference's largest magnitude, must stay under ``BOUNDS[dtype]``; it is logged beside SDPA math's
 own error in that dtype (the yardstick). A profile of the same calls names the kernels that ran
 (on the GPU the CUDA kernels too: what SDPA picked when the choice is ``sdpa``).
@@ -93,6 +94,10 @@ BOUNDS: dict[torch.dtype, float] = {
 }
 CHECK_HEADS = 4
 MAX_CALLS = 8  # distinct attention signatures checked per model
+# the capture's second row (the first is the empty prompt): rows of different text lengths in
+# one batch are what make the families' padding masks appear. ShapesBench words, so that the
+# tiny models' word tokenizers take it too
+PROBE_PROMPT = "two blue squares"
 
 
 def _installed(module: str) -> bool:
@@ -259,7 +264,7 @@ def apply(net: torch.nn.Module, choice: str) -> Route:
 @dataclass
 class Call:
     """One captured attention call: ``kind`` "sdpa" (SDPA's layout, (B, H, S, D)) or
-    "dispatch" (diffusers' dispatcher, (B, S, H, D)); tensors cut to batch 1, few heads."""
+    "dispatch" (diffusers' dispatcher, (B, S, H, D)); tensors cut to a few heads."""
 
     kind: str
     q: Tensor
@@ -274,10 +279,9 @@ class Call:
 
 
 def _cut(t, heads_dim: int):
-    """Batch 1 and at most CHECK_HEADS heads of a q/k/v or mask (size-1 dims stay)."""
+    """At most CHECK_HEADS heads of a q/k/v or mask (size-1 dims stay), detached."""
     if not isinstance(t, Tensor) or t.ndim < 3:
-        return t[:1] if isinstance(t, Tensor) and t.ndim == 2 else t
-    t = t[:1]
+        return t.detach().clone() if isinstance(t, Tensor) else t
     if t.ndim == 4 and t.shape[heads_dim] > CHECK_HEADS:
         t = t.narrow(heads_dim, 0, CHECK_HEADS)
     return t.detach().clone()
@@ -356,17 +360,18 @@ def _recording(mode: _Capture) -> Iterator[None]:
 
 
 def capture_calls(model: torch.nn.Module) -> list[Call]:
-    """The distinct attention calls of one forward of ``model`` (a ``FamilyModel``) on the empty
-    prompt at sigma 0.5, under the routes in place (PyTorch's and diffusers' defaults when run
-    before :func:`apply`). Draws from its own generator: the run's random stream is untouched."""
+    """The distinct attention calls of one forward of ``model`` (a ``FamilyModel``) on two rows,
+    the empty prompt and ``PROBE_PROMPT``, at sigma 0.5, under the routes in place (PyTorch's
+    and diffusers' defaults when run before :func:`apply`). Draws from its own generator: the
+    run's random stream is untouched."""
     param = next(model.parameters())
     fam = model.family
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, *fam.latent_shape(), generator=gen).to(param.device)
-    ids = fam.null_ids()[None].to(model.ids_device(param.device))
+    x = torch.randn(2, *fam.latent_shape(), generator=gen).to(param.device)
+    ids = torch.stack([fam.null_ids(), fam.tokenize([PROBE_PROMPT]).input_ids[0]])
     calls: dict[str, Call] = {}
     with torch.no_grad(), _capturing(calls, transformer_root(model)):
-        model(x, torch.full((1,), 0.5, device=param.device), ids)
+        model(x, torch.full((2,), 0.5, device=param.device), ids.to(model.ids_device(param.device)))
     return list(calls.values())
 
 
@@ -536,8 +541,9 @@ def setup_attention(model: torch.nn.Module, choice: str) -> AttentionRecord:
     The default ``sdpa`` changes nothing and runs nothing: no forward at load (under
     ``parallel.etp`` the text encoder must not run before it is sharded), so the kernel PyTorch
     picks is not profiled there; ``auto`` and ``benchmarks/attention_backends.py`` profile it.
-    Any other choice runs one forward on the empty prompt at load. Checks are cached per
-    process by family, device, dtype, choice and call signatures: a second load repeats none."""
+    Any other choice runs one forward (two rows: the empty prompt and a short one) at load.
+    Checks are cached per process by family, device, dtype, choice and call signatures: a
+    second load repeats none."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     net = model.net
