@@ -111,6 +111,14 @@ def availability(choice: str, device: torch.device) -> str:
     """Why ``choice`` cannot run on ``device`` ("" when it can): its package, then the device."""
     if choice in PACKAGES and not _installed(PACKAGES[choice][0]):
         return PACKAGES[choice][1]
+    if choice == "flash3":  # diffusers looks for the distribution too, not only the module
+        from diffusers.models import attention_dispatch
+
+        if not attention_dispatch._CAN_USE_FLASH_ATTN_3:
+            return (
+                "FlashAttention-3 as diffusers finds it (module flash_attn_interface is here, "
+                "the flash_attn_3 distribution is not): reinstall it from flash-attention's hopper/"
+            )
     if choice in CUDA_ONLY and device.type != "cuda":
         return f"a CUDA device (this model is on {device.type})"
     return ""

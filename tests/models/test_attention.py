@@ -3,6 +3,8 @@ against SDPA math and can fail, and the backends that cannot run here refuse in 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -51,8 +53,10 @@ def test_the_switch_reaches_the_model_and_keeps_its_output(cfg, tiny_checkpoint)
     assert rec.used == "math" and rec.kernels == sorted(MATH) and rec.checks
     assert all(c.error <= attn.BOUNDS[torch.float32] for c in rec.checks)
     x, sigma, ids = inputs(model)
-    # what actually runs in the model's forward and backward, not only in the check
+    # what actually runs in the model's forward and backward, not only in the check, and in a
+    # deep copy of it (the rollout's copies)
     assert aten_ops(model, x, sigma, ids) == MATH
+    assert aten_ops(copy.deepcopy(model), x, sigma, ids) == MATH
     with torch.no_grad():
         out = model(x, sigma, ids)
     attn.apply(model.net, "sdpa")  # back to PyTorch's own choice: its CPU flash kernel
