@@ -201,7 +201,8 @@ class RoutedProcessor:
 
 
 # processors known to call F.scaled_dot_product_attention directly, with the signature above
-DIRECT_PROCESSORS = ("JointAttnProcessor2_0", "AttnProcessor2_0")
+# (AttnProcessor2_0 takes temb besides: none of the families has one; it stays unrouted)
+DIRECT_PROCESSORS = ("JointAttnProcessor2_0",)
 
 
 def _diffusers_backend(choice: str):
@@ -239,26 +240,31 @@ class Route:
         return " + ".join(parts) or "no attention modules"
 
 
-def apply(net: torch.nn.Module, choice: str) -> Route:
-    """Put every attention call site of ``net`` under ``choice`` (in place; ``sdpa`` restores
-    PyTorch's own choice). Returns where it reached."""
+def apply(model: torch.nn.Module, choice: str, change: bool = True) -> Route:
+    """Put every attention call site of the transformer of ``model`` (a ``FamilyModel``) under
+    ``choice``, in place; ``sdpa`` restores PyTorch's own choice. The text encoders and the VAE
+    keep theirs. ``change=False`` only says where it would reach. Returns where it reached."""
     route = Route()
-    for name, module in net.named_modules():
+    for name, module in transformer_root(model).named_modules():
         if isinstance(getattr(module, "attention_backend", None), str):  # the tiny DiT's own
-            module.attention_backend = choice
+            if change:
+                module.attention_backend = choice
             route.direct += 1
             continue
         processor = getattr(module, "processor", None)
         if processor is None or not callable(processor):
             continue
         if isinstance(processor, RoutedProcessor):
-            processor.choice = choice
+            if change:
+                processor.choice = choice
             route.direct += 1
         elif hasattr(processor, "_attention_backend"):
-            processor._attention_backend = None if choice == "sdpa" else _diffusers_backend(choice)
+            if change:
+                backend = None if choice == "sdpa" else _diffusers_backend(choice)
+                processor._attention_backend = backend
             route.dispatch += 1
         elif type(processor).__name__ in DIRECT_PROCESSORS:
-            if choice != "sdpa":
+            if change and choice != "sdpa":
                 module.processor = RoutedProcessor(processor, choice)
             route.direct += 1
         else:
@@ -554,10 +560,9 @@ def setup_attention(model: torch.nn.Module, choice: str) -> AttentionRecord:
     second load repeats none."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    net = model.net
     record = AttentionRecord(choice, choice, str(device), str(dtype)[6:], "", [], [])
     if choice == "sdpa":
-        record.route = apply(net, "sdpa").describe()
+        record.route = apply(model, "sdpa", change=False).describe()
         record.kernels = [
             "PyTorch's choice per call, not profiled"
             + (" (on the CPU: its flash-cpu kernel or math)" if device.type == "cpu" else "")
@@ -566,7 +571,7 @@ def setup_attention(model: torch.nn.Module, choice: str) -> AttentionRecord:
     start = time.perf_counter()
     if choice != "auto":
         require(choice, device)
-    apply(net, "sdpa")  # capture the calls as PyTorch's default makes them
+    apply(model, "sdpa")  # capture the calls as PyTorch's default makes them
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         calls = capture_calls(model)
     candidates = AUTO_ORDER["cuda" if device.type == "cuda" else "cpu"]
@@ -575,9 +580,9 @@ def setup_attention(model: torch.nn.Module, choice: str) -> AttentionRecord:
         if missing:
             record.skipped.append(f"{candidate} needs {missing.split(' (')[0]}")
             continue
-        route = apply(net, candidate)
+        route = apply(model, candidate)
         if route.unrouted and candidate != "sdpa":
-            apply(net, "sdpa")
+            apply(model, "sdpa")
             raise ConfigError(
                 f"config key 'model.attention' = {candidate!r} cannot reach "
                 f"{len(route.unrouted)} attention module(s) that call SDPA their own way "
@@ -590,7 +595,7 @@ def setup_attention(model: torch.nn.Module, choice: str) -> AttentionRecord:
                 checks = check_calls(calls, candidate, dtype)
                 _CHECKED[key] = (checks, kernels_used(calls, candidate, dtype))
         except ConfigError as e:
-            apply(net, "sdpa")
+            apply(model, "sdpa")
             if choice != "auto":
                 raise
             record.skipped.append(f"{candidate}: {str(e).split(': ', 1)[-1][:160]}")

@@ -59,7 +59,7 @@ def test_the_switch_reaches_the_model_and_keeps_its_output(cfg, tiny_checkpoint)
     assert aten_ops(copy.deepcopy(model), x, sigma, ids) == MATH
     with torch.no_grad():
         out = model(x, sigma, ids)
-    attn.apply(model.net, "sdpa")  # back to PyTorch's own choice: its CPU flash kernel
+    attn.apply(model, "sdpa")  # back to PyTorch's own choice: its CPU flash kernel
     assert aten_ops(model, x, sigma, ids) == CPU_FLASH
     with torch.no_grad():
         torch.testing.assert_close(out, model(x, sigma, ids))
