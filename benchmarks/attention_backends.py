@@ -5,7 +5,10 @@ times compare). Then the switch end to end: each family's tiny preset loaded wit
 (the route into the real processors, the check on the captured calls, the record line).
 
     python benchmarks/attention_backends.py --out $OUT/attention.jsonl     # one GPU, bf16
-    python benchmarks/attention_backends.py --smoke                        # CPU, seconds
+    python benchmarks/attention_backends.py --smoke                        # CPU, under a minute
+
+flex runs eager unless --compile-flex (eager flex materializes the scores: slow, and it may not
+fit at Wan's 18,900 rows, which the row then says).
 
 One JSON row per (case, backend) on stdout (and in --out). A backend that cannot run says why
 in its row (package missing, no CUDA, a mask it cannot take, a failed backward, an error past
@@ -166,7 +169,7 @@ def run_case(case: Case, backend: str, dtype: torch.dtype, dev: torch.device, ar
     if args.no_timing or not backward:
         return row
     f = flops(case, case.heads)  # backward: 2.5x the forward's matmuls
-    for compiled in (False, True) if backend == "flex" else (False,):
+    for compiled in (False, True) if backend == "flex" and args.compile_flex else (False,):
         sfx = "_compiled" if compiled else ""
         try:
             t = time_backend(
@@ -208,6 +211,11 @@ def main() -> None:
     p.add_argument("--check-heads", type=int, default=2, help="heads in the float64 check")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-timing", action="store_true")
+    p.add_argument(
+        "--compile-flex",
+        action="store_true",
+        help="also time flex under torch.compile (fused; a compile per case: minutes)",
+    )
     p.add_argument("--no-presets", action="store_true", help="skip the tiny presets' loads")
     p.add_argument("--out", default="", help="also write the rows here (JSON lines)")
     args = p.parse_args()
