@@ -23,10 +23,11 @@ The start-up check (:func:`setup_attention`, from ``load_model``) runs the model
 empty prompt and a short one (rows of different text lengths, so padding masks appear), captures
 each distinct attention call (its real shapes, masks, scale; at most ``CHECK_HEADS`` heads,
 which are independent), and runs each through the chosen backend forward and backward against
-SDPA math in float64. The largest error, relative to the
-reference's largest magnitude, must stay under ``BOUNDS[dtype]``; it is logged beside SDPA math's
-own error in that dtype (the yardstick). A profile of the same calls names the kernels that ran
-(on the GPU the CUDA kernels too: what SDPA picked when the choice is ``sdpa``).
+SDPA math in float64. The largest error, relative to the reference's largest magnitude, must
+stay under ``BOUNDS[dtype]``; it is logged beside SDPA math's own error in that dtype (the
+yardstick). A profile of the same calls names the kernels that ran (on the GPU the CUDA kernels
+too: what SDPA picked when ``auto`` resolves to ``sdpa``). The default ``sdpa`` runs none of
+this (:func:`setup_attention` says why).
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ from torch.overrides import TorchFunctionMode
 
 from diffrl.errors import CONTRACTS_LOG, ConfigError
 from diffrl.models.family import transformer_root
-
-log = logging.getLogger(__name__)
 
 # model.attention values. "sdpa" (the default) changes nothing: PyTorch picks per call.
 SDPA_KERNELS: dict[str, SDPBackend] = {
