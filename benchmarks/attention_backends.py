@@ -5,7 +5,7 @@ times compare). Then the switch end to end: each family's tiny preset loaded wit
 (the route into the real processors, the check on the captured calls, the record line).
 
     python benchmarks/attention_backends.py --out $OUT/attention.jsonl     # one GPU, bf16
-    python benchmarks/attention_backends.py --smoke                        # CPU, under a minute
+    python benchmarks/attention_backends.py --smoke                        # CPU, about a minute
 
 flex runs eager unless --compile-flex (eager flex materializes the scores: slow, and it may not
 fit at Wan's 18,900 rows, which the row then says).
@@ -88,8 +88,9 @@ def shrink(case: Case) -> Case:
 
 
 def make_call(case: Case, heads: int, device: torch.device) -> attn.Call:
-    """One call of ``case`` with ``heads`` heads, in its call site's layout; unit-variance q, k,
-    v scaled as normalised DiT queries and keys are (QK-norm), so the softmax is not flat."""
+    """One call of ``case`` with ``heads`` heads, in its call site's layout. q and k have twice
+    unit scale, so the logits spread (std 4) and the softmax is far from flat, as in QK-normed
+    DiT attention; v is unit scale."""
     g = torch.Generator().manual_seed(0)
     shape_q, shape_kv = (1, case.q_rows, heads, case.dim), (1, case.kv_rows, heads, case.dim)
     q = torch.randn(shape_q, generator=g) * 2
@@ -97,8 +98,7 @@ def make_call(case: Case, heads: int, device: torch.device) -> attn.Call:
     mask = None
     if case.mask == "keys":
         mask = torch.ones(1, 1, 1, case.kv_rows, dtype=torch.bool)
-        mask[..., case.kv_rows - case.padded :] = False  # padded text at the end
-        # the tiny DiT pads text rows at the front of its sequence; the place does not matter
+        mask[..., case.kv_rows - case.padded :] = False  # padded text (where does not matter)
     elif case.mask == "additive":
         mask = torch.zeros(1, 1, 1, case.kv_rows)
         mask[..., case.kv_rows - case.padded :] = -10000.0
