@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from diffrl.errors import ConfigError, check, check_choice
 from diffrl.extras import install_hint
 from diffrl.models import families as _families_pkg
+from diffrl.models.attention import CHOICES as ATTENTION_CHOICES
+from diffrl.models.attention import setup_attention
 from diffrl.models.convention import CONVENTIONS
 from diffrl.models.family import Builtin, FamilyModel, FamilySpec
 
@@ -73,9 +75,14 @@ class ModelConfig:
     # encoders, as `diffrl pretrain` writes them) loaded over model.path / model.preset, or
     # "builtin:shapes_sd3" (the ShapesBench base on the sd3-shapes preset, shipped inside)
     weights: str = ""
+    # attention kernels (models/attention.py): sdpa (PyTorch picks per call) | math | flash |
+    # efficient | cudnn (SDPA's own) | flex | flash3 | flash4 | auto (per device); any but sdpa
+    # is checked fwd+bwd against SDPA math at load and logged with the kernels that ran
+    attention: str = "sdpa"
 
     def validate(self) -> None:
         check_choice("family", self.family, FAMILIES)
+        check_choice("attention", self.attention, ATTENTION_CHOICES)
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check(
             self.convention in ("", *CONVENTIONS),
@@ -155,7 +162,9 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> FamilyMo
         raise
     if cfg.weights:
         load_weights(model, cfg.weights)
-    return model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    model = model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    setup_attention(model, cfg.attention)
+    return model
 
 
 def builtin_path(spec: str) -> Path:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from diffrl.errors import check
+from diffrl.models.attention import routed
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
+        self.attention_backend = "sdpa"  # model.attention (models/attention.py routes it)
         self.qkv = nn.Linear(dim, 3 * dim)  # fused q, k, v: (B, N, 3*dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -58,16 +60,17 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         # key_mask: (B, N) True = attend; broadcast over heads and queries
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # under bf16 autocast on the CPU, attention stays fp32 (autocast would cast it back
-            # down): torch's CPU flash-attention backward is much slower in bf16 than in fp32
-            # on these shapes
-            with torch.autocast("cpu", enabled=False):
-                out = F.scaled_dot_product_attention(
-                    q.float(), k.float(), v.float(), attn_mask=mask
-                ).to(q.dtype)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, N, d/h)
+        with routed(self.attention_backend):  # model.attention; "sdpa" is no context at all
+            if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+                # under bf16 autocast on the CPU, attention stays fp32 (autocast would cast it
+                # back down): torch's CPU flash-attention backward is much slower in bf16 than
+                # in fp32 on these shapes
+                with torch.autocast("cpu", enabled=False):
+                    out = F.scaled_dot_product_attention(
+                        q.float(), k.float(), v.float(), attn_mask=mask
+                    ).to(q.dtype)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, h, N, d/h)
         return self.proj(out.transpose(1, 2).reshape(b, n, d))
 
 
