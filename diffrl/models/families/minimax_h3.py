@@ -537,16 +537,18 @@ class MiniMaxH3Net(DiffusersNet):
                 return self.ref2va_layout(n_text, prefix, ref_audio.shape[2], x.device)
             return self.layout(n_text, anchors, x.device, prefix)
 
+        times, audio_times = t.float().tolist(), (1.0 - sigma_a[:, 0]).tolist()  # one sync
+
         def row_times(lay: dict[str, Tensor], i: int) -> Tensor:  # (seq_len,) sample i's
-            row_t = torch.full((lay["position_ids"].shape[0],), float(t[i]), device=x.device)
-            row_t[lay["audio_indices"]] = float(1.0 - sigma_a[i, 0])
-            row_t[lay["video_indices"][:n_cond]] = max(float(t[i]), KEYFRAME_T)
+            row_t = torch.full((lay["position_ids"].shape[0],), times[i], device=x.device)
+            row_t[lay["audio_indices"]] = audio_times[i]
+            row_t[lay["video_indices"][:n_cond]] = max(times[i], KEYFRAME_T)
             row_t[lay["audio_indices"][:n_ref]] = 1.0  # a reference soundtrack is clean
             return row_t
 
         dtype = txt.dtype
         docs = None
-        if len(set(zip(lengths, t.tolist(), strict=True))) == 1:
+        if len(set(zip(lengths, times, strict=True))) == 1:
             lay = layout(lengths[0])
             row_t = row_times(lay, 0)
             text = txt[:, : lengths[0]]
