@@ -72,9 +72,12 @@ That gives per token (on CUDA):
 plus a few bytes per row (norm statistics, the attention's log-sum-exp, 4r per LoRA module,
 H3's rotary tables). Without checkpointing a micro-batch keeps every block's set; with
 ``actor.activation_checkpointing`` it keeps each block's input (2h per token per stream)
-plus one block's set, recomputed in the backward. Either way the backward holds one more
-block's worth of gradient buffers. The rollout's no-grad forward holds one block's largest
-live set (H3: 4h + 8f at the SwiGLU; SD3: the larger of 4h + 4f and 4h + 14a).
+plus one block's set, recomputed in the backward; with N, the first N blocks' inputs and the
+other blocks' sets (``checkpointed``). Either way the backward holds one more block's worth of
+gradient buffers. A layout over budget is offered the fewest N that fit
+(``fewest_checkpointed``), one that fits with more checkpointing is told that N. The
+rollout's no-grad forward holds one block's largest live set (H3: 4h + 8f at the SwiGLU; SD3:
+the larger of 4h + 4f and 4h + 14a).
 
 Calibrated on one H200 (bf16, LoRA r=32; ``tests/parallel/test_plan.py``): SD3.5-Medium
 512 px, rollout of 8 with CFG and one NFT step of micro-batch 8, no checkpointing, measured
