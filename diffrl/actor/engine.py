@@ -21,12 +21,13 @@ from peft.tuners.lora import LoraLayer, LoraModel
 from torch import Tensor
 from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from diffrl.algorithms.registry import Algorithm, AlgorithmConfig
-from diffrl.errors import DiffrlError, check, check_choice
+from diffrl.errors import ConfigError, DiffrlError, check, check_choice
 from diffrl.hostmem import release_host_memory
 from diffrl.models.compile import compile_blocks
-from diffrl.models.family import FamilyModel
+from diffrl.models.family import FamilyModel, transformer_blocks
 from diffrl.parallel.drift import check_adapters_across, check_tokens_across
 from diffrl.parallel.launch import all_reduced
 from diffrl.parallel.tp_lora import clip_grads, full, like, local
@@ -84,8 +85,11 @@ class ActorConfig:
     ema_decay: float = 0.0
     # recompute each transformer block's activations in the backward pass instead of keeping
     # them (diffusers' enable_gradient_checkpointing): a real-size model's training step fits
-    # beside the rollout's copy (Qwen-Image on one H200 ran out of memory without it)
-    activation_checkpointing: bool = False
+    # beside the rollout's copy (Qwen-Image on one H200 ran out of memory without it).
+    # true: every block; an integer N: only the first N blocks of the transformer's block lists
+    # (the units compile and FSDP2 take), the others keep theirs (0 = false; every block =
+    # true). Numerics are the same either way. `diffrl plan` picks the smallest N that fits
+    activation_checkpointing: bool | int = False
     # regional torch.compile of the transformer's blocks once peft has wrapped them (as
     # rollout.compile; diffrl/models/compile.py): each adapter state the losses switch to (old,
     # default, disabled) compiles once. Needs a compiler toolchain (inductor); off by default
@@ -132,6 +136,13 @@ class ActorConfig:
             "must be finite and > 0",
         )
         check(self.micro_batch >= 1, "micro_batch", self.micro_batch, "must be >= 1")
+        ac = self.activation_checkpointing
+        check(
+            isinstance(ac, bool) or (isinstance(ac, int) and ac >= 0),
+            "activation_checkpointing",
+            ac,
+            "true, false, or the number N >= 0 of leading transformer blocks to checkpoint",
+        )
         check(self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1")
         check(0 <= self.ema_decay < 1, "ema_decay", self.ema_decay, "must be in [0, 1)")
         check_choice("lora_compute", self.lora_compute, ("auto", "float32"))
@@ -150,14 +161,36 @@ def lr_factor(cfg: ActorConfig, step: int) -> float:
     return cfg.lr_end + (1 - cfg.lr_end) * shape
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Activation checkpointing on the family's transformer (the diffusers class's own)."""
+def enable_checkpointing(model: FamilyModel, blocks: bool | int) -> None:
+    """Activation checkpointing on the family's transformer, through the diffusers class's own
+    loop (``enable_gradient_checkpointing``) with our function: every block (``True``, or N
+    covering them all) or the first N of ``transformer_blocks`` (the others run as they are).
+    A net with ``checkpoint_context`` (H3's packed calls) gives ``torch.utils.checkpoint`` the
+    state its blocks' re-run in the backward needs."""
     transformer = getattr(model.net, "transformer", None)
     if transformer is None or not hasattr(transformer, "enable_gradient_checkpointing"):
         raise DiffrlError(
             "actor.activation_checkpointing needs a diffusers transformer (model.net.transformer)"
         )
-    transformer.enable_gradient_checkpointing()
+    listed = transformer_blocks(model)
+    n = len(listed) if blocks is True else int(blocks)
+    if n > len(listed):
+        raise ConfigError(
+            f"actor.activation_checkpointing={n}: the model has {len(listed)} transformer "
+            f"blocks; give true, false or 0..{len(listed)}"
+        )
+    if n == 0:
+        return
+    # every block, as diffusers' own function (the token refiner's too); else the first n
+    chosen = None if n == len(listed) else {id(b) for b in listed[:n]}
+    context = getattr(model.net, "checkpoint_context", noop_context_fn)
+
+    def run(block: torch.nn.Module, *args):
+        if chosen is not None and id(block) not in chosen:
+            return block(*args)
+        return checkpoint(block.__call__, *args, use_reentrant=False, context_fn=context)
+
+    transformer.enable_gradient_checkpointing(gradient_checkpointing_func=run)
 
 
 class NonFiniteLoss(DiffrlError):
@@ -357,8 +390,8 @@ class ActorEngine:
             lora_dropout=0.0,
             init_lora_weights=True,
         )
-        if cfg.activation_checkpointing:
-            enable_checkpointing(model)
+        if cfg.activation_checkpointing is not False:
+            enable_checkpointing(model, cfg.activation_checkpointing)
         self.model = get_peft_model(model.to(device), lora)
         self.frozen = ("old", "ema") if cfg.ema_decay > 0 else ("old",)
         for name in self.frozen:

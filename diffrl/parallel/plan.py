@@ -72,9 +72,12 @@ That gives per token (on CUDA):
 plus a few bytes per row (norm statistics, the attention's log-sum-exp, 4r per LoRA module,
 H3's rotary tables). Without checkpointing a micro-batch keeps every block's set; with
 ``actor.activation_checkpointing`` it keeps each block's input (2h per token per stream)
-plus one block's set, recomputed in the backward. Either way the backward holds one more
-block's worth of gradient buffers. The rollout's no-grad forward holds one block's largest
-live set (H3: 4h + 8f at the SwiGLU; SD3: the larger of 4h + 4f and 4h + 14a).
+plus one block's set, recomputed in the backward; with N, the first N blocks' inputs and the
+other blocks' sets (``checkpointed``). Either way the backward holds one more block's worth of
+gradient buffers. A layout over budget is offered the fewest N that fit
+(``fewest_checkpointed``), one that fits with more checkpointing is told that N. The
+rollout's no-grad forward holds one block's largest live set (H3: 4h + 8f at the SwiGLU; SD3:
+the larger of 4h + 4f and 4h + 14a).
 
 Calibrated on one H200 (bf16, LoRA r=32; ``tests/parallel/test_plan.py``): SD3.5-Medium
 512 px, rollout of 8 with CFG and one NFT step of micro-batch 8, no checkpointing, measured
@@ -95,7 +98,7 @@ import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +107,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import PreTrainedModel
 
 from diffrl.errors import ConfigError
-from diffrl.models.family import FamilySpec
+from diffrl.models.family import FamilySpec, transformer_blocks
 from diffrl.models.memory import Geometry, Widths
 from diffrl.parallel.dims import KEY, ParallelDims
 from diffrl.parallel.tp import ShardedRMSNorm, resolve
@@ -444,6 +447,13 @@ def _widths(dit: nn.Module, styles: dict, tp: int, rank: int, device: str) -> Wi
 
 def estimate(facts: ModelFacts, cfg, opts: PlanOptions) -> Plan:
     """The per-GPU rows of ``cfg`` under ``opts`` (without advice; ``plan`` adds it)."""
+    held, activations = _parts(facts, cfg, opts)
+    return dataclasses.replace(held, rows=held.rows + activations(cfg))
+
+
+def _parts(facts: ModelFacts, cfg, opts: PlanOptions) -> tuple[Plan, Callable[..., list[Row]]]:
+    """``cfg``'s plan without its activation rows, and the function giving those for a config
+    of the same model and layout (``fewest_checkpointed`` tries many without re-counting)."""
     if opts.train not in ("lora", "full"):
         raise ConfigError(f"plan: --train {opts.train!r}; lora or full")
     dit = facts.model.net.transformer
@@ -463,11 +473,12 @@ def estimate(facts: ModelFacts, cfg, opts: PlanOptions) -> Plan:
     rows = [
         *_weight_rows(facts, cfg, opts, dims, styles, sizes),
         *_encoder_rows(facts, cfg, opts, dims, geo, samples),
-        *_activation_rows(cfg, dims, geo, samples),
     ]
     name = cfg.model.preset or cfg.model.path
     title = f"diffrl plan: {facts.family} ({name}), {geo.tokens}"
-    return Plan(rows, dims, title, opts.gpu_gib, device=opts.device)
+    listed = len(transformer_blocks(facts.model))
+    held = Plan(rows, dims, title, opts.gpu_gib, device=opts.device)
+    return held, lambda c: _activation_rows(c, dims, geo, samples, listed)
 
 
 def _weight_rows(facts: ModelFacts, cfg, opts: PlanOptions, dims, styles, sizes) -> list[Row]:
@@ -596,7 +607,29 @@ def _encoder_rows(facts: ModelFacts, cfg, opts, dims, geo: Geometry, samples: in
     return rows
 
 
-def _activation_rows(cfg, dims, geo: Geometry, samples: int) -> list[Row]:
+def checkpointed(value: bool | int, geo: Geometry, listed: int) -> list[int]:
+    """How many blocks of each of ``geo.blocks``' kinds ``actor.activation_checkpointing`` =
+    ``value`` recomputes, as the actor does (``enable_checkpointing``): true (or every one of
+    the ``listed`` blocks of the transformer's block lists) all of them, nested ones (H3's
+    token refiner) included; an integer N the first N listed ones. The family's geometry
+    lists the listed blocks' kinds first, in call order, and the nested ones after them."""
+    counts = [b.count for b in geo.blocks]
+    n = listed if value is True else int(value)
+    if n > listed:
+        raise ConfigError(
+            f"plan: actor.activation_checkpointing={n}: the model has {listed} transformer "
+            f"blocks; give true, false or 0..{listed}"
+        )
+    if n == listed:
+        return counts
+    out = []
+    for count in counts:
+        out.append(min(n, count))
+        n -= out[-1]
+    return out
+
+
+def _activation_rows(cfg, dims, geo: Geometry, samples: int, listed: int) -> list[Row]:
     """The rollout's no-grad forward and decode; the training step's autograd graph (one
     micro-batch, one timestep: the losses back-propagate per timestep)."""
     n = min(cfg.rollout.max_batch, samples)
@@ -611,15 +644,19 @@ def _activation_rows(cfg, dims, geo: Geometry, samples: int) -> list[Row]:
     mb = min(cfg.actor.micro_batch, samples)
     one = mb * max(b.saved for b in geo.blocks) / dims.sp
     n_blocks = sum(b.count for b in geo.blocks)
-    if cfg.actor.activation_checkpointing:
-        kept = mb * sum(b.count * b.inputs for b in geo.blocks) / dims.sp
-        rows.append(Row("block inputs (checkpointing)", "train", kept / GIB,
-                        f"{mb} samples x {n_blocks} blocks' inputs"))  # fmt: skip
-        rows.append(Row("recomputed block", "train", one / GIB, "one block's saved set"))
-    else:
-        kept = mb * sum(b.count * b.saved for b in geo.blocks) / dims.sp
+    ckpt = checkpointed(cfg.actor.activation_checkpointing, geo, listed)
+    n_ckpt, kinds = sum(ckpt), list(zip(geo.blocks, ckpt, strict=True))
+    if n_ckpt < n_blocks:  # the blocks that keep their set
+        kept = mb * sum((b.count - c) * b.saved for b, c in kinds) / dims.sp
+        how = "not checkpointed" if n_ckpt else "no checkpointing"
         rows.append(Row("activations kept for backward", "train", kept / GIB,
-                        f"{mb} samples x {n_blocks} blocks, no checkpointing"))  # fmt: skip
+                        f"{mb} samples x {n_blocks - n_ckpt} blocks, {how}"))  # fmt: skip
+    if n_ckpt:
+        kept = mb * sum(c * b.inputs for b, c in kinds) / dims.sp
+        which = f"{n_ckpt} blocks'" if n_ckpt == n_blocks else f"the first {n_ckpt} blocks'"
+        rows.append(Row("block inputs (checkpointing)", "train", kept / GIB,
+                        f"{mb} samples x {which} inputs"))  # fmt: skip
+        rows.append(Row("recomputed block", "train", one / GIB, "one block's saved set"))
     rows.append(Row("backward buffers", "train", one / GIB, "one block's worth of gradients"))
     return rows
 
@@ -658,9 +695,21 @@ def _knobs(cfg, opts: PlanOptions, dims: ParallelDims, facts: ModelFacts):
             cfg,
             rep(opts, offload_encoder=True, etp=1),
         )
-    if not cfg.actor.activation_checkpointing:
-        actor = rep(cfg.actor, activation_checkpointing=True)
-        yield "turn on actor.activation_checkpointing", rep(cfg, actor=actor), opts
+    listed = len(transformer_blocks(facts.model))
+    now = _checkpointed_blocks(cfg, listed)
+    if now < listed:  # the fewest leading blocks that fit, else every one
+        try:
+            fewest = fewest_checkpointed(facts, cfg, opts, lo=now + 1)
+        except ConfigError:
+            fewest = None
+        n = listed if fewest is None else fewest[0]
+        what = "turn on actor.activation_checkpointing"
+        if n < listed:
+            what = (
+                f"checkpoint the first {n} of {listed} blocks (actor.activation_checkpointing="
+                f"{n}: the fewest that fit)"
+            )
+        yield what, _with_checkpointing(cfg, n, listed), opts
     world = 2 * dims.world_size
     yield (
         f"raise {KEY}.dp_shard to {2 * dims.dp_shard} ({world} GPUs)",
@@ -690,10 +739,68 @@ def _knobs(cfg, opts: PlanOptions, dims: ParallelDims, facts: ModelFacts):
         yield f"lower actor.micro_batch to {actor.micro_batch}", rep(cfg, actor=actor), opts
 
 
-def advise(facts: ModelFacts, cfg, opts: PlanOptions, base: Plan) -> list[str]:
-    """What to change when ``base`` does not fit: each knob alone, re-planned, best first."""
-    if base.fits:
+def _checkpointed_blocks(cfg, listed: int) -> int:
+    """The leading blocks ``actor.activation_checkpointing`` recomputes (true: all)."""
+    value = cfg.actor.activation_checkpointing
+    return listed if value is True else int(value)
+
+
+def _with_checkpointing(cfg, n: int, listed: int):
+    """``cfg`` with the first ``n`` of ``listed`` blocks checkpointed (all: true)."""
+    actor = dataclasses.replace(cfg.actor, activation_checkpointing=True if n == listed else n)
+    return dataclasses.replace(cfg, actor=actor)
+
+
+def fewest_checkpointed(
+    facts: ModelFacts, cfg, opts: PlanOptions, lo: int = 0
+) -> tuple[int, Plan] | None:
+    """The fewest leading blocks N >= ``lo`` to checkpoint for ``cfg`` to fit, and its plan;
+    None when checkpointing every block does not fit. A block checkpointed keeps its inputs
+    instead of its saved set, never more, so the peak falls with N: a bisection."""
+    listed = len(transformer_blocks(facts.model))
+    held, activations = _parts(facts, cfg, opts)
+
+    def at(n: int) -> Plan:
+        return dataclasses.replace(
+            held, rows=held.rows + activations(_with_checkpointing(cfg, n, listed))
+        )
+
+    best = at(listed)
+    if not best.fits:
+        return None
+    hi = listed
+    while lo < hi:
+        mid = (lo + hi) // 2
+        p = at(mid)
+        if p.fits:
+            hi, best = mid, p
+        else:
+            lo = mid + 1
+    return hi, best
+
+
+def _fewer_checkpointed(facts: ModelFacts, cfg, opts: PlanOptions, base: Plan) -> list[str]:
+    """For a layout that fits with checkpointing: the fewest leading blocks that would still
+    fit (each block not checkpointed is one forward less in the backward)."""
+    listed = len(transformer_blocks(facts.model))
+    now = _checkpointed_blocks(cfg, listed)
+    fewest = fewest_checkpointed(facts, cfg, opts) if now else None
+    if fewest is None or fewest[0] >= now:
         return []
+    n, p = fewest
+    phase, peak = p.peak
+    return [
+        f"activation checkpointing: the first {n} of {listed} blocks are the fewest that fit "
+        f"(actor.activation_checkpointing={n}: peak {peak:.1f} GiB ({phase}), "
+        f"{p.phase('train'):.1f} GiB in the step; {now - n} fewer blocks recomputed)"
+    ]
+
+
+def advise(facts: ModelFacts, cfg, opts: PlanOptions, base: Plan) -> list[str]:
+    """What to change when ``base`` does not fit: each knob alone, re-planned, best first.
+    When it fits with activation checkpointing: the fewest checkpointed blocks that fit."""
+    if base.fits:
+        return _fewer_checkpointed(facts, cfg, opts, base)
     tried = []
     for what, cfg2, opts2 in _knobs(cfg, opts, base.dims, facts):
         try:

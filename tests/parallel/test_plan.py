@@ -19,6 +19,8 @@ timestep per sample; peaks are ``torch.cuda.max_memory_allocated``):
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ from diffrl.models.families import minimax_h3  # noqa: E402
 from diffrl.models.families.minimax_h3 import h3_row  # noqa: E402
 from diffrl.models.families.sd3 import sd3_image_token, sd3_text_token  # noqa: E402
 from diffrl.models.memory import Widths  # noqa: E402
-from diffrl.parallel.plan import PlanOptions, model_facts, plan  # noqa: E402
+from diffrl.parallel.plan import PlanOptions, fewest_checkpointed, model_facts, plan  # noqa: E402
 
 RECIPE = "recipes/h3_fl2va_8gpu.yaml"  # FL2VA: keyframe rows in every sequence; tp 4, etp 4
 ONE_GPU = ["parallel.tp=1", "parallel.etp=1"]  # the recipe's layout is 8 ranks'
@@ -157,8 +159,37 @@ def test_an_over_budget_layout_names_the_knob(h3_8gpu) -> None:
     # the same recipe without activation checkpointing: the knob is named
     no_ckpt = load_config(RECIPE, ["actor.activation_checkpointing=false", "actor.micro_batch=2"])
     text = plan(no_ckpt, LAYOUT_8, facts).table()
-    assert "turn on actor.activation_checkpointing" in text, text
+    # the fewest leading blocks to checkpoint that fit (test_checkpointing_the_first_blocks)
+    knob = r"checkpoint the first (\d+) of 50 blocks \(actor.activation_checkpointing=\1: "
+    assert re.search(knob + r"the fewest that fit\): peak [\d.]+ GiB \(fits\)", text), text
     assert "lower actor.micro_batch to 1" in text, text
+
+
+def test_checkpointing_the_first_blocks(h3_8gpu) -> None:
+    """actor.activation_checkpointing=N plans between none and every block, and the planner
+    picks the fewest leading blocks that fit: as the knob when the layout is over, as a note
+    when it fits with more (the one-GPU layout of the recipe's model)."""
+    _, facts = h3_8gpu
+    one, opts = [*ONE_GPU, "rollout.share_base=true"], PlanOptions(conditioned=True)
+
+    def planned(value: str):
+        return plan(
+            load_config(RECIPE, [*one, f"actor.activation_checkpointing={value}"]), opts, facts
+        )
+
+    none, ten, every = (planned(v) for v in ("false", "10", "true"))
+    assert every.phase("train") < ten.phase("train") < none.phase("train")
+    assert planned("50").phase("train") == every.phase("train")  # every listed block: true
+    rows = {r.component: r.note for r in ten.rows}
+    assert "the first 10 blocks' inputs" in rows["block inputs (checkpointing)"], ten.table()
+    assert "x 42 blocks, not checkpointed" in rows["activations kept for backward"], ten.table()
+    picked = fewest_checkpointed(facts, load_config(RECIPE, one), opts)
+    assert picked is not None
+    n, fits = picked
+    assert 0 < n < 50 and fits.fits and not planned(str(n - 1)).fits
+    knob = f"checkpoint the first {n} of 50 blocks (actor.activation_checkpointing={n}: the fewest"
+    assert knob in none.table(), none.table()
+    assert f"the first {n} of 50 blocks are the fewest that fit" in every.table(), every.table()
 
 
 def test_sizes_come_from_meta_instantiation(h3_8gpu, monkeypatch) -> None:

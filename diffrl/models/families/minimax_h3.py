@@ -70,8 +70,11 @@ What the family owns, and where diffusers says it:
   pipeline's layout step does. Frame counts are the video VAE's ``clip_length n +
   tokens_chunk_size`` (17 n + 5), else a ConfigError naming ``model.frames``.
 - **Batching.** The transformer's batch axis replicates ONE layout and ONE timestep table, so
-  the net groups samples by (text length, sigma, keyframes or not): a rollout step is one call
-  per prompt length, training (a sigma per sample) one call per sample.
+  samples sharing a (text length, sigma) go along it: a rollout step is one call per prompt
+  length. Samples at different sigmas (training: a sigma per sample) go in ONE packed call,
+  each sample's sequence a document of one sequence with block-diagonal attention
+  (``_h3_packing``), so an actor micro-batch is one call; ``net.pack = False`` (and
+  ``parallel.sp``, which splits the sequence over ranks) makes a call per (length, sigma).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError, ContractError
+from diffrl.models.families import _h3_packing as packing
 from diffrl.models.families import _h3_vision as vision
 from diffrl.models.families._diffusers import (
     TINY_WORDS,
@@ -421,6 +425,10 @@ class MiniMaxH3Net(DiffusersNet):
         # what the data stage's conditions are ("fl2va" keyframes, or "ref2va" references):
         # set by family.encode_conditions from the task's condition keys
         self.cond_mode = "fl2va"
+        # samples at different times in one packed call (_h3_packing), each sample's sequence a
+        # document of it; False: a call per (text length, time), as under parallel.sp
+        self.pack = True
+        self.documents = packing.Documents()
         n_layers = text_encoder.config.text_config.num_hidden_layers
         if not 0 < text_layer <= n_layers:
             raise ConfigError(
@@ -508,19 +516,21 @@ class MiniMaxH3Net(DiffusersNet):
         x: Tensor,
         t: Tensor,
         txt: Tensor,
-        n_text: int,
+        lengths: list[int],
         cond: Tensor | None,
         anchors,
         prefix: tuple[int, ...] = (),
         ref_audio: Tensor | None = None,
     ) -> Tensor:
-        """One transformer call for samples sharing text length n_text and time t (scalar).
+        """ONE transformer call for the b samples ``x`` at native times ``t`` (b,) with text
+        lengths ``lengths``: along the class's batch axis when they share one (length, time),
+        else packed, each sample's sequence a document of one sequence (``_h3_packing``).
         ``ref_audio``: Ref2VA's clean reference soundtrack (b, ch, N, Ca), packed ahead of the
         generated audio at t = 1 (``_h3_ref2va``); ``cond`` is then its one image."""
         b = x.shape[0]
         dv, _ = self.dims
         patch = tuple(self.transformer.config.patch_size)
-        sigma = 1.0 - t.float()  # canonical sigma, from the native time
+        sigma = 1.0 - t.float()[:, None]  # (b, 1) canonical sigma, from the native time
         g = self.k / (1 + (self.k - 1) * sigma)  # H3 audio state = g * canonical audio
         sigma_a = g * sigma
         video = patchify(x[:, :dv].reshape(b, *self.video_shape), patch)  # (b, Nv, Cp)
@@ -536,29 +546,73 @@ class MiniMaxH3Net(DiffusersNet):
             ref_rows = ref_audio.detach().reshape(b, -1, self.audio_shape[-1])
             n_ref = ref_rows.shape[1]
             audio_rows = torch.cat([ref_rows.to(audio_rows), audio_rows], dim=1)
-            lay = self.ref2va_layout(n_text, prefix, ref_audio.shape[2], x.device)
-        else:
-            lay = self.layout(n_text, anchors, x.device, prefix)
-        seq_len = lay["position_ids"].shape[0]
-        row_t = torch.full((seq_len,), float(t), device=x.device)
-        row_t[lay["audio_indices"]] = float(1.0 - sigma_a)
-        row_t[lay["video_indices"][:n_cond]] = max(float(t), KEYFRAME_T)
-        row_t[lay["audio_indices"][:n_ref]] = 1.0  # a reference soundtrack is clean
-        timestep, timestep_indices = torch.unique(row_t, sorted=True, return_inverse=True)
+
+        def layout(n_text: int) -> dict[str, Tensor]:
+            if ref_audio is not None:
+                return self.ref2va_layout(n_text, prefix, ref_audio.shape[2], x.device)
+            return self.layout(n_text, anchors, x.device, prefix)
+
+        times, audio_times = t.float().tolist(), (1.0 - sigma_a[:, 0]).tolist()  # one sync
+
+        def row_times(lay: dict[str, Tensor], i: int) -> Tensor:  # (seq_len,) sample i's
+            row_t = torch.full((lay["position_ids"].shape[0],), times[i], device=x.device)
+            row_t[lay["audio_indices"]] = audio_times[i]
+            row_t[lay["video_indices"][:n_cond]] = max(times[i], KEYFRAME_T)
+            row_t[lay["audio_indices"][:n_ref]] = 1.0  # a reference soundtrack is clean
+            return row_t
+
         dtype = txt.dtype
-        v_out, a_out = self.transformer(
-            hidden_states=video.to(dtype),
-            audio_hidden_states=audio_rows.to(dtype),
-            encoder_hidden_states=txt[:, :n_text],
-            timestep=timestep.to(dtype),
-            timestep_indices=timestep_indices,
-            return_dict=False,
-            **lay,
-        )
+        docs = None
+        if len(set(zip(lengths, times, strict=True))) == 1:
+            lay = layout(lengths[0])
+            row_t = row_times(lay, 0)
+            text = txt[:, : lengths[0]]
+        else:  # (1, sum of the samples' rows, .) each, the samples' layouts concatenated
+            lays = [layout(n) for n in lengths]
+            lay = packing.concat_layouts(lays)
+            row_t = torch.cat([row_times(one, i) for i, one in enumerate(lays)])
+            video, audio_rows = (
+                video.reshape(1, -1, video.shape[-1]),
+                audio_rows.flatten(0, 1)[None],
+            )
+            text = torch.cat([txt[i, :n] for i, n in enumerate(lengths)])[None]
+            seq = tuple(one["position_ids"].shape[0] for one in lays)
+            docs = packing.Docs(seq, tuple(lengths))
+            packing.install(self.transformer, self.documents)
+        timestep, timestep_indices = torch.unique(row_t, sorted=True, return_inverse=True)
+        with self.documents.bound(docs):
+            v_out, a_out = self.transformer(
+                hidden_states=video.to(dtype),
+                audio_hidden_states=audio_rows.to(dtype),
+                encoder_hidden_states=text,
+                timestep=timestep.to(dtype),
+                timestep_indices=timestep_indices,
+                return_dict=False,
+                **lay,
+            )
+        v_out, a_out = v_out.reshape(b, -1, v_out.shape[-1]), a_out.reshape(b, -1, a_out.shape[-1])
         v_video = unpatchify(v_out[:, n_cond:], self.video_shape, patch).flatten(1)
         u = a_out[:, n_ref:].float().flatten(1)  # H3's data-ward audio velocity, at sigma_a
         canon = (1 - 1 / self.k) * y - ((1 - sigma_a) + sigma_a / self.k) * u  # eps - b0
         return torch.cat([v_video.to(x.dtype), (-canon).to(x.dtype)], dim=1)
+
+    def _calls(self, t: Tensor, lengths: list[int]) -> list[list[int]]:
+        """The rows of each transformer call: the samples sharing a (text length, time) along
+        the batch axis, or, when their times differ (the actor's: a sigma per sample), all of
+        them in one packed call. Under diffusers' context parallelism, which splits the one
+        sequence over ranks, a call per (length, time)."""
+        groups: dict[tuple[int, float], list[int]] = {}
+        for i, (n, ti) in enumerate(zip(lengths, t.float().tolist(), strict=True)):
+            groups.setdefault((n, ti), []).append(i)
+        split = getattr(self.transformer, "_parallel_config", None) is not None
+        if split or not self.pack or len({ti for _, ti in groups}) == 1:
+            return list(groups.values())
+        return [list(range(len(lengths)))]
+
+    def checkpoint_context(self):
+        """The documents of a packed call, bound again when activation checkpointing re-runs a
+        block in the backward (``torch.utils.checkpoint``'s ``context_fn``)."""
+        return self.documents.recompute_context()
 
     def split_cond(self, cond: Tensor) -> tuple[Tensor, Tensor | None]:
         """The data stage's per-row conditions -> keyframe latents (B, 2, C, 1, h, w) and, with
@@ -662,13 +716,11 @@ class MiniMaxH3Net(DiffusersNet):
                 f"minimax_h3: Ref2VA conditions for {image.shape[0]} rows, {x.shape[0]} samples"
             )
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        groups: dict[tuple[int, float], list[int]] = {}
-        for i, (n, ti) in enumerate(zip(lengths, t.float().tolist(), strict=True)):
-            groups.setdefault((n, ti), []).append(i)
-        for (n, _), rows in groups.items():
+        for rows in self._calls(t, lengths):
             idx = torch.tensor(rows, device=x.device)
+            n = [lengths[i] for i in rows]
             out[idx] = self._group(
-                x[idx], t[rows[0]], txt[idx], n, image[idx], ("first",), prefix, audio[idx]
+                x[idx], t[idx], txt[idx], n, image[idx], ("first",), prefix, audio[idx]
             )
         return out
 
@@ -717,13 +769,11 @@ class MiniMaxH3Net(DiffusersNet):
         else:
             cond, anchors = self.keyframes if self.keyframes is not None else (None, ())
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        groups: dict[tuple[int, float], list[int]] = {}
-        for i, (n, ti) in enumerate(zip(lengths, t.float().tolist(), strict=True)):
-            groups.setdefault((n, ti), []).append(i)
-        for (n, _), rows in groups.items():
+        for rows in self._calls(t, lengths):
             idx = torch.tensor(rows, device=x.device)
             c = None if cond is None else cond[idx]
-            out[idx] = self._group(x[idx], t[rows[0]], txt[idx], n, c, anchors, prefix)
+            n = [lengths[i] for i in rows]
+            out[idx] = self._group(x[idx], t[idx], txt[idx], n, c, anchors, prefix)
         return out
 
 

@@ -180,6 +180,7 @@ class OracleDiT(nn.Module):
 
     def forward(self, hidden_states, audio_hidden_states, timestep, timestep_indices, **lay):
         def velocity(y, x0, idx):
+            x0 = x0.repeat(1, y.shape[1] // x0.shape[1], 1)  # packed: every sample's rows
             t = timestep[timestep_indices[idx]].float()[None, :, None]
             return x0 - (y.float() - t * x0) / (1 - t)
 
