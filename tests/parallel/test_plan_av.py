@@ -1,6 +1,16 @@
 """``diffrl plan`` for the audio-video families beyond H3's FL2VA (diffrl/parallel/plan.py):
-LTX-2's two token streams against autograd's saved tensors of its real block, the plan of both
-LTX-2 recipes, and H3's Ref2VA rows against the packed sequence the net builds.
+LTX-2's two token streams against autograd's saved tensors of its real block and against what
+one H200 measured, the tokens both families plan for each task's conditions (T2VA, I2AV,
+FL2VA, Ref2VA) against those their nets build.
+
+Calibration (one H200, bf16, random weights, 2026-12-01; ``python benchmarks/real_size_omni.py
+--presets ltx2``, log in benchmarks/sweeps/2026-12-01-real-size-families/): LTX-2 T2VA at real
+size (18.88 B), 121 frames of 512 x 512 + audio, 2 clips (2 prompts x 1, here 1 x 2), 4 ODE
+steps, then one DiffusionNFT LoRA r=32 step, one timestep per sample, micro-batch 1,
+checkpointing, one copy of the DiT (``share_model``), Gemma-3-12B on the GPU: peaks
+(``torch.cuda.max_memory_allocated``) 70.25 GiB in the encode, 70.18 in the rollout, 73.02 in
+the step. The plan says 69.2 (-1.5%; it encodes 1 prompt where the run encoded 2, 0.45 GiB
+each), 69.8 (-0.5%) and 74.3 (+1.7%).
 """
 
 from __future__ import annotations
@@ -15,6 +25,27 @@ pytest.importorskip("diffusers")
 from diffrl.models.families import ltx2  # noqa: E402
 from diffrl.models.families.ltx2 import ltx2_rope, ltx2_text_token, ltx2_token  # noqa: E402
 from diffrl.models.memory import Widths  # noqa: E402
+
+LTX2_MEASURED_GIB = {"encode": 70.25, "rollout": 70.18, "train": 73.02}
+LTX2_CALIBRATION = [
+    "data.prompts_per_step=1",  # the measured 2 clips, as 1 prompt x 2 (a group of one trains
+    "rollout.group_size=2",  # nothing); the recipe's own rollout.max_batch=2 batches them
+    "actor.micro_batch=1",
+    "algorithm.timesteps_per_sample=1",
+    "rollout.share_base=false",  # the measured run held one copy (share_model), no factors
+]
+
+
+def test_ltx2_plan_matches_the_h200() -> None:
+    from diffrl.config import load_config
+    from diffrl.parallel.plan import PlanOptions, plan
+
+    cfg = load_config("recipes/ltx2_t2va_nft.yaml", LTX2_CALIBRATION)
+    p = plan(cfg, PlanOptions(share_rollout=True, eval_copy=False))  # one copy, no evaluator
+    assert "4,096 video (0 keyframe) + 126 audio tokens, 1024 text" in p.title
+    for phase, gib in LTX2_MEASURED_GIB.items():
+        assert abs(p.phase(phase) / gib - 1) < 0.03, (phase, p.table())
+    assert p.peak[0] == "train"
 
 
 def _ltx2_block_saved(per_token_t: bool, n: tuple[int, int, int], rank: int) -> int:
@@ -86,3 +117,77 @@ def test_ltx2_block_formula_matches_autograd(per_token_t: bool) -> None:
     want = n[0] * video + n[1] * audio + n[2] * (ltx2_text_token(w) + ltx2_text_token(wa))
     got = _ltx2_block_saved(per_token_t, n, rank)
     assert got / want == pytest.approx(1, abs=0.01), (got, want)
+
+
+@pytest.mark.parametrize("task_name", ["avbench", "avbench_fl2va", "avbench_ref2va"])
+def test_h3_planned_rows_are_the_packed_sequence(task_name: str) -> None:
+    """The rows H3's geometry plans for a task's conditions (asked of the task as ``diffrl
+    plan`` asks: ``condition_keys``) are the packed sequence the net builds for a tiny batch
+    of them: Ref2VA's reference image and soundtrack, FL2VA's two keyframes, T2VA's none. The
+    plan counts the longest prompt's text (``max_text_len``); the net packs each prompt's own."""
+    from diffrl.build import prompt_set
+    from diffrl.models.families import minimax_h3
+    from diffrl.models.registry import ModelConfig, load_model
+    from diffrl.parallel.plan import condition_keys
+    from diffrl.tasks import build_task
+    from diffrl.tasks.base import TaskConfig
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset="h3-avbench"))
+    task = build_task(TaskConfig(task=task_name))
+    keys = condition_keys(task, model.family)
+    assert ("ref_image" in keys) == (task_name == "avbench_ref2va")
+    pset = prompt_set(task, model, task.prompts("train")[:1])
+    seen: dict[str, torch.Tensor] = {}
+    forward = model.net.transformer.forward
+
+    def spy(**kw):
+        seen.update(kw)
+        return forward(**kw)
+
+    model.net.transformer.forward = spy
+    with torch.no_grad():
+        model(torch.randn(1, *model.family.latent_shape()), torch.tensor([0.5]),
+              pset.input_ids, cond=pset.cond)  # fmt: skip
+    packed = seen["position_ids"].shape[0]
+    text = int((pset.input_ids != model.net.pad_id).sum())
+    # with h = 1, a block's inputs (2h bytes a row) are 2 bytes a row
+    one = Widths(h=1, a=1, f=1, heads=1, r=1, rms=2)
+    geo = minimax_h3.geometry(model, one, keys)
+    rows = geo.blocks[0].inputs / 2
+    assert rows - model.family.max_text_len == packed - text, geo.tokens
+
+
+@pytest.mark.parametrize("task_name", ["avbench", "avbench_i2av", "avbench_fl2va"])
+def test_ltx2_planned_tokens_are_the_transformers(task_name: str) -> None:
+    """The tokens LTX-2's geometry plans for a task's conditions are those the transformer
+    reads for a tiny batch of them: FL2VA's appended keyframe, and per-token timesteps (the
+    per-token adaLN tables) wherever a first frame is held."""
+    from diffrl.build import prompt_set
+    from diffrl.models.registry import ModelConfig, load_model
+    from diffrl.parallel.plan import condition_keys
+    from diffrl.tasks import build_task
+    from diffrl.tasks.base import TaskConfig
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(preset="ltx2-tiny", frames=11))  # AVBench: 10 frames or more
+    task = build_task(TaskConfig(task=task_name))
+    keys = condition_keys(task, model.family)
+    pset = prompt_set(task, model, task.prompts("train")[:1])
+    seen: dict[str, torch.Tensor] = {}
+    forward = model.net.transformer.forward
+
+    def spy(**kw):
+        seen.update(kw)
+        return forward(**kw)
+
+    model.net.transformer.forward = spy
+    with torch.no_grad():
+        model(torch.randn(1, *model.family.latent_shape()), torch.tensor([0.5]),
+              pset.input_ids, cond=pset.cond)  # fmt: skip
+    n_video, n_cond, n_audio, n_text = ltx2.ltx2_tokens(model, keys)
+    assert seen["hidden_states"].shape[1] == n_video
+    assert (n_cond > 0) == (task_name == "avbench_fl2va")
+    assert seen["audio_hidden_states"].shape[1] == n_audio
+    assert seen["encoder_hidden_states"].shape[1] == n_text  # padded to max_text_len
+    assert (seen["timestep"].ndim == 2) == ("first_frame" in keys)  # per-token timesteps

@@ -931,22 +931,29 @@ def ltx2_rope(w: Widths, ax: float) -> float:
     return 8 * w.a + 8 * ax
 
 
-def geometry(model: nn.Module, w: Widths, conditioned) -> memory.Geometry:
+def ltx2_tokens(model: nn.Module, conditioned: frozenset[str]) -> tuple[int, int, int, int]:
+    """(video tokens, of which appended keyframe tokens, audio tokens, text tokens) of one
+    sample the transformer reads, for the task's condition keys ``conditioned``."""
+    cfg, fam = model.net.transformer.config, model.family
+    _, f, h, w = fam.geometry.video
+    per_frame = (h // cfg.patch_size) * (w // cfg.patch_size)
+    n_cond = per_frame if "last_frame" in conditioned else 0  # FL2VA's appended keyframe
+    n_video = f // cfg.patch_size_t * per_frame + n_cond
+    return n_video, n_cond, fam.geometry.audio[1], fam.max_text_len
+
+
+def geometry(model: nn.Module, w: Widths, conditioned: frozenset[str]) -> memory.Geometry:
     """LTX-2's two token streams at the recipe's size, for ``diffrl plan``. ``conditioned``:
     the task's condition keys (``parallel.plan.PlanOptions``); a first frame gives every video
     token its own timestep (per-token adaLN tables, 16 h: the six tables' sum, which the gates
     keep, and the two (1 + scale)), a last frame appends one latent frame of video tokens."""
-    cfg, fam = model.net.transformer.config, model.family
+    cfg = model.net.transformer.config
     tp_a = cfg.num_attention_heads * cfg.attention_head_dim / w.a  # the TP plan's divisors
     tp_f = 4 * cfg.num_attention_heads * cfg.attention_head_dim / w.f
     h_a = cfg.audio_num_attention_heads * cfg.audio_attention_head_dim
     heads_a = cfg.audio_num_attention_heads / tp_a
     wa = dataclasses.replace(w, h=h_a, a=h_a / tp_a, f=4 * h_a / tp_f, heads=heads_a)
-    _, f, h, wd = fam.geometry.video
-    per_frame = (h // cfg.patch_size) * (wd // cfg.patch_size)
-    n_video = f // cfg.patch_size_t * per_frame
-    n_cond = per_frame if "last_frame" in conditioned else 0  # FL2VA's appended keyframe
-    n_v, n_a, n_t = n_video + n_cond, fam.geometry.audio[1], fam.max_text_len
+    n_v, n_cond, n_a, n_t = ltx2_tokens(model, conditioned)
     per_token_t = "first_frame" in conditioned  # I2AV, FL2VA: frame 0 held at timestep 0
     video = ltx2_token(w, wa.a, heads_a) + (16 * w.h if per_token_t else 0)
     audio = ltx2_token(wa, wa.a, heads_a)
