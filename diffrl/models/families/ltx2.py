@@ -968,11 +968,10 @@ def geometry(model: nn.Module, w: Widths, conditioned: frozenset[str]) -> memory
     live = n_v * max(4 * w.h + 4 * w.f, 4 * w.h + 14 * w.a) + n_a * 2 * h_a
     live = max(live, n_a * max(4 * h_a + 4 * wa.f, 4 * h_a + 14 * wa.a) + n_v * 2 * w.h)
     live += n_t * 2 * (w.h + h_a) + shared
-    blocks = [
-        memory.BlockCost("LTX-2 block", cfg.num_layers, saved, inputs, live),
-        # held once per forward whatever the checkpointing: counted once, beside the blocks
-        memory.BlockCost("RoPE tables (shared)", 1, shared, shared, 0.0),
-    ]
+    # the shared tables are held once per forward, checkpointed or not: spread over the blocks,
+    # so that the blocks' sum (every block's saved set, or every block's inputs) counts them once
+    spread, n = shared / cfg.num_layers, cfg.num_layers
+    blocks = [memory.BlockCost("LTX-2 block", n, saved + spread, inputs + spread, live)]
     what = f"{n_v:,} video ({n_cond} keyframe) + {n_a} audio tokens, {n_t} text"
     return memory.Geometry(what, blocks, {"text_encoder": n_t})
 
