@@ -191,3 +191,23 @@ def test_ltx2_planned_tokens_are_the_transformers(task_name: str) -> None:
     assert seen["audio_hidden_states"].shape[1] == n_audio
     assert seen["encoder_hidden_states"].shape[1] == n_text  # padded to max_text_len
     assert (seen["timestep"].ndim == 2) == ("first_frame" in keys)  # per-token timesteps
+
+
+def test_condition_keys_refuse_as_the_data_stage_would() -> None:
+    """A text-only task has none; a geometry the task cannot render and a family that takes
+    no conditions are one-line ConfigErrors naming them (``diffrl train`` fails there too)."""
+    from types import SimpleNamespace
+
+    from diffrl.errors import ConfigError
+    from diffrl.parallel.plan import condition_keys
+    from diffrl.tasks import build_task
+    from diffrl.tasks.base import TaskConfig
+
+    geometry = dict(frames=9, size=32, fps=24.0, sample_rate=16000)  # AVBench: 10 frames or more
+    fam = SimpleNamespace(name="ltx2", media_geometry=lambda: geometry)
+    assert condition_keys(build_task(TaskConfig(task="avbench")), fam) == frozenset()
+    fl2va = build_task(TaskConfig(task="avbench_fl2va"))
+    with pytest.raises(ConfigError, match="'avbench_fl2va' at the model's .*frames >= 10"):
+        condition_keys(fl2va, fam)
+    with pytest.raises(ConfigError, match="family 'sd3' takes no conditions"):
+        condition_keys(fl2va, SimpleNamespace(name="sd3"))
