@@ -139,10 +139,9 @@ def condition_keys(task, family) -> frozenset[str]:
     """The keys of the conditions ``task`` gives each prompt beyond its text, as the data
     stage asks for them (``build.prompt_set``: its first training prompt, at the family's
     media geometry): {"first_frame", "last_frame"} FL2VA, {"first_frame"} I2AV, {"ref_image",
-    "ref_audio"} Ref2VA; empty for a text-only task."""
-    from diffrl.tasks.base import ConditionedTask
-
-    if not (isinstance(task, ConditionedTask) and task.needs_conditions):
+    "ref_audio"} Ref2VA; empty for a text-only task. (``task`` is read as the data stage's
+    ``ConditionedTask``, by its attributes: the planner imports no task.)"""
+    if not getattr(task, "needs_conditions", False):
         return frozenset()
     geometry = getattr(family, "media_geometry", None)
     if geometry is None:
