@@ -45,12 +45,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from diffrl.parallel.plan import PlanOptions, plan
+    from diffrl.parallel.plan import PlanOptions, condition_keys, model_facts, plan
     from diffrl.tasks import build_task
-    from diffrl.tasks.base import ConditionedTask
 
     cfg = _recipe_config(args.args)
     task = build_task(cfg.data)
+    device = "cpu" if cfg.run.device == "cpu" else "cuda"  # whose kernels; auto: a GPU's
+    facts = model_facts(cfg, device)
     opts = PlanOptions(
         world_size=args.world_size,
         tp=args.tp,
@@ -63,10 +64,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rollout=args.rollout,
         offload_encoder=args.offload_encoder,
         train=args.train,
-        conditioned=isinstance(task, ConditionedTask) and task.needs_conditions,
-        device="cpu" if cfg.run.device == "cpu" else "cuda",  # whose kernels; auto: a GPU's
+        conditioned=condition_keys(task, facts.model.family),
+        device=device,
     )
-    result = plan(cfg, opts)
+    result = plan(cfg, opts, facts)
     print(result.table())
     return 0 if result.fits else 1
 

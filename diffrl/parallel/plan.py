@@ -68,6 +68,16 @@ That gives per token (on CUDA):
 - SD3 joint block, image token: 20h + 24a + 6f (+20a in SD3.5's dual-attention blocks);
   text token: 16h + 24a + 2f (14h + 20a in the last, context_pre_only block; the text FFN
   is not a LoRA target). SD3.5-M has h = a = 1536, f = 4h: 68h per image token.
+- LTX-2 block, per token of either stream (its own h, a, f; x the audio<->video pair's
+  attention width, the audio attention's): 56h + 34a + 24x + 6f (h: four diffusers RMSNorms
+  24h, eight LoRA inputs 32h: self q/k/v, text q, the pair's q and k/v, FFN-up; a: q/k norms
+  6a, SDPA's self q/k/v/out and text q/out 12a, two out-LoRAs 8a, RoPE tables 8a; x: q/k
+  norms 4x, SDPA 8x, the pair's out-LoRA 4x, RoPE 8x; f: GELU 2f, down-LoRA 4f). Per text
+  token, in each stream: 8h + 6a (k/v LoRA inputs, k norm, SDPA's k and v). A frame-
+  conditioned video token (I2AV, FL2VA: its own timestep) adds per-token adaLN, 16h (the
+  six tables' sum, which the gates keep, and two 1 + scale). The RoPE tables are made once
+  per forward and kept by every block: counted once. LTX-2.0 has h = a = 4096, f = 4h and
+  x = the audio stream's h = 2048: about 126h per video token.
 
 plus a few bytes per row (norm statistics, the attention's log-sum-exp, 4r per LoRA module,
 H3's rotary tables). Without checkpointing a micro-batch keeps every block's set; with
@@ -83,6 +93,9 @@ Calibrated on one H200 (bf16, LoRA r=32; ``tests/parallel/test_plan.py``): SD3.5
 512 px, rollout of 8 with CFG and one NFT step of micro-batch 8, no checkpointing, measured
 48.97 GiB; MiniMax-H3, 2 FL2VA samples of 352 x 352 x 124 frames, checkpointing, encoder
 offloaded, one copy, measured 75.75 GiB for the step. Planned: 50.0 (+2%) and 76.6 (+1%).
+LTX-2 T2VA (``tests/parallel/test_plan_av.py``), 2 clips of 121 frames at 512 x 512,
+checkpointing, Gemma-3 on the GPU, one copy: measured 73.02 GiB for the step and 70.25 in the
+encode; planned 74.3 (+1.7%) and 69.2 (-1.5%).
 
 Not modelled: a video VAE's decode (image VAEs: three tensors of the last upsampling's width
 per output pixel), the CUDA context, NCCL's buffers and the allocator's fragmentation, which
@@ -122,6 +135,30 @@ ROLLOUT_LAYOUTS = ("replicated", "sharded")
 WEIGHT_SHARDS = (ColwiseParallel, RowwiseParallel, ShardedRMSNorm)  # TP styles that split weights
 
 
+FL2VA_KEYS = frozenset({"first_frame", "last_frame"})
+
+
+def condition_keys(task, family) -> frozenset[str]:
+    """The keys of the conditions ``task`` gives each prompt beyond its text, as the data
+    stage asks for them (``build.prompt_set``: its first training prompt, at the family's
+    media geometry): {"first_frame", "last_frame"} FL2VA, {"first_frame"} I2AV, {"ref_image",
+    "ref_audio"} Ref2VA; empty for a text-only task. (``task`` is read as the data stage's
+    ``ConditionedTask``, by its attributes: the planner imports no task.)"""
+    if not getattr(task, "needs_conditions", False):
+        return frozenset()
+    geometry = getattr(family, "media_geometry", None)
+    if geometry is None:
+        raise ConfigError(
+            f"plan: task {task.name!r} conditions each prompt on media, and model family "
+            f"{family.name!r} takes no conditions beyond the text"
+        )
+    try:
+        conds = task.prompt_conditions(task.prompts("train")[:1], geometry())
+    except ValueError as e:  # what the data stage of `diffrl train` would refuse too
+        raise ConfigError(f"plan: task {task.name!r} at the model's {geometry()}: {e}") from None
+    return frozenset(conds[0]) if conds else frozenset()
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """The parallel degrees (the config's ``parallel`` section, overridden here where given;
@@ -143,9 +180,14 @@ class PlanOptions:
     train: str = "lora"  # lora (what ActorEngine trains) | full
     eval_copy: bool = True  # the factory's held-out evaluator holds its own copy of the DiT
     device: str = "cuda"  # whose kernels the activation formulas assume (cuda | cpu)
-    # the task feeds conditions beyond the text (FL2VA keyframes: rows in H3's sequence); the
-    # CLI reads it off the recipe's task
-    conditioned: bool = False
+    # the keys of the conditions the task gives each prompt beyond its text, which the family's
+    # geometry sizes (``condition_keys``: the CLI asks the recipe's task); True: FL2VA's
+    conditioned: frozenset[str] | bool = frozenset()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.conditioned, bool):  # the families' geometry reads keys
+            keys = FL2VA_KEYS if self.conditioned else frozenset()
+            object.__setattr__(self, "conditioned", keys)
 
     def rollout_layout(self, cfg) -> str:
         layout = self.rollout or getattr(getattr(cfg, KEY, None), "rollout", "sharded")

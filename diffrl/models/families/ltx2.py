@@ -58,6 +58,7 @@ What the family owns, and where diffusers' ``LTX2Pipeline`` says it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -72,6 +73,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from diffrl.errors import ConfigError, ContractError
+from diffrl.models import memory
 from diffrl.models.families._diffusers import (
     TINY_WORDS,
     DiffusersNet,
@@ -93,6 +95,7 @@ from diffrl.models.family import (
     TokenBatch,
     hash_rows,
 )
+from diffrl.models.memory import Widths
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalRope, Plan, ShardedRMSNorm, optional
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
@@ -900,6 +903,79 @@ TP_PLAN: Plan = {
 }
 
 
+# --- memory geometry for `diffrl plan` (derivations in diffrl/parallel/plan.py) -------------
+
+
+def ltx2_token(w: Widths, ax: float, heads_x: float) -> float:
+    """Bytes one LTX-2 block keeps per token of one stream (video, or audio with the audio
+    widths in ``w``); ``ax``, ``heads_x``: the audio<->video pair's inner width and heads on
+    this rank (the audio attention's, whichever stream queries). The stream's RoPE tables are
+    not in it (``ltx2_rope``: shared by every block)."""
+    norms = 4 * 6 * w.h + 2 * w.rms * w.a + 2 * w.rms * ax  # 4 diffusers RMSNorms; q/k norms
+    lora = 4 * (8 * w.h + 2 * w.a + ax + w.f) + 12 * 4 * w.r  # 12 LoRA inputs (see plan.py)
+    attn = 8 * w.a + 4 * w.a + 8 * ax  # SDPA: self q,k,v,out; text q,out; the pair's 2 + 2
+    rows = 4 * 4 + 5 * 4 + 4 * (2 * w.heads + heads_x)  # norm statistics, the 3 queries' lse
+    return norms + w.rms * w.a + lora + attn + 2 * w.f + rows  # text q-norm; GELU's input
+
+
+def ltx2_text_token(w: Widths) -> float:
+    """Bytes one stream's text cross-attention keeps per text token (k, v read the text at
+    the stream's width ``w.h``): the k/v LoRA inputs, the k norm, SDPA's k and v, the
+    padding mask expanded per head (bf16)."""
+    return 8 * w.h + 4 * 2 * w.r + w.rms * w.a + 4 + 4 * w.a + 2 * w.heads
+
+
+def ltx2_rope(w: Widths, ax: float) -> float:
+    """Bytes per token of a stream's RoPE tables (cos and sin in fp32, for its self-attention
+    and for the audio<->video pair), computed once per forward and kept by every block."""
+    return 8 * w.a + 8 * ax
+
+
+def ltx2_tokens(model: nn.Module, conditioned: frozenset[str]) -> tuple[int, int, int, int]:
+    """(video tokens, of which appended keyframe tokens, audio tokens, text tokens) of one
+    sample the transformer reads, for the task's condition keys ``conditioned``."""
+    cfg, fam = model.net.transformer.config, model.family
+    _, f, h, w = fam.geometry.video
+    per_frame = (h // cfg.patch_size) * (w // cfg.patch_size)
+    n_cond = per_frame if "last_frame" in conditioned else 0  # FL2VA's appended keyframe
+    n_video = f // cfg.patch_size_t * per_frame + n_cond
+    return n_video, n_cond, fam.geometry.audio[1], fam.max_text_len
+
+
+def geometry(model: nn.Module, w: Widths, conditioned: frozenset[str]) -> memory.Geometry:
+    """LTX-2's two token streams at the recipe's size, for ``diffrl plan``. ``conditioned``:
+    the task's condition keys (``parallel.plan.PlanOptions``); a first frame gives every video
+    token its own timestep (per-token adaLN tables, 16 h: the six tables' sum, which the gates
+    keep, and the two (1 + scale)), a last frame appends one latent frame of video tokens."""
+    cfg = model.net.transformer.config
+    tp_a = cfg.num_attention_heads * cfg.attention_head_dim / w.a  # the TP plan's divisors
+    tp_f = 4 * cfg.num_attention_heads * cfg.attention_head_dim / w.f
+    h_a = cfg.audio_num_attention_heads * cfg.audio_attention_head_dim
+    heads_a = cfg.audio_num_attention_heads / tp_a
+    wa = dataclasses.replace(w, h=h_a, a=h_a / tp_a, f=4 * h_a / tp_f, heads=heads_a)
+    n_v, n_cond, n_a, n_t = ltx2_tokens(model, conditioned)
+    per_token_t = "first_frame" in conditioned  # I2AV, FL2VA: frame 0 held at timestep 0
+    video = ltx2_token(w, wa.a, heads_a) + (16 * w.h if per_token_t else 0)
+    audio = ltx2_token(wa, wa.a, heads_a)
+    text = ltx2_text_token(w) + ltx2_text_token(wa)
+    saved = n_v * video + n_a * audio + n_t * text
+    shared = n_v * ltx2_rope(w, wa.a) + n_a * ltx2_rope(wa, wa.a)
+    if per_token_t:  # the per-token time embedding every block reads: 6 tables of h, bf16
+        shared += n_v * 12 * w.h
+    inputs = 2 * w.h * n_v + 2 * h_a * n_a  # both residual streams (checkpointing's inputs)
+    # no grad: a stream's largest set (its FFN: 4h + 4f, or attention: 4h + 14a) beside the
+    # other stream's residual, the text states and the shared tables
+    live = n_v * max(4 * w.h + 4 * w.f, 4 * w.h + 14 * w.a) + n_a * 2 * h_a
+    live = max(live, n_a * max(4 * h_a + 4 * wa.f, 4 * h_a + 14 * wa.a) + n_v * 2 * w.h)
+    live += n_t * 2 * (w.h + h_a) + shared
+    # the shared tables are held once per forward, checkpointed or not: spread over the blocks,
+    # so that the blocks' sum (every block's saved set, or every block's inputs) counts them once
+    spread, n = shared / cfg.num_layers, cfg.num_layers
+    blocks = [memory.BlockCost("LTX-2 block", n, saved + spread, inputs + spread, live)]
+    what = f"{n_v:,} video ({n_cond} keyframe) + {n_a} audio tokens, {n_t} text"
+    return memory.Geometry(what, blocks, {"text_encoder": n_t})
+
+
 FAMILY = FamilySpec(
     load=load,
     family_class=LTX2Family,
@@ -907,4 +983,5 @@ FAMILY = FamilySpec(
     tp_plan=TP_PLAN,
     etp_plans={"gemma3": GEMMA3_ENCODER_PLAN},
     sp_plan="diffusers",
+    geometry=geometry,
 )

@@ -49,7 +49,7 @@ What the family owns, and where diffusers says it:
   target audio | target video]``, the image at t = max(t, 0.999), the soundtrack clean at
   t = 1, both detached and cut from the output. A flat row's length says Ref2VA from FL2VA
   (``cond_kind``; the mode ``encode_conditions`` records decides only where both lengths
-  agree); a row of the wrong length is a ContractError. ``diffrl plan`` sizes FL2VA rows only.
+  agree); a row of the wrong length is a ContractError. ``diffrl plan`` sizes both (``geometry``).
 - **Serving layout** (contract 2). ``MiniMaxH3Attention``'s processor computes with ``to_qkv``
   once ``fused_projections`` is set, so the rollout fuses q/k/v natively (blocks and token
   refiner) and holds the SwiGLU up-projection ``ff.net.0.proj`` as two swapped row shards.
@@ -1406,19 +1406,28 @@ def h3_row(w: Widths, refiner: bool, rot: int) -> float:
     return kept if refiner else kept + 4 * 2 * w.h + 4 * 2 * rot  # adaLN tables; rope cos/sin
 
 
-def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
-    """H3's packed rows (keyframe rows when ``conditioned``), for ``diffrl plan``."""
+def geometry(model: nn.Module, w: Widths, conditioned: frozenset[str]) -> Geometry:
+    """H3's packed rows, for ``diffrl plan``: with the task's condition keys ``conditioned``,
+    FL2VA's two keyframes or Ref2VA's reference image and soundtrack (``_h3_ref2va``: one
+    frame's rows, and the soundtrack as long as the generated audio, which
+    ``ref2va_conditions`` cuts or pads it to), and the semantic branch's labels and vision
+    blocks ahead of the text where the net has one."""
     tr, net = model.net.transformer, model.net
     cfg = tr.config
     _, f, hv, wv = net.video_shape
     pt, ph, pw = cfg.patch_size
-    n_video = (f // pt) * (hv // ph) * (wv // pw)
-    n_cond = 2 * (hv // ph) * (wv // pw) if conditioned else 0  # FL2VA: first and last frames
+    per_frame = (hv // ph) * (wv // pw)
+    n_video = (f // pt) * per_frame
     n_audio = net.audio_shape[0] * net.audio_shape[1]
     n_text = model.family.max_text_len  # the longest prompt: a row's real length at most
-    if conditioned and net.semantic is not None:  # FL2VA: the keyframes' labels, vision blocks
-        n_text += len(net.semantic.prefix()[0])
-    n = n_video + n_cond + n_audio + n_text
+    n_cond, n_ref, semantic = 0, 0, None  # keyframe or reference image rows, soundtrack rows
+    if "ref_image" in conditioned:  # Ref2VA
+        n_cond, n_ref, semantic = per_frame, n_audio, net.semantic_ref
+    elif conditioned:  # FL2VA: first and last frames
+        n_cond, semantic = 2 * per_frame, net.semantic
+    if semantic is not None:
+        n_text += len(semantic.prefix()[0])
+    n = n_video + n_cond + n_ref + n_audio + n_text
     rot = 6 * cfg.rope_freq_dim  # cos and sin over 3 axes, twice (rotate_half)
     live = max(4 * w.h + 8 * w.f, 4 * w.h + 12 * w.a)
     blocks = [
@@ -1431,7 +1440,8 @@ def geometry(model: nn.Module, w: Widths, conditioned: bool) -> Geometry:
             live * n_text,
         ),
     ]
-    what = f"{n:,} rows ({n_video:,} video, {n_cond} keyframe, {n_audio} audio, {n_text} text)"
+    cond = f"{n_cond} reference image, {n_ref} reference audio" if n_ref else f"{n_cond} keyframe"
+    what = f"{n:,} rows ({n_video:,} video, {cond}, {n_audio} audio, {n_text} text)"
     return Geometry(what, blocks, {"text_encoder": n_text})
 
 
