@@ -227,6 +227,22 @@ class HostResident:
         return hooks
 
 
+def visiting_bytes(module: nn.Module, stream: bool = True) -> int:
+    """What a visit of ``module`` holds on the device at most: everything but the blocks plus
+    the two largest blocks when streamed (the running one and the next), the whole module
+    otherwise. ``diffrl plan`` counts this for an offloaded encoder; the module may be on the
+    meta device."""
+
+    def size(m: nn.Module, skip: set[int]) -> int:
+        return sum(t.numel() * t.element_size() for _, _, t in _tensors(m, skip))
+
+    blocks = list(_longest_list(module) or [])
+    if not stream or not blocks:
+        return size(module, set())
+    each = sorted((size(b, set()) for b in blocks), reverse=True)
+    return size(module, {id(b) for b in blocks}) + sum(each[:2])
+
+
 def _view(flat: Tensor, s: _Slot) -> Tensor:
     return flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
 

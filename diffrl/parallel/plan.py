@@ -41,8 +41,9 @@ them (an encoder the family keeps on the host is "offloaded"). A 33 B DiT costs 
   synced LoRA factors, in the model's dtype, and no sync base copy (``sync/shared_base.py``;
   one process, tp 1, no FSDP, LoRA training).
 - *Text encoders*: sharded by ``etp`` where the family's ``FamilySpec.etp_plans`` has a plan
-  for the encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, but the family
-  moves the whole encoder onto the GPU for each encode, which the encode phase counts.
+  for the encoder's ``model_type`` (replicated otherwise); offloaded, 0 resident, and for each
+  encode the family streams it in from pinned host memory (``models/host_offload.py``): the
+  encode phase counts all but its decoder layers plus two layers at a time.
 
 **Activations, per block and per token**, for LoRA training in bf16 (what autograd keeps for
 the backward, read off each block's forward; each family's ``FamilySpec.geometry`` sums them
@@ -121,6 +122,7 @@ from transformers import PreTrainedModel
 
 from diffrl.errors import ConfigError
 from diffrl.models.family import FamilySpec, transformer_blocks
+from diffrl.models.host_offload import visiting_bytes
 from diffrl.models.memory import Geometry, Widths
 from diffrl.parallel.dims import KEY, ParallelDims
 from diffrl.parallel.tp import ShardedRMSNorm, resolve
@@ -637,8 +639,12 @@ def _encoder_rows(facts: ModelFacts, cfg, opts, dims, geo: Geometry, samples: in
                 f"{type(m).__name__}, {whole / GIB:.2f} GiB whole; {how}",
                 whole / GIB if offload else 0.0)
         )  # fmt: skip
-        if offload:
-            rows.append(Row(f"{name}, moved in to encode", "encode", whole / GIB, "whole"))
+        if offload:  # streamed from pinned host memory, a layer ahead (models/host_offload.py)
+            visit = visiting_bytes(m)
+            rows.append(
+                Row(f"{name}, visiting to encode", "encode", visit / GIB,
+                    "streamed: all but its layers, and two layers at a time")
+            )  # fmt: skip
         hidden, width, layers = _encoder_dims(m)
         tokens = geo.encoder_tokens[name]
         act = prompts * tokens * 2 * (hidden * (layers + 1) + 3 * width / etp)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffrl.models.host_offload import HostResident
+from diffrl.models.host_offload import HostResident, visiting_bytes
 
 
 class Toy(nn.Module):
@@ -75,3 +75,11 @@ def test_only_frozen_host_modules() -> None:
         HostResident(Toy())
     with pytest.raises(ValueError, match="host memory"):
         HostResident(_frozen().to("meta"))
+
+
+def test_visiting_bytes_counts_the_rest_and_two_blocks() -> None:
+    toy = _frozen().to("meta")  # the planner sizes meta-built encoders
+    block = (8 * 8 + 8) * 4
+    rest = 11 * 8 * 4 + 2 * 8 * 4 + 4  # embedding (tied to the head: once), norm, scale
+    assert visiting_bytes(toy) == rest + 2 * block
+    assert visiting_bytes(toy, stream=False) == rest + 4 * block

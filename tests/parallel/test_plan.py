@@ -87,10 +87,15 @@ def test_minimax_h3_plan_matches_the_h200() -> None:
     cfg = load_config(RECIPE, H3_CALIBRATION)
     p = plan(cfg, PlanOptions(share_rollout=True, eval_copy=False, conditioned=True))
     assert abs(p.phase("train") / H3_MEASURED_GIB - 1) < TOLERANCE, p.table()
-    # the encoder is offloaded (the family keeps it on the host) and visits the GPU whole
-    assert p.peak[0] == "encode" and abs(p.peak[1] / 118.0 - 1) < TOLERANCE, p.table()
+    # the encoder is offloaded (the family keeps it on the host) and streams in a layer ahead
+    # (models/host_offload.py). The H200's 118.0 GiB encode was a whole visit (2026-12-01): the
+    # plan's encode phase with the whole encoder in place of the streamed share still matches
     row = next(r for r in p.rows if r.component == "text encoder text_encoder")
     assert row.gib == 0 and 45 < row.host_gib < 55
+    visit = next(r for r in p.rows if r.component == "text_encoder, visiting to encode")
+    whole = p.phase("encode") - visit.gib + row.host_gib
+    assert abs(whole / 118.0 - 1) < TOLERANCE, p.table()
+    assert p.peak[0] == "train" and visit.gib < 8, p.table()
 
 
 def test_the_8gpu_recipe_fits(h3_8gpu) -> None:
