@@ -78,7 +78,7 @@ def test_only_frozen_host_modules() -> None:
 
 
 def test_visiting_bytes_counts_the_rest_and_two_blocks() -> None:
-    toy = _frozen().to("meta")  # the planner sizes meta-built encoders
+    toy = _frozen()
     block = (8 * 8 + 8) * 4
     rest = 11 * 8 * 4 + 2 * 8 * 4 + 4  # embedding (tied to the head: once), norm, scale
     assert visiting_bytes(toy) == rest + 2 * block
