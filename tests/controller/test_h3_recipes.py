@@ -26,6 +26,7 @@ pytest.importorskip("diffusers")
 # the recipes' own tiny command (their header), one held-out clip of 2 steps
 TINY = [
     "model.preset=h3-avbench",
+    "model.weights=builtin:avbench_h3",  # the shipped base: its clips follow the keyframes
     "model.dtype=float32",
     "model.height=0",
     "model.width=0",
@@ -85,8 +86,9 @@ def test_fl2va_recipe_trains_with_frozen_conditions(
 ) -> None:
     """Two steps (the old policy refreshes at step 2). Every batch the update trains on holds
     the data stage's keyframe latents, bit for bit (re-hashed against the hashes made where
-    they were encoded), without a gradient; and no gradient reaches them from the actor's
-    velocity, even through a leaf that asks for one."""
+    they were encoded), without a gradient, and the update leaves them as they were; they
+    condition the actor's velocity (first and last swapped give another), and no gradient
+    reaches them from it, even through a leaf that asks for one."""
     seen: list[TrainBatch] = []
     step = ActorEngine.train_step
 
@@ -100,6 +102,11 @@ def test_fl2va_recipe_trains_with_frozen_conditions(
         if not seen:
             sigma = torch.full((len(batch),), 0.5)
             x = noised(batch.x0, sigma, torch.randn_like(batch.x0))
+            with torch.no_grad():  # the keyframes condition the clip ...
+                v = self.velocity(x, sigma, batch.input_ids, cond=batch.cond)
+                v_other = self.velocity(x, sigma, batch.input_ids, cond=batch.cond.flip(1))
+            assert (v - v_other).abs().max() > 1e-4
+            # ... and take no gradient back
             leaf = batch.cond.clone().requires_grad_(True)
             self.velocity(x, sigma, batch.input_ids, cond=leaf).pow(2).mean().backward()
             assert leaf.grad is None
