@@ -17,6 +17,12 @@
 set -uo pipefail
 OUT=${1:?outdir}; DEADLINE=${2:-560}; RECIPES=${3:-h3_t2va_nft}
 source "$(dirname "$0")/gpu_common.sh"
+# gpu_common's DIFFRL drops main()'s exit status; this call reports it
+DIFFRL=(python3 -c "import sys; from diffrl.cli import main; sys.exit(main())")
+for recipe in $RECIPES; do  # refused before any work
+  [[ $recipe =~ ^(h3_t2va_nft|h3_fl2va_nft|ltx2_t2va_nft)$ ]] \
+    || { echo "unknown recipe $recipe (h3_t2va_nft | h3_fl2va_nft | ltx2_t2va_nft)"; exit 2; }
+done
 export PYTHONPATH=/tmp/site:$PWD
 if ! python3 -c "import diffusers" 2>/dev/null; then  # the GPU image has none: the carried wheel
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -46,11 +52,7 @@ fi
 head -n 1 "$OUT/rewards.log"
 
 for recipe in $RECIPES; do
-  case $recipe in
-    h3_*) size=("${SIZE_h3[@]}") ;;
-    ltx2_*) size=("${SIZE_ltx2[@]}") ;;
-    *) echo "unknown recipe $recipe (h3_t2va_nft | h3_fl2va_nft | ltx2_t2va_nft)"; exit 2 ;;
-  esac
+  if [[ $recipe == h3_* ]]; then size=("${SIZE_h3[@]}"); else size=("${SIZE_ltx2[@]}"); fi
   left=$((DEADLINE - SECONDS - 5))
   if (( left < 150 )); then echo "$recipe: skipped, ${left}s of the deadline left"; continue; fi
   mem=""
