@@ -20,19 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
+from diffrl.reward.random_weights import clap_dir, random_imagebind
 from diffrl.reward.scorer import register_scorer
 from diffrl.reward.scorers import build_scorer
 from diffrl.reward.scorers.imagebind import ImageBindAVScorer, ImageBindEmbedder
-from diffrl.reward.scorers.imagebind_net import ImageBindConfig, ImageBindNet
+from diffrl.reward.scorers.imagebind_net import ImageBindConfig
 from diffrl.types import PromptBatch, Trajectory
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -44,72 +43,6 @@ def sync() -> float:
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def random_imagebind(cfg: ImageBindConfig, dtype: torch.dtype) -> ImageBindNet:
-    """Meta-built, then ``to_empty`` on the device and a ViT-style random init (normal 0.02
-    matrices, unit norms, zero biases; the fixed logit scales as the release's)."""
-    with torch.device("meta"):
-        net = ImageBindNet(cfg)
-    net.to_empty(device=DEV)
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            if p.ndim >= 2:
-                nn.init.normal_(p, std=0.02)
-            elif name.endswith("bias") or "bias_" in name:
-                p.zero_()
-            else:
-                p.fill_(1.0)
-        for name, b in net.named_buffers():
-            if name.endswith("log_logit_scale"):
-                b.fill_(math.log(20.0))
-    return net.to(dtype)
-
-
-def byte_tokenizer(folder: Path):
-    """A RoBERTa tokenizer with one token per byte (no merges): the CLAP scorer needs one on
-    disk and none may be downloaded. Texts come out longer than with the real vocabulary."""
-    from transformers import RobertaTokenizer
-
-    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    unprintable = [b for b in range(256) if b not in printable]  # stand-ins from U+0100 up
-    for b in range(256):
-        vocab[chr(b) if b in printable else chr(256 + unprintable.index(b))] = len(vocab)
-    vocab["<mask>"] = len(vocab)
-    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    (folder / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
-    return RobertaTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
-
-
-# the unfused checkpoints' extractor: one mel channel (the default "fusion" makes 4, for the
-# fused model); the scorer crops long clips itself, so the random truncation never runs
-UNFUSED = dict(truncation="rand_trunc", padding="repeatpad")
-
-
-def clap_dir(folder: Path, smoke: bool) -> Path:
-    from transformers import ClapConfig, ClapFeatureExtractor, ClapModel, ClapProcessor
-
-    tok = byte_tokenizer(folder)
-    if smoke:
-        layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-        cfg = ClapConfig(
-            text_config=dict(vocab_size=len(tok), num_attention_heads=2, **layers,
-                             max_position_embeddings=80, projection_dim=16),
-            audio_config=dict(spec_size=64, num_mel_bins=16, patch_size=4, patch_stride=(4, 4),
-                              patch_embeds_hidden_size=16, hidden_size=32, depths=[1, 1],
-                              num_attention_heads=[2, 2], window_size=4, freq_ratio=4,
-                              enable_fusion=False, projection_dim=16),
-            projection_dim=16,
-        )  # fmt: skip
-        fe = ClapFeatureExtractor(feature_size=16, sampling_rate=8000, hop_length=160,
-                                  max_length_s=1, fft_window_size=256, frequency_max=4000,
-                                  **UNFUSED)  # fmt: skip
-    else:
-        cfg, fe = ClapConfig(), ClapFeatureExtractor(**UNFUSED)  # 48 kHz, 10 s windows, 64 mel
-    ClapModel(cfg).save_pretrained(folder)
-    ClapProcessor(feature_extractor=fe, tokenizer=tok).save_pretrained(folder)
-    return folder
 
 
 def clips(n: int, frames: int, h: int, w: int, fps: float, rate: int) -> Trajectory:
@@ -167,13 +100,13 @@ def main() -> None:
     cfg = (ImageBindConfig.tiny if args.smoke else ImageBindConfig.huge)(
         modalities=("vision", "audio")
     )
-    embedder = ImageBindEmbedder(random_imagebind(cfg, dtype))
+    embedder = ImageBindEmbedder(random_imagebind(cfg, DEV, dtype))
     register_scorer("bench_imagebind")(
         lambda **kw: ImageBindAVScorer(embedder=embedder, name="imagebind", **kw)
     )
     traj = clips(args.clips, args.frames, args.height, args.width, args.fps, args.sample_rate)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = clap_dir(Path(tmp), args.smoke)
+        folder = clap_dir(Path(tmp), tiny=args.smoke)
         clap_params = {"path": str(folder), "device": str(DEV), "dtype": args.dtype}
         if args.smoke:
             clap_params["dtype"] = "float32"

@@ -102,11 +102,11 @@ class RewardPool:
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
         self.scorers: list[tuple[ScorerConfig, Scorer]] = []
-        for sc in cfg.scorers:
+        for i, sc in enumerate(cfg.scorers):
             try:
                 self.scorers.append((sc, build_scorer(sc.name, sc.params)))
-            except (KeyError, ValueError) as e:
-                raise DiffrlError(f"reward.scorers: {e}") from None
+            except (KeyError, ValueError, OSError) as e:  # OSError: a local weights path
+                raise DiffrlError(f"reward.scorers[{i}] ({sc.key}): {e}") from None
             declared = getattr(self.scorers[-1][1], "modality", "joint")
             if declared not in REWARD_MODALITIES:
                 raise DiffrlError(

@@ -40,9 +40,9 @@ def require_local_dir(path: str | Path | None, scorer: str, what: str = "checkpo
     p = Path(path).expanduser()
     if not p.is_dir():
         raise FileNotFoundError(
-            f"scorer {scorer!r}: {what} directory {str(p)!r} does not exist or is not a "
-            "directory (diffrl never downloads weights: it loads only from a local path, so a "
-            "hub id is not accepted; download it beforehand and pass the directory)"
+            f"scorer {scorer!r}: params.path, the {what} directory {str(p)!r}, does not exist "
+            "or is not a directory (diffrl never downloads weights: it loads only from a local "
+            "path, so a hub id is not accepted; download it beforehand and pass the directory)"
         )
     return p
 
