@@ -11,6 +11,7 @@
 #     turn comes with under 150 s of DEADLINE_S left is skipped, saying so.
 #   Logs in OUT/<recipe>.log, GPU memory samples in OUT/<recipe>.mem, run directories (metrics,
 #   config, samples; checkpoints removed, GBs) under OUT/runs; the end prints each run's rows.
+# EXTRA="k=v ..." adds overrides to every run (e.g. a smaller step to fit a call).
 # TINY=1 runs the same command lines on the CPU at tiny size (h3-avbench / ltx2-tiny, tiny
 # reward weights): tests/controller/test_h3_recipes.py's check of this script's first stage,
 # and a manual check of the whole (~1 minute a recipe on 2 cores).
@@ -62,7 +63,7 @@ for recipe in $RECIPES; do
   fi
   t0=$SECONDS
   timeout "$left" "${DIFFRL[@]}" train "recipes/$recipe.yaml" "${COMMON[@]}" "${size[@]}" \
-    "run.out_dir=$OUT/runs" "$REWARDS" > "$OUT/$recipe.log" 2>&1
+    "run.out_dir=$OUT/runs" "$REWARDS" ${EXTRA:-} > "$OUT/$recipe.log" 2>&1
   rc=$?
   [[ -n $mem ]] && kill "$mem"
   echo "$recipe: exit $rc after $((SECONDS - t0)) s"  # 124: the deadline
