@@ -31,7 +31,6 @@ so the run's numbers do not change. Eval rollouts are not counted.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -124,8 +123,10 @@ class FrozenFlops:
 def measure_frozen(model, rewards, traj, device: torch.device) -> FrozenFlops:
     """Runs one prompt row's encode (uncached), one sample's decode and its scoring under
     ``FlopCount``. The random state is forked (a scorer that draws leaves the run's stream as
-    it was). A scorer's ``score_sync`` is counted in this thread; one without it is awaited,
-    and what it hands to other threads or hosts is not seen."""
+    it was). A scorer is counted through its ``score_sync`` (the in-process model scorers),
+    in this thread; one without it (HTTP, a VLM judge, an async-only scorer) counts 0 and is
+    not called, so a server sees no extra request. A scorer that raises here counts 0: the
+    pool's own call decides what its failure means."""
     one = select_rows(traj, torch.tensor([0]))
     net, family = model.net, model.family
     devices = [device] if device.type == "cuda" else []
@@ -136,14 +137,14 @@ def measure_frozen(model, rewards, traj, device: torch.device) -> FrozenFlops:
         dec = counted(lambda: family.decode(one.x0.to(device)))
         rew = 0.0
         for _, scorer in rewards.scorers if rewards is not None else ():
-            rew += counted(_scoring(scorer, one))
+            score = getattr(scorer, "score_sync", None)
+            if score is None:
+                continue
+            try:
+                rew += counted(lambda s=score: s(one))
+            except Exception:  # counted 0; the pool's own call reports the failure
+                continue
     return FrozenFlops(enc, dec, rew)
-
-
-def _scoring(scorer, traj):
-    """One scoring of ``traj`` by ``scorer``, in this thread where the scorer can."""
-    sync = getattr(scorer, "score_sync", None)
-    return (lambda: sync(traj)) if sync else lambda: asyncio.run(scorer.score(traj))
 
 
 def step_flops(parts, scored, frozen: FrozenFlops | None, encoded: int) -> dict[str, float]:

@@ -947,10 +947,11 @@ class MiniMaxH3Family(TakesConditions, EncodesClips, HasModalities, HasReference
         the reference soundtrack), and the target audio and video rows. Per row: every
         block's q/k/v/out and SwiGLU, both output heads (each runs over every row); attention
         4 S^2 d per block; the token refiner over the text rows; the input projections over
-        their modality's rows. Per call (the net makes one per distinct text length, as in a
-        rollout step; training's one per sample is the same count when lengths differ) the
-        time MLP and the adaLN tables over its distinct times: target video and text, target
-        audio (unless the shifts are equal), each kind of conditioning row."""
+        their modality's rows. Per call, taken as one per distinct text length (a rollout
+        step's grouping; training calls once per sample, a sigma each, which this undercounts
+        by the per-call terms only, under 0.1% at real size): the time MLP and the adaLN
+        tables over the call's distinct times (target video and text, target audio unless the
+        shifts are equal, each kind of conditioning row)."""
         from diffrl.models.family import attention_flops, linear_flops
 
         net, cfg = self.net, self.net.transformer.config
