@@ -83,8 +83,9 @@ class BenchResult:
     # the epoch's parts, mean seconds per repeat: "rollout" (sampling with scoring beside it),
     # "update"; the baseline's "baseline_rollout", "baseline_score", "baseline_update"
     split: dict[str, float] = field(default_factory=dict)
-    # pipeline: stage -> (mean seconds, model FLOPs); ``hw_flops`` the whole step's hardware
-    stages: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # pipeline: stage -> (mean seconds, model FLOPs, hardware FLOPs); ``hw_flops`` the whole
+    # step's hardware FLOPs (model FLOPs plus activation checkpointing's recompute)
+    stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     hw_flops: float = 0.0
 
     @property
@@ -109,11 +110,15 @@ class BenchResult:
             out[f"bench/{self.kind}/speedup"] = self.baseline_seconds / self.seconds
         for part, secs in self.split.items():
             out[f"bench/{self.kind}/{part}_seconds"] = secs
-        for stage, (secs, fl) in self.stages.items():
+        for stage, (secs, fl, hw) in self.stages.items():
             out[f"bench/{self.kind}/{stage}/seconds"] = secs
-            out[f"bench/{self.kind}/{stage}/tflop"] = fl / 1e12
+            out[f"bench/{self.kind}/{stage}/tflop"] = fl / 1e12  # model FLOPs
             if secs > 0:
                 out[f"bench/{self.kind}/{stage}/mfu"] = fl / secs / self.peak_flops
+            if stage == "train" or hw != fl:  # hardware FLOPs: the recompute counted
+                out[f"bench/{self.kind}/{stage}/hw_tflop"] = hw / 1e12
+                if secs > 0:
+                    out[f"bench/{self.kind}/{stage}/hw_mfu"] = hw / secs / self.peak_flops
         if self.hw_flops:
             out[f"bench/{self.kind}/hw_mfu"] = self.hw_flops / self.seconds / self.peak_flops
         return out
@@ -269,7 +274,7 @@ def pipeline(parts: Engines, repeats: int, peak: float) -> BenchResult:
         "reward": n * per.reward,
         "train": train,
     }
-    stages = {k: (secs[k], fl[k]) for k in flops.STAGES}
+    stages = {k: (secs[k], fl[k], train_hw if k == "train" else fl[k]) for k in flops.STAGES}
     total = sum(fl.values())
     steps = len(traj.sigmas) - 1
     return BenchResult(

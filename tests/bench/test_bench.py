@@ -303,7 +303,8 @@ def test_pipeline_counts_every_stage(tmp_path) -> None:
         assert rows[f"bench/pipeline/{stage}/tflop"] == pytest.approx(fl / 1e12, rel=1e-6)
     assert min(want["encode"], want["decode"]) > 0
     assert r.stages["train"][1] > 0 and r.hw_flops == r.flops  # no checkpointing: no recompute
-    assert r.flops == pytest.approx(sum(fl for _, fl in r.stages.values()))
+    assert r.flops == pytest.approx(sum(fl for _, fl, _ in r.stages.values()))
+    assert rows["bench/pipeline/train/hw_tflop"] == rows["bench/pipeline/train/tflop"]
     for stage in ("encode", "rollout", "decode", "reward", "train"):
         assert r.stages[stage][0] > 0, stage
     assert 0 < rows["bench/pipeline/mfu"] == pytest.approx(r.flops / r.seconds / r.peak_flops)
