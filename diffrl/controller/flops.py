@@ -193,7 +193,8 @@ class PipelinePerf:
     - ``perf/tflop/<stage>``: model FLOPs of the step's stage, in TFLOP (``train_hw``: the
       update's hardware FLOPs);
     - ``perf/pipeline_tflops``: model FLOPs of every step so far over the wall seconds since the
-      loop started (the window of ``perf/samples_per_s``);
+      loop started (the window of ``perf/samples_per_s``; held-out evals and checkpoints take
+      wall time there whose work is not counted);
     - ``perf/pipeline_mfu``, ``perf/pipeline_hw_mfu``: model and hardware FLOP/s over the
       matmul ceiling measured at start on the GPU in the model's dtype; on a CPU no MFU is
       logged (FLOP/s only: a CPU's matmul rate is no ceiling the run is held to).
