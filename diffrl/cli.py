@@ -238,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser(
-        "bench", help="throughput, step latency and MFU of a recipe's engines (rollout|train|epoch)"
+        "bench",
+        help="throughput, step latency and MFU of a recipe's engines "
+        "(rollout|train|epoch|pipeline)",
     )
-    p.add_argument("kind", choices=("rollout", "train", "epoch"))
+    p.add_argument("kind", choices=("rollout", "train", "epoch", "pipeline"))
     p.add_argument("args", nargs="*", help="[RECIPE.yaml] [key=value ...]")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-loop baseline")

@@ -20,6 +20,13 @@ builds do per second, and at what MFU.
 - ``epoch``: rollout, scoring and update, as the training loop runs one step. The baseline is
   the loop a diffusers script runs, its three parts one after another, each timed on its own:
   the plain rollout loop, scoring the rollout's samples, and the baseline update on the batch.
+- ``pipeline``: MFU stage by stage and over the whole step (``diffrl.controller.flops`` says
+  what each stage counts). Each stage is timed alone: ``encode`` (the text encoders on the
+  step's prompts, uncached), ``rollout`` (the engine's sampling: its whole call less the
+  ``decode`` timed alone), ``decode``, ``reward`` (scoring the rollout's samples), ``train``
+  (the update). The whole pipeline is the epoch as the loop runs it (its encodes cached after
+  the warm-up) plus the encode stage: its model FLOPs and its hardware FLOPs (the update's
+  recompute under activation checkpointing added) over those seconds. No baseline.
 
 Each timing is a mean over ``repeats`` after a warm-up that runs every shape once (kernels,
 allocator, compiled graphs): a whole rollout and scoring (also the batch the update trains on),
@@ -27,13 +34,16 @@ an update on the batch's first micro-batch and its last, shorter one (``warmup_b
 plain-loop call.
 
 MFU = useful FLOPs / seconds / peak. FLOPs come from the family's analytic count (checked against
-torch's FLOP counter in tests/models/test_flops.py). The peak is the matmul rate measured here,
-in the model's dtype. Rollout: every forward row (x2 with CFG) at every step. Train, per trained
-timestep of a sample: the policy's forward and its backward through frozen weights (input
-gradients only, one forward's worth), plus each no-grad forward the loss makes: NFT's old
-policy, a KL reference, DPO's reference; x2 where the loss runs CFG's two branches (FlowGRPO on
-a CFG rollout). That backward count is a floor: attention's backward takes two forwards' worth
-(both its operands are activations), so train MFU reads a few percent low.
+torch's FLOP counter in tests/models/test_flops.py), at the text length and with the
+conditioning rows each forward has. The peak is the matmul rate measured here, in the model's
+dtype: on a GPU its bf16/fp32 GEMM ceiling; on a CPU the rate of a 1024 x 1024 matmul on the
+CPU (so a CPU's MFU is against its own measured matmul rate, not a datasheet). Rollout: every
+forward row (x2 with CFG) at every step. Train, per trained timestep of a sample: the policy's
+forward and its backward through frozen weights (input gradients only, one forward's worth),
+plus each no-grad forward the loss makes: NFT's old policy, a KL reference, DPO's reference;
+x2 where the loss runs CFG's two branches (FlowGRPO on a CFG rollout). That backward count is
+a floor: attention's backward takes two forwards' worth (both its operands are activations),
+so train MFU reads a few percent low.
 """
 
 from __future__ import annotations
@@ -50,13 +60,15 @@ from diffrl.algorithms.registry import Algorithm, Backward
 from diffrl.backends import build_engines
 from diffrl.build import Engines, actor_targets
 from diffrl.config import Config
+from diffrl.controller import flops
+from diffrl.controller.flops import matmul_rate
 from diffrl.controller.step import rollout_and_score
 from diffrl.errors import ConfigError
 from diffrl.models.registry import load_model
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.types import TrainBatch
 
-KINDS = ("rollout", "train", "epoch")
+KINDS = ("rollout", "train", "epoch", "pipeline")
 
 
 @dataclass
@@ -71,6 +83,10 @@ class BenchResult:
     # the epoch's parts, mean seconds per repeat: "rollout" (sampling with scoring beside it),
     # "update"; the baseline's "baseline_rollout", "baseline_score", "baseline_update"
     split: dict[str, float] = field(default_factory=dict)
+    # pipeline: stage -> (mean seconds, model FLOPs, hardware FLOPs); ``hw_flops`` the whole
+    # step's hardware FLOPs (model FLOPs plus activation checkpointing's recompute)
+    stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    hw_flops: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -94,6 +110,17 @@ class BenchResult:
             out[f"bench/{self.kind}/speedup"] = self.baseline_seconds / self.seconds
         for part, secs in self.split.items():
             out[f"bench/{self.kind}/{part}_seconds"] = secs
+        for stage, (secs, fl, hw) in self.stages.items():
+            out[f"bench/{self.kind}/{stage}/seconds"] = secs
+            out[f"bench/{self.kind}/{stage}/tflop"] = fl / 1e12  # model FLOPs
+            if secs > 0:
+                out[f"bench/{self.kind}/{stage}/mfu"] = fl / secs / self.peak_flops
+            if stage == "train" or hw != fl:  # hardware FLOPs: the recompute counted
+                out[f"bench/{self.kind}/{stage}/hw_tflop"] = hw / 1e12
+                if secs > 0:
+                    out[f"bench/{self.kind}/{stage}/hw_mfu"] = hw / secs / self.peak_flops
+        if self.hw_flops:
+            out[f"bench/{self.kind}/hw_mfu"] = self.hw_flops / self.seconds / self.peak_flops
         return out
 
 
@@ -103,22 +130,11 @@ def sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 10) -> float:
-    """FLOP/s of an n x n matmul in ``dtype`` here: the MFU denominator."""
-    n = n or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    t = sync(device)
-    for _ in range(reps):
-        a @ b
-    return 2 * n**3 * reps / (sync(device) - t)
-
-
-def rollout_flops(parts: Engines, samples: int) -> tuple[float, int]:
+def rollout_flops(parts: Engines, traj) -> tuple[float, int]:
+    """The DiT FLOPs of sampling ``traj`` (every step, CFG's rows beside, micro-batched as the
+    engine runs it) and its sampler steps."""
     r = parts.cfg.rollout
-    rows = samples * (2 if r.cfg_scale > 1 else 1)
-    return rows * r.num_steps * parts.rollout.family.flops(1), r.num_steps
+    return flops.rollout_flops(parts.rollout.family, traj, r.max_batch), len(traj.sigmas) - 1
 
 
 def _timed(fn, device: torch.device, repeats: int, warmup=None) -> float:
@@ -149,23 +165,30 @@ def bench(
     prompts = parts.prompts.at(0)
     n = len(prompts) * cfg.rollout.group_size
 
+    sampled = []  # the warm-up's trajectory: what the FLOPs are counted on
+
     def rollout() -> None:
         asyncio.run(parts.rollout.generate(prompts, seed=1))
+
+    def first_rollout() -> None:
+        sampled.append(asyncio.run(parts.rollout.generate(prompts, seed=1)))
 
     def scored():
         return asyncio.run(rollout_and_score(parts, 0))[0]
 
+    if kind == "pipeline":
+        return pipeline(parts, repeats, peak)
     if kind == "rollout":
-        secs = _timed(rollout, dev, repeats)
+        secs = _timed(rollout, dev, repeats, warmup=first_rollout)
         if profile:
             write_profile(profile, rollout, dev)
-        flops, steps = rollout_flops(parts, n)
+        fl, steps = rollout_flops(parts, sampled[0])
         base = _plain_loop_seconds(parts, repeats) if baseline else None
-        return BenchResult(kind, secs, n, flops, peak, steps, base)
+        return BenchResult(kind, secs, n, fl, peak, steps, base)
     first = scored()  # the rollout's and the scorers' warm-up
     batch = parts.algorithm.prepare(first, cfg.algorithm)
-    # forward-equivalents per trained sample, as the algorithm counts them
-    train_fwd = parts.algorithm.train_cost(cfg.algorithm, batch).passes * fam.flops(1)
+    # forward-equivalents of the trained samples, as the algorithm counts them
+    train_fl = flops.train_flops(fam, parts.algorithm, cfg.algorithm, batch, False)[0]
     head = warmup_batch(batch, cfg.actor.micro_batch)
 
     def update(rows: TrainBatch = batch) -> None:
@@ -176,7 +199,7 @@ def bench(
         if profile:
             write_profile(profile, update, dev)
         base = _baseline_train_seconds(parts, batch, repeats) if baseline else None
-        return BenchResult(kind, secs, len(batch), len(batch) * train_fwd, peak, 0, base)
+        return BenchResult(kind, secs, len(batch), train_fl, peak, 0, base)
 
     timing = {"rollout": 0.0, "update": 0.0}
 
@@ -192,7 +215,7 @@ def bench(
     split = dict(timing)  # the timed repeats only, not the profile's run below
     if profile:
         write_profile(profile, epoch, dev)
-    flops, steps = rollout_flops(parts, n)
+    fl, steps = rollout_flops(parts, first.traj)
     base = None
     if baseline:
 
@@ -203,7 +226,61 @@ def bench(
         split["baseline_score"] = _timed(score, dev, repeats)
         split["baseline_update"] = _baseline_train_seconds(parts, batch, repeats)
         base = split["baseline_rollout"] + split["baseline_score"] + split["baseline_update"]
-    return BenchResult(kind, secs, n, flops + n * train_fwd, peak, steps, base, split)
+    return BenchResult(kind, secs, n, fl + train_fl, peak, steps, base, split)
+
+
+def pipeline(parts: Engines, repeats: int, peak: float) -> BenchResult:
+    """``diffrl bench pipeline`` on built engines: each stage timed alone and counted, then the
+    whole epoch; MFU against ``peak`` FLOP/s."""
+    cfg, dev = parts.cfg, parts.device
+    model, prompts = parts.rollout.model, parts.prompts.at(0)
+    fam, n = model.family, len(prompts) * cfg.rollout.group_size
+    first, _ = asyncio.run(rollout_and_score(parts, 0))  # warms every stage; media for scoring
+    traj = first.traj
+    per = flops.measure_frozen(model, parts.rewards, traj, dev)
+    encode = getattr(model.net, "_encode", None)  # a diffusers net's uncached encode
+    x0 = traj.x0.to(dev)
+    batch = parts.algorithm.prepare(first, cfg.algorithm)
+    head = warmup_batch(batch, cfg.actor.micro_batch)
+
+    def generate() -> None:
+        asyncio.run(parts.rollout.generate(prompts, seed=1))
+
+    def score() -> None:
+        asyncio.run(parts.rewards.score(traj))
+
+    def update() -> None:
+        parts.actor.train_step(batch)
+
+    def epoch() -> None:
+        rows = parts.algorithm.prepare(asyncio.run(rollout_and_score(parts, 0))[0], cfg.algorithm)
+        parts.actor.train_step(rows)
+
+    secs = {
+        "encode": _timed(lambda: encode(prompts.input_ids), dev, repeats) if encode else 0.0,
+        "decode": _timed(lambda: fam.decode(x0), dev, repeats),
+        "rollout": _timed(generate, dev, repeats),
+        "reward": _timed(score, dev, repeats),
+        "train": _timed(update, dev, repeats, warmup=lambda: parts.actor.train_step(head)),
+    }
+    secs["rollout"] = max(secs["rollout"] - secs["decode"], 0.0)  # sampling: less its decode
+    whole = _timed(epoch, dev, repeats) + secs["encode"]
+    ckpt = cfg.actor.activation_checkpointing
+    train, train_hw = flops.train_flops(fam, parts.algorithm, cfg.algorithm, batch, ckpt)
+    fl = {
+        "encode": len(prompts) * per.encode,
+        "rollout": rollout_flops(parts, traj)[0],
+        "decode": n * per.decode,
+        "reward": n * per.reward,
+        "train": train,
+    }
+    stages = {k: (secs[k], fl[k], train_hw if k == "train" else fl[k]) for k in flops.STAGES}
+    total = sum(fl.values())
+    steps = len(traj.sigmas) - 1
+    return BenchResult(
+        "pipeline", whole, n, total, peak, steps, stages=stages,
+        hw_flops=total - train + train_hw,
+    )  # fmt: skip
 
 
 # kernel kinds by name, in order (the first that matches): what a profile's device time went to

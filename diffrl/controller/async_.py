@@ -63,6 +63,7 @@ from diffrl.build import Engines
 from diffrl.channel import Channel
 from diffrl.config import Config
 from diffrl.controller.dead_steps import DeadSteps
+from diffrl.controller.flops import PipelinePerf
 from diffrl.controller.midsync import bound_version, check_midsync, step_staleness
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.run_start import RunStart, started
@@ -307,6 +308,7 @@ async def _train_async(cfg: Config, parts: Engines, run: RunDir, start: int, wal
             steps, initial=start, total=cfg.run.steps, desc="diffrl train (async)",
             disable=not ranks.primary,
         )  # fmt: skip
+        flops = PipelinePerf(parts)  # perf/tflop/*, perf/pipeline_*
         t_rate = time.time()
         dead = DeadSteps(cfg.run.max_dead_steps)  # updates running that changed nothing
         with StopSignals() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 0
@@ -323,6 +325,7 @@ async def _train_async(cfg: Config, parts: Engines, run: RunDir, start: int, wal
                 done = step + 1
                 metrics.update(record.metrics)
                 metrics.update(perf_metrics(samples, t_rate, t0))
+                metrics.update(flops.step(record.scored, t_rate))
                 metrics.update({"async/policy_version": record.version, **bound.metrics()})
                 metrics.update(work)
                 metrics = ranks.mean(metrics)  # the whole batch's, under torchrun

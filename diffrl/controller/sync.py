@@ -29,6 +29,7 @@ from diffrl.algorithms.registry import WeightPlan
 from diffrl.build import Engines
 from diffrl.config import Config
 from diffrl.controller.dead_steps import DeadSteps
+from diffrl.controller.flops import PipelinePerf
 from diffrl.controller.run_dir import RunDir
 from diffrl.controller.run_start import RunStart, started
 from diffrl.controller.signals import StopSignals
@@ -141,6 +142,7 @@ async def _train_sync(cfg: Config, parts: Engines, run: RunDir, start: int, wall
         disable=not parts.ranks.primary,
     )  # fmt: skip
     new_update = StreamedUpdate if cfg.run.stream_train else StepUpdate
+    flops = PipelinePerf(parts)  # perf/tflop/*, perf/pipeline_*
     t_rate = time.time()
     prefetch = None  # step k+1's rollout, started early when update k cannot change its weights
     dead = DeadSteps(cfg.run.max_dead_steps)  # updates running that changed nothing
@@ -160,6 +162,7 @@ async def _train_sync(cfg: Config, parts: Engines, run: RunDir, start: int, wall
             done = step + 1
             metrics.update(r_metrics)
             metrics.update(perf_metrics(samples, t_rate, t0))
+            metrics.update(flops.step(scored, t_rate))
             metrics = parts.ranks.mean(metrics)  # the whole batch's, under torchrun
             last, eval_m = await close_step(
                 parts, run, stop, bar, done, metrics, t0, eval_m,

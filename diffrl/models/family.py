@@ -74,8 +74,31 @@ class ModelFamily(Protocol):
     def serving_layout(self, model: nn.Module):  # re-lays the rollout copy; returns a SlotMap
         ...
 
-    def flops(self, batch: int) -> float:  # analytic FLOPs of one forward over `batch` samples
+    def flops(
+        self, batch: int, input_ids: Tensor | None = None, cond: Tensor | None = None
+    ) -> float:  # model FLOPs of one forward over ``batch`` samples (what counts: below)
         ...
+
+
+# What ``flops`` counts, the way torch.utils.flop_counter.FlopCounterMode counts it (the tests
+# hold each family to the counter, tests/models/test_flops.py): every matmul at 2 FLOPs per
+# multiply-add (Linear, bmm, convolution), and attention as its two matmuls, QK^T and PV,
+# 4 N_q N_k d per attention (d = heads x head width). Neither counts elementwise work (norms,
+# activations, softmax, RoPE, modulation, residual adds), embedding lookups or index copies.
+# These are model FLOPs of the forward; recompute under activation checkpointing is counted by
+# ``diffrl.bench.flops`` (hardware FLOPs), not here. ``input_ids`` (batch, L): the forward's
+# prompt rows, for families whose sequence follows the real text length (default: the longest
+# text the family takes); ``cond``: the per-row conditions the forward packs (FL2VA keyframes).
+
+
+def linear_flops(rows: float, d_in: float, d_out: float) -> float:
+    """A Linear (or a 1x1 conv, or a patch conv with d_in = C p^2) over ``rows`` rows."""
+    return 2.0 * rows * d_in * d_out
+
+
+def attention_flops(n_q: float, n_k: float, d: float) -> float:
+    """QK^T and PV of one attention: n_q queries over n_k keys, d = heads x head width."""
+    return 4.0 * n_q * n_k * d
 
 
 # --- optional capabilities: a family declares each by subclassing it ----------------------------
@@ -190,7 +213,7 @@ class FamilySpec:
         return self.family_class.serving_layout
 
     @property
-    def flops(self) -> Callable[..., float]:  # (family, batch) -> FLOPs of one forward
+    def flops(self) -> Callable[..., float]:  # (family, batch, ids, cond) -> one forward's
         return self.family_class.flops
 
 

@@ -26,7 +26,7 @@ def cfg_for(tiny_checkpoint, tmp_path, *extra):
     return load_config("recipes/shapes_nft.yaml", over)
 
 
-@pytest.mark.parametrize("kind", B.KINDS)
+@pytest.mark.parametrize("kind", ("rollout", "train", "epoch"))
 def test_each_kind_reports_consistent_figures(kind, tiny_checkpoint, tmp_path) -> None:
     cfg = cfg_for(tiny_checkpoint, tmp_path)
     r = B.bench(kind, cfg, repeats=1)
@@ -224,3 +224,88 @@ def test_the_epoch_reports_its_parts_and_the_baselines(tiny_checkpoint, tmp_path
     assert all(p > 0 for p in parts) and sum(parts) <= r.seconds * 1.05 + 1e-3
     base = [rows[f"bench/epoch/baseline_{p}_seconds"] for p in ("rollout", "score", "update")]
     assert sum(base) == pytest.approx(r.baseline_seconds)
+
+
+def test_hardware_flops_count_the_recompute(tmp_path) -> None:
+    """Under actor.activation_checkpointing every backward reruns its forward: hardware FLOPs
+    are the model FLOPs plus one forward per backward (``train_flops``). Counted by torch as in
+    the test above (forwards of the actor's own model, LoRA included, as the unit), the
+    hardware count is within 20% below the checkpointed update's, as the model count is below
+    the plain one's; the model count alone would fall further short by the recompute."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from diffrl.controller.flops import train_flops
+
+    cfg = sd35_tiny_grpo(
+        tmp_path, "model.dtype=float32", "algorithm.kl_coef=0.04",
+        "actor.activation_checkpointing=true",
+    )  # fmt: skip
+    parts, batch = scored_batch(cfg)
+    model = parts.actor.model
+    one, update = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    x = torch.randn(2, *model.family.latent_shape())
+    with sdpa_kernel(SDPBackend.MATH):
+        with torch.no_grad(), one:
+            model(x, torch.full((2,), 0.5), batch.input_ids[:2])
+        with update:
+            parts.actor.train_step(batch)
+    per_row, counted = one.get_total_flops() / 2, update.get_total_flops()
+    cost = parts.algorithm.train_cost(cfg.algorithm, batch)
+    fam = model.family
+    plain, hw = train_flops(fam, parts.algorithm, cfg.algorithm, batch, checkpointing=True)
+    assert hw - plain == cost.backwards * fam.flops(len(batch), batch.input_ids)
+    assert 0.8 < len(batch) * (cost.passes + cost.backwards) * per_row / counted <= 1.0
+    assert len(batch) * cost.passes * per_row / counted < 0.8
+
+
+def test_pipeline_counts_every_stage(tmp_path) -> None:
+    """``diffrl bench pipeline`` on SD3.5 (tiny, CFG 4.5, FlowGRPO): every stage timed and
+    counted. The text encoders (CLIP-L, CLIP-G, T5) on the step's prompts and the VAE decode
+    on every sample, each as torch's counter counts one row of it; the rollout as one guided
+    call of the rollout's model (both CFG branches, counted) at each sampler step; the update
+    as the algorithm's forward-equivalents; JPEG compressibility has no matmul. The whole
+    step's MFU is the FLOPs of the stages over the epoch plus its encodes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from diffrl.rollout.samplers import guided_velocity
+
+    cfg = sd35_tiny_grpo(tmp_path, "model.dtype=float32")
+    parts = build(cfg)
+    r = B.pipeline(parts, repeats=1, peak=B.matmul_rate(parts.device, torch.float32))
+    rows = r.rows()
+    model, prompts = parts.rollout.model, parts.prompts.at(0)
+    n = len(prompts) * cfg.rollout.group_size
+
+    def count(fn) -> float:
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as c:
+            fn()
+        return c.get_total_flops()
+
+    ids = prompts.input_ids
+    x = torch.randn(n, *model.family.latent_shape())
+    sigma = torch.full((n,), 0.5)
+
+    def step() -> None:
+        rows = ids.repeat_interleave(cfg.rollout.group_size, 0)
+        guided_velocity(model, x, sigma, rows, cfg.rollout.cfg_scale, parts.rollout.null_ids)
+
+    per_step = count(step)  # the encodes are cached (the bench ran): a sampler step's state
+    want = {
+        "encode": len(ids) * count(lambda: model.net._encode(ids[:1])),
+        "decode": n * count(lambda: model.family.decode(x[:1])),
+        "rollout": cfg.rollout.num_steps * per_step,
+        "reward": 0.0,
+    }
+    for stage, fl in want.items():
+        assert r.stages[stage][1] == pytest.approx(fl, rel=1e-6), stage
+        assert rows[f"bench/pipeline/{stage}/tflop"] == pytest.approx(fl / 1e12, rel=1e-6)
+    assert min(want["encode"], want["decode"]) > 0
+    assert r.stages["train"][1] > 0 and r.hw_flops == r.flops  # no checkpointing: no recompute
+    assert r.flops == pytest.approx(sum(fl for _, fl, _ in r.stages.values()))
+    assert rows["bench/pipeline/train/hw_tflop"] == rows["bench/pipeline/train/tflop"]
+    for stage in ("encode", "rollout", "decode", "reward", "train"):
+        assert r.stages[stage][0] > 0, stage
+    assert 0 < rows["bench/pipeline/mfu"] == pytest.approx(r.flops / r.seconds / r.peak_flops)
+    assert 0 < rows["bench/pipeline/rollout/mfu"] < 1

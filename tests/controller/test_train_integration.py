@@ -124,6 +124,24 @@ def test_lora_trained_and_old_refreshed(runs) -> None:
     assert json.loads((ckpt / "controller.json").read_text())["step"] == 3
 
 
+def test_perf_flops_per_stage(runs) -> None:
+    """perf/tflop/* (diffrl.controller.flops): the tiny DiT embeds its own ids (no encoder),
+    its decode is a cast and the shapes verifier has no matmul, so the step's FLOPs are the
+    rollout's forwards (8 samples x 3 steps, no CFG) and NFT's update (old, forward and backward
+    per trained timestep); FLOP/s is logged, and no MFU on a CPU (no matmul ceiling measured)."""
+    from diffrl.models.registry import load_model
+
+    cfg = runs["cfg"]
+    forward = load_model(cfg.model).family.flops(1) / 1e12
+    samples = cfg.data.prompts_per_step * cfg.rollout.group_size
+    for r in read_metrics(runs["first"])[1:]:
+        assert r["perf/tflop/rollout"] == pytest.approx(samples * 3 * forward)
+        train = samples * 3 * cfg.algorithm.timesteps_per_sample * forward
+        assert r["perf/tflop/train"] == pytest.approx(train) == r["perf/tflop/train_hw"]
+        assert r["perf/tflop/encode"] == r["perf/tflop/decode"] == r["perf/tflop/reward"] == 0
+        assert r["perf/pipeline_tflops"] > 0 and "perf/pipeline_mfu" not in r
+
+
 def test_resume_continues_from_the_checkpoint(runs) -> None:
     root = runs["resumed"]
     rows = read_metrics(root)

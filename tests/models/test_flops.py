@@ -1,37 +1,51 @@
-"""Each family's analytic ``flops(batch)`` against torch's own FLOP counter
-(``FlopCounterMode``) on the same transformer forward, at real size on the ``meta`` device:
-shapes only, so a 33 B transformer costs no memory and no arithmetic.
+"""Each family's analytic ``flops(batch, input_ids, cond)`` against torch's own FLOP counter
+(``FlopCounterMode``) on the same transformer forward:
+
+- at real size on the ``meta`` device (shapes only, so a 33 B transformer costs no memory
+  and no arithmetic), and
+- on each family's tiny preset on the CPU (real arithmetic, milliseconds), where the
+  per-sample terms (adaLN tables, time MLPs) weigh most, with prompts of different lengths
+  (the text rows Qwen-Image and MiniMax-H3 run at) and the conditioned forwards (H3's FL2VA
+  keyframe rows and Ref2VA reference rows, LTX-2's I2AV and FL2VA frames).
 
 Only the transformer is counted. ``flops`` leaves the text encoders out because they run once
 per prompt and are cached, so each case puts its prompt's text conditions in the encode cache
-first (the state of every denoising step after a prompt's first), builds no encoder at all,
-and reads the count at the transformer's module path.
+first (the state of every denoising step after a prompt's first) and reads the count at the
+transformer's module path.
 
-On meta, SDPA takes its math path (two bmm, which the counter counts); the CPU's fused SDPA
-kernel has no FLOP formula, so attention would silently count as 0 there.
+What is counted, on both sides: matmuls (Linear, bmm, convolution) at 2 FLOPs per
+multiply-add, and attention as its two matmuls (4 N_q N_k d). FlopCounterMode has no formula
+for elementwise work (norms, activations, softmax, RoPE, modulation), embedding lookups or
+index copies, so the analytic counts leave them out too. SDPA runs on its math path (two bmm,
+which the counter counts): the CPU's fused SDPA kernel has no FLOP formula, so attention would
+silently count as 0 there (on a GPU the flash/efficient/cuDNN kernels have formulas).
 
-TOLERANCE: the analytic counts are the per-token Linears and the attention by sequence length;
-what they leave out is per sample (adaLN modulation, timestep and pooled-text embeddings) or,
-in some families, the patch embedding and final projection, all under 1% at real size (the
-tiny DiT, 76 tokens, is the furthest off: 0.9915). 5% holds every family with room to spare,
-and a count off by 10% fails.
+TOLERANCE: 0.5%. Every matmul the forward runs is in the formulas, so today they agree to
+rounding; the margin is for a diffusers change to a per-sample term. Before this count
+(2026-12-05) the formulas were up to 49% off on the tiny presets (Qwen-Image's text taken at
+its padded length, H3's keyframe rows and second output head missing), and a count 1% off
+fails.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from diffrl.models.families import flux, ltx2, minimax_h3, qwen_image, sd3, tiny_dit, wan
 from diffrl.models.families._diffusers import TINY_WORDS, word_tokenizer
 from diffrl.models.family import FamilyModel, hash_rows
+from diffrl.models.registry import ModelConfig, load_model
 from diffrl.models.tiny_dit import TinyDiTConfig
 
-TOLERANCE = 0.05
+TOLERANCE = 0.005
 BATCH = 2
 META = torch.device("meta")
 TRANSFORMER = "FamilyModel.net.transformer"  # FlopCounterMode's key: the module path
@@ -249,3 +263,64 @@ def test_tiny_dit_flops_match_the_counter() -> None:
     ids = torch.ones(BATCH, model.family.arch.max_text_len, dtype=torch.long, device=META)
     sigma = torch.full((BATCH,), 0.5, device=META)
     assert_flops_match(model, lambda: model(x, sigma, ids), "FamilyModel.net")
+
+
+# --- the tiny presets, on the CPU -------------------------------------------------------------
+
+TINY = ("sd35-tiny", "flux1-tiny", "qwen-image-tiny", "wan-tiny", "ltx2-tiny", "h3-tiny")
+PROMPTS = ["a red circle on the left of a big blue square", "two squares"]  # different lengths
+
+
+@functools.cache
+def tiny_model(preset: str) -> FamilyModel:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return load_model(ModelConfig(preset=preset))
+
+
+def tiny_conds(model: FamilyModel) -> dict[str, Tensor | None]:
+    """The family's conditioned forwards beside T2V(A): name -> ``cond`` rows for 2 samples."""
+    net, out = model.net, {"text only": None}
+    if model.family.name == "minimax_h3":
+        c, _, h, w = net.video_shape
+        out["fl2va"] = torch.randn(len(PROMPTS), 2, c, 1, h, w)
+        out["ref2va"] = torch.randn(len(PROMPTS), c * h * w + math.prod(net.audio_shape))
+    if model.family.name == "ltx2":
+        c, _, h, w = model.family.geometry.video
+        out["i2av"] = torch.randn(len(PROMPTS), 1, c, 1, h, w)
+        out["fl2va"] = torch.randn(len(PROMPTS), 2, c, 1, h, w)
+    return out
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_tiny_preset_flops_match_the_counter(preset: str) -> None:
+    pytest.importorskip("diffusers")
+    model = tiny_model(preset)
+    ids = model.family.tokenize(PROMPTS).input_ids
+    x = torch.randn(len(PROMPTS), *model.family.latent_shape())
+    sigma = torch.full((len(PROMPTS),), 0.3)
+    for name, cond in tiny_conds(model).items():
+        args = (x, sigma, ids) if cond is None else (x, sigma, ids, cond)
+        with torch.no_grad():
+            model(*args)  # fills the encode cache: the count is a denoising step's
+            with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+                model(*args)
+        counted = sum(counter.get_flop_counts()[TRANSFORMER].values())
+        ratio = model.family.flops(len(PROMPTS), ids, cond) / counted
+        assert abs(ratio - 1) < TOLERANCE, f"{preset} {name}: analytic / counted = {ratio:.4f}"
+
+
+def test_text_length_and_keyframe_rows_count() -> None:
+    """The corrections the tiny counts rest on, stated directly: H3's sequence follows each
+    row's real text length, and FL2VA adds two keyframes' rows; Qwen-Image's follows the
+    batch's longest prompt."""
+    h3 = tiny_model("h3-tiny").family
+    long_short = h3.tokenize(PROMPTS).input_ids
+    assert h3.flops(2, long_short) < h3.flops(2)  # below the padded max_text_len
+    assert h3.flops(1, long_short[1:]) < h3.flops(1, long_short[:1])
+    c, _, h, w = h3.net.video_shape
+    fl2va = torch.zeros(1, 2, c, 1, h, w)
+    assert h3.flops(1, long_short[:1], fl2va) > h3.flops(1, long_short[:1])
+    qwen = tiny_model("qwen-image-tiny").family
+    ids = qwen.tokenize(PROMPTS).input_ids
+    assert qwen.flops(2, ids) == 2 * qwen.flops(1, ids[:1]) > 2 * qwen.flops(1, ids[1:])

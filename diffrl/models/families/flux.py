@@ -40,7 +40,14 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
-from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.family import (
+    FamilyModel,
+    FamilySpec,
+    TokenBatch,
+    attention_flops,
+    hash_rows,
+    linear_flops,
+)
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import (
     FusedColwiseParallel,
@@ -273,14 +280,27 @@ class FluxFamily(HasReferencePipeline):
         )
         return layouts.merge(fused, layouts.split_swapped(model, ups))
 
-    def flops(self, batch: int) -> float:
-        """Transformer FLOPs of one forward: every block, double or single, spends about
-        12 d^2 multiply-adds per token (QKV, output, 4x MLP) and 4 N^2 d on joint attention."""
+    def flops(self, batch: int, input_ids: Tensor | None = None, cond=None) -> float:
+        """The transformer's forward (T5 padded to its full length, cached). A double block:
+        q/k/v/out and the 4x MLP on each stream (12 d^2 per token), joint attention, two
+        per-sample adaLN tables (6 d each); a single block over the joint sequence: q/k/v, the
+        4x MLP's up projection and the output over [attention, MLP] (12 d^2 per token), one
+        3 d table. Outside: the packed-latent and text embedders, the time (and guidance) and
+        pooled-text MLPs, the output adaLN and projection."""
         c = self.tcfg
         d = c.num_attention_heads * c.attention_head_dim
-        n = (self._latent[1] // 2) * (self._latent[2] // 2) + self.lens[1]
-        per_block = 2 * n * 12 * d * d + 4 * n * n * d
-        return float(batch * (c.num_layers + c.num_single_layers) * per_block)
+        n_img = (self._latent[1] // 2) * (self._latent[2] // 2)
+        n_txt = self.lens[1]
+        n = n_img + n_txt
+        double = linear_flops(n, d, 12 * d) + attention_flops(n, n, d) + linear_flops(1, d, 12 * d)
+        single = linear_flops(n, d, 12 * d) + attention_flops(n, n, d) + linear_flops(1, d, 3 * d)
+        out = (c.out_channels or c.in_channels) * c.patch_size**2
+        io = linear_flops(n_img, c.in_channels, d) + linear_flops(n_img, d, out)
+        io += linear_flops(n_txt, c.joint_attention_dim, d)
+        times = 2 if c.guidance_embeds else 1  # the timestep's MLP, and the guidance's
+        io += linear_flops(1, times * 256 + c.pooled_projection_dim + (times + 1) * d, d)
+        io += linear_flops(1, d, 2 * d)
+        return float(batch * (c.num_layers * double + c.num_single_layers * single + io))
 
 
 # --- building and loading ---------------------------------------------------------------------

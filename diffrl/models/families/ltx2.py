@@ -94,6 +94,7 @@ from diffrl.models.family import (
     TakesConditions,
     TokenBatch,
     hash_rows,
+    linear_flops,
 )
 from diffrl.models.memory import Widths
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
@@ -454,6 +455,18 @@ class LTX2Net(DiffusersNet):
         )
 
 
+# the transformer's per-sample timestep embedders (``LTX2AdaLayerNormSingle``), as ``flops``
+# counts them: the streams' adaLN, the audio-video pair's scale/shift and its gates
+TIME_EMBEDDERS = (
+    "time_embed",
+    "audio_time_embed",
+    "av_cross_attn_video_scale_shift",
+    "av_cross_attn_audio_scale_shift",
+    "av_cross_attn_video_a2v_gate",
+    "av_cross_attn_audio_v2a_gate",
+)
+
+
 class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry, HasModalities):
     name = "ltx2"
     native_convention = "sigma_x1000"
@@ -700,7 +713,7 @@ class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry, HasMod
         ffn = split_swapped(model, [f"{b}.{u}" for b in blocks for u in FFN_UP], n_shards=2)
         return merge(qkv, ffn)
 
-    def flops(self, batch: int) -> float:
+    def flops(self, batch: int, input_ids: Tensor | None = None, cond=None) -> float:
         """One transformer forward (Gemma and the connectors run once per prompt, cached): the
         Linears at 2 FLOPs per weight per token of the stream they read, attention 4 N_q N_k d
         per attention. Per block, in each stream (width d, or d_a for audio): self-attention's
@@ -708,13 +721,20 @@ class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry, HasMod
         cross-attention's k/v (2 d^2) on the text tokens, the 4x MLP (8 d^2); the audio-video
         pair works at the audio width: a2v's q/out and v2a's k/v on the video tokens (4 d d_a),
         a2v's k/v and v2a's q/out on the audio tokens (4 d_a^2). Outside the blocks: the patch
-        projections in and out and the caption MLPs (per text token); the per-sample adaLN
-        tables are left out."""
+        projections in and out and the caption MLPs (per text token; the text is padded to
+        ``max_text_len``), and per sample the six timestep MLPs with their tables (the two
+        streams' adaLN, the audio-video pair's scale/shift and gates). Frame conditions
+        (``cond``, else ``family.conditioned``'s keyframes; I2AV, FL2VA) give the video tokens
+        a timestep each, so the video adaLN's MLP runs per token, and FL2VA's last frame adds
+        one frame of video tokens."""
         cfg = self.net.transformer.config
         d = cfg.num_attention_heads * cfg.attention_head_dim
         d_a = cfg.audio_num_attention_heads * cfg.audio_attention_head_dim
         _, f, h, w = self.geometry.video
         n = f * h * w // (cfg.patch_size**2 * cfg.patch_size_t)
+        cond = cond if cond is not None else self.net.keyframes
+        if cond is not None and cond.shape[1] == 2:  # FL2VA: the appended last frame
+            n += h * w // cfg.patch_size**2
         n_a, n_t = self.geometry.audio[1], self.max_text_len
         video = 2 * n * (4 + 2 + 8) * d * d + 2 * n_t * 2 * d * d
         audio = 2 * n_a * (4 + 2 + 8) * d_a * d_a + 2 * n_t * 2 * d_a * d_a
@@ -724,6 +744,11 @@ class LTX2Family(TakesConditions, HasReferencePipeline, HasMediaGeometry, HasMod
         io += 2 * n_a * d_a * (cfg.audio_in_channels + cfg.audio_out_channels)
         if cfg.use_prompt_embeddings:  # LTX-2.0's caption projections: Linear, GELU, Linear
             io += 2 * n_t * (cfg.caption_channels * (d + d_a) + d * d + d_a * d_a)
+        tr = self.net.transformer
+        for name in TIME_EMBEDDERS:  # each: a 256-wide sinusoid -> width -> width -> k tables
+            k, width = getattr(tr, name).num_mod_params, d_a if "audio" in name else d
+            rows = n if name == "time_embed" and cond is not None else 1
+            io += linear_flops(rows, 256 + width, width) + linear_flops(rows, width, k * width)
         return float(batch * (cfg.num_layers * (video + audio + cross + attn) + io))
 
 

@@ -48,7 +48,14 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.families._encoder_plans import QWEN2_5_VL_ENCODER_PLAN
-from diffrl.models.family import FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.family import (
+    FamilyModel,
+    FamilySpec,
+    TokenBatch,
+    attention_flops,
+    hash_rows,
+    linear_flops,
+)
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalHeads, PerHeadNorm, Plan
 from diffrl.sync.layouts import fuse_qkv, merge
@@ -398,16 +405,26 @@ class QwenImageFamily(HasReferencePipeline):
     def serving_layout(self, model: nn.Module) -> SlotMap:
         return fuse_attention(model)
 
-    def flops(self, batch: int) -> float:
-        """One transformer forward (the text encoder runs once per prompt, cached): the
-        Linears at 2 FLOPs per weight per token, joint attention at 4 N^2 d."""
+    def flops(self, batch: int, input_ids: Tensor | None = None, cond=None) -> float:
+        """One transformer forward (the text encoder runs once per prompt, cached), its text
+        as the net cuts it: the batch's longest prompt in ``input_ids`` (default
+        ``max_text_len``). Per block and stream: q/k/v/out and the 4x MLP (12 d^2 per token), a
+        per-sample 6 d adaLN table; joint attention. Outside: the latent and text embedders,
+        the time MLP, the output adaLN and projection."""
         cfg = self.net.transformer.config
         d = cfg.num_attention_heads * cfg.attention_head_dim
         n_img = (self.resolution // self.vae_scale // 2) ** 2
-        n = n_img + self.max_text_len
-        block = 2 * n * (4 * d * d + 2 * 4 * d * d) + 4 * n * n * d + 2 * 2 * 6 * d * d
-        io = 2 * n_img * cfg.in_channels * d + 2 * self.max_text_len * cfg.joint_attention_dim * d
-        io += 2 * n_img * d * cfg.patch_size**2 * cfg.out_channels
+        n_txt = self.max_text_len
+        if input_ids is not None:
+            net = self.net
+            n_txt = int((input_ids[:, net.prefix_len :] != net.pad_id).sum(1).max())
+        n = n_img + n_txt
+        block = linear_flops(n, d, 12 * d) + attention_flops(n, n, d) + linear_flops(2, d, 6 * d)
+        io = linear_flops(n_img, cfg.in_channels, d) + linear_flops(
+            n_txt, cfg.joint_attention_dim, d
+        )
+        io += linear_flops(n_img, d, cfg.patch_size**2 * cfg.out_channels)
+        io += linear_flops(1, 256 + d, d) + linear_flops(1, d, 2 * d)  # time MLP, output adaLN
         return float(batch * (cfg.num_layers * block + io))
 
 

@@ -45,7 +45,9 @@ from diffrl.models.family import (
     FamilySpec,
     ResolutionFree,
     TokenBatch,
+    attention_flops,
     hash_rows,
+    linear_flops,
 )
 from diffrl.models.memory import BlockCost, Geometry, Widths, merge_blocks
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
@@ -301,17 +303,38 @@ class SD3Family(ResolutionFree, HasReferencePipeline):
             layouts.split_swapped(model, ups),
         )
 
-    def flops(self, batch: int) -> float:
-        """Transformer FLOPs of one forward (the text encoders run once per prompt, cached):
-        per block, 2 * (QKV, out, 4x MLP: 12 d^2) per token for the image and the text stream,
-        plus 4 N^2 d for joint attention, plus the dual-attention blocks' image self-attention."""
+    def flops(self, batch: int, input_ids: Tensor | None = None, cond=None) -> float:
+        """The transformer's forward (the text encoders run once per prompt, cached; the text
+        is always padded to its full length). Per block: the image stream's q/k/v/out and 4x
+        MLP (12 d^2 per token), the text stream's too except in the last block (its text
+        output is never read: q/k/v only), joint attention over both, the dual-attention
+        blocks' second image-only attention; per sample, the adaLN tables (6 d, 9 d in a dual
+        block; 6 d, or 2 d in the last block, for the text), the time and pooled-text MLPs,
+        the output adaLN. Outside: the patch conv in and the projection out, the text
+        embedder."""
         c = self.tcfg
         d = c.num_attention_heads * c.attention_head_dim
         n_img = (self._latent[1] // c.patch_size) * (self._latent[2] // c.patch_size)
-        n = n_img + self.lens[0] + self.lens[2]
-        per_block = 2 * n * 12 * d * d + 4 * n * n * d
-        dual = len(c.dual_attention_layers or ()) * (2 * n_img * 4 * d * d + 4 * n_img**2 * d)
-        return float(batch * (c.num_layers * per_block + dual))
+        n_txt = self.lens[0] + self.lens[2]  # the CLIPs side by side on channels, then T5
+        dual = set(c.dual_attention_layers or ())
+        total = 0.0
+        for i in range(c.num_layers):
+            last = i == c.num_layers - 1
+            total += linear_flops(n_img, d, 12 * d) + linear_flops(
+                n_txt, d, 3 * d if last else 12 * d
+            )
+            total += attention_flops(n_img + n_txt, n_img + n_txt, d)
+            total += linear_flops(1, d, (9 if i in dual else 6) * d + (2 if last else 6) * d)
+            if i in dual:
+                total += linear_flops(n_img, d, 4 * d) + attention_flops(n_img, n_img, d)
+        p2 = c.patch_size**2
+        total += linear_flops(n_img, c.in_channels * p2, d) + linear_flops(
+            n_img, d, p2 * (c.out_channels or c.in_channels)
+        )
+        total += linear_flops(n_txt, c.joint_attention_dim, d)
+        total += linear_flops(1, 256 + c.pooled_projection_dim + 2 * d, d)  # time, pooled text
+        total += linear_flops(1, d, 2 * d)  # the output adaLN
+        return float(batch * total)
 
 
 # --- building and loading ---------------------------------------------------------------------

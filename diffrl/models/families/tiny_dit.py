@@ -17,7 +17,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from diffrl.errors import ConfigError
-from diffrl.models.family import Builtin, FamilyModel, FamilySpec, TokenBatch, hash_rows
+from diffrl.models.family import (
+    Builtin,
+    FamilyModel,
+    FamilySpec,
+    TokenBatch,
+    attention_flops,
+    hash_rows,
+    linear_flops,
+)
 from diffrl.models.tiny_dit import TINY_DIT_LORA_TARGETS, TinyDiT, TinyDiTConfig
 from diffrl.models.words import WordTokenizer, read_words
 from diffrl.sync.weights import SlotMap
@@ -66,12 +74,18 @@ class TinyDiTFamily:
     def serving_layout(self, model: nn.Module) -> SlotMap:
         return SlotMap()  # already fused (attn.qkv is one Linear)
 
-    def flops(self, batch: int) -> float:
+    def flops(self, batch: int, input_ids: Tensor | None = None, cond=None) -> float:
+        """The whole net (it embeds its own ids: no encoder): the text rows are the ids'
+        columns (padding included: it is masked, not cut), default ``max_text_len``."""
         a = self.arch
-        n = (a.image_size // a.patch) ** 2 + a.max_text_len
-        d, f = a.hidden, int(a.hidden * a.mlp_ratio)
-        per_block = 2 * n * (4 * d * d + 2 * d * f + 6 * d * d / n) + 4 * n * n * d
-        return float(batch * a.depth * per_block)
+        n_img = (a.image_size // a.patch) ** 2
+        n_txt = a.max_text_len if input_ids is None else input_ids.shape[1]
+        n, d, f, cp = n_img + n_txt, a.hidden, int(a.hidden * a.mlp_ratio), a.channels * a.patch**2
+        block = linear_flops(n, d, 3 * d + d + 2 * f) + attention_flops(n, n, d)
+        block += linear_flops(1, d, 6 * d)  # the per-sample adaLN table
+        io = linear_flops(n_img, cp, d) + linear_flops(n_img, d, cp)
+        io += linear_flops(1, d, d) * 2 + linear_flops(1, d, 2 * d)  # sigma MLP, final adaLN
+        return float(batch * (a.depth * block + io))
 
 
 def resolve_checkpoint(spec: str) -> Path:

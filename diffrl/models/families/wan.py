@@ -50,7 +50,15 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
-from diffrl.models.family import FamilyModel, FamilySpec, HasMediaGeometry, TokenBatch, hash_rows
+from diffrl.models.family import (
+    FamilyModel,
+    FamilySpec,
+    HasMediaGeometry,
+    TokenBatch,
+    attention_flops,
+    hash_rows,
+    linear_flops,
+)
 from diffrl.models.probe import HasReferencePipeline, Reference, flow_scheduler
 from diffrl.parallel.tp import LocalHeads, Plan, ShardedRMSNorm
 from diffrl.sync.layouts import fuse_qkv, merge, split_swapped
@@ -305,18 +313,23 @@ class WanFamily(HasReferencePipeline, HasMediaGeometry):
         ffn = split_swapped(model, [f"{b}.ffn.net.0.proj" for b in blocks], n_shards=2)
         return merge(qkv, ffn)
 
-    def flops(self, batch: int) -> float:
-        """One transformer forward (UMT5 runs once per prompt, cached): the Linears at 2 FLOPs
-        per weight per token, self-attention 4 N^2 d, cross-attention 4 N L d."""
+    def flops(self, batch: int, input_ids: Tensor | None = None, cond=None) -> float:
+        """One transformer forward (UMT5 runs once per prompt, cached; the text is padded to
+        ``max_text_len``). Per block: self-attention's q/k/v/out and the cross-attention's
+        q/out on the video tokens, its k/v on the text tokens, the MLP; self-attention 4 N^2 d,
+        cross-attention 4 N L d. Outside: the patch conv in and the projection out, the text
+        MLP (per text token), the time MLP and its 6 d table (per sample)."""
         cfg = self.net.transformer.config
         d = cfg.num_attention_heads * cfg.attention_head_dim
         c, f, h, w = self.latent_shape()
         p_t, p_h, p_w = cfg.patch_size
         n = (f // p_t) * (h // p_h) * (w // p_w)
         n_txt = self.max_text_len
-        block = 2 * n * (4 * d * d + 2 * d * d + 2 * d * cfg.ffn_dim) + 2 * n_txt * 2 * d * d
-        block += 4 * n * n * d + 4 * n * n_txt * d
-        io = 2 * n * d * c * p_t * p_h * p_w * 2 + 2 * n_txt * (cfg.text_dim * d + d * d)
+        block = linear_flops(n, d, 6 * d + 2 * cfg.ffn_dim) + linear_flops(n_txt, d, 2 * d)
+        block += attention_flops(n, n, d) + attention_flops(n, n_txt, d)
+        io = linear_flops(n, c * p_t * p_h * p_w, d) + linear_flops(n, d, c * p_t * p_h * p_w)
+        io += linear_flops(n_txt, cfg.text_dim + d, d)
+        io += linear_flops(1, cfg.freq_dim + d, d) + linear_flops(1, d, 6 * d)
         return float(batch * (cfg.num_layers * block + io))
 
 

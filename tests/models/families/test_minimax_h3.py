@@ -54,7 +54,7 @@ def test_loads_from_dir(model, pipe_dir) -> None:
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for target in minimax_h3.LORA_TARGETS:
         assert any(n.endswith("." + target) for n in linears), target
-    assert fam.flops(2) == 2 * fam.flops(1) > 0
+    assert 2 * fam.flops(1) > fam.flops(2) > fam.flops(1) > 0  # one call: its time MLP once
     preset = load_model(ModelConfig(preset="h3-tiny"))
     assert preset.family.latent_shape() == fam.latent_shape()
     # a raw decoder output, not the last (post-norm) entry: layer 1 of the tiny encoder's 2
