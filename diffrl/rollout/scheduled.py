@@ -1,0 +1,118 @@
+"""``rollout.engine=scheduler``: a training step's rollout through request-level continuous
+batching (``diffrl/rollout/scheduler.py``) instead of fixed micro-batches.
+
+Each prompt's G samples are one request carrying the whole plan the micro-batch engine would
+run for them: its rows' seeds, the step's sigma schedule and SDE mask, and the group's noise
+(``RolloutEngine.noise``: the initial state and every step's noise, shared-init, antithetic
+and tree noise applied within the group), drawn when the request is admitted. Requests are
+admitted between two denoising steps as soon as the token budget has room, so a finishing
+group's slot is refilled at once rather than at the next micro-batch; each request that
+finishes is decoded and put on the channel as a trajectory of its own (one group, whole), so
+the reward pool (``reward/edges.py``) starts scoring it while the others still denoise.
+
+The trajectories equal the micro-batch engine's, row for row, up to the float noise of matmuls
+over other batch sizes (tests/rollout/test_scheduled_rollout.py states the tolerance): same
+latents, per-step log-probs, SDE mask, step versions (an offered update is applied between two
+forwards), seeds and group ids. Rows arrive one group at a time, in the order groups finish (in
+prompt order when every request has the same step count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from diffrl.channel import Channel
+from diffrl.rollout.samplers import tree_noise_blocks
+from diffrl.rollout.scheduler import ContinuousBatcher, Finished, Request, tokens
+from diffrl.types import PromptBatch, StepSpec, Trajectory, check_token_hashes
+
+
+class RolloutEngine(Protocol):
+    """What of ``rollout.engine.RolloutEngine`` this module reads (it imports this one)."""
+
+    family: Any
+    cfg: Any  # its RolloutConfig
+
+    def batcher(self, token_budget: int, max_wait_s: float = 0.0) -> ContinuousBatcher: ...
+    def noise(
+        self, seeds: Tensor, g: int, mask: Tensor, t_steps: int
+    ) -> tuple[Tensor, list[int]]: ...
+    def step_spec(self) -> StepSpec: ...
+    def modality_split(self) -> tuple[int, int] | None: ...
+
+
+async def stream_scheduled(
+    engine: RolloutEngine,
+    prompts: PromptBatch,
+    seeds: Tensor,
+    g: int,
+    first_prompt: int,
+    sigmas: Tensor,
+    mask: Tensor,
+    channel: Channel,
+) -> None:
+    """Consumes ``prompts`` (n), their (n*G,) ``seeds``, the step's ``sigmas`` (T+1,) and SDE
+    ``mask`` (T,); puts one ``Trajectory`` per prompt on ``channel`` as its request finishes.
+    Waits only on the worker thread (one forward per hop) and on channel back-pressure; the
+    caller closes the channel."""
+    batch = prompts.repeat(g)
+    check_token_hashes(batch, "the rollout engine")  # contract 3, as the micro-batch engine
+    shape = tuple(engine.family.latent_shape())
+    budget = engine.cfg.token_budget or engine.cfg.max_batch * tokens(shape)
+    batcher = engine.batcher(token_budget=budget)
+    t_steps = len(sigmas) - 1
+    after = [1] * t_steps  # a tree's runs of shared noise after each SDE step
+    if engine.cfg.tree_noise:
+        for i, run in zip(
+            mask.nonzero().flatten().tolist(), tree_noise_blocks(mask, g), strict=True
+        ):
+            after[i] = run
+    for k in range(len(prompts)):
+        rows = slice(k * g, (k + 1) * g)
+
+        def draw(rows: slice = rows) -> Tensor:  # (G, T+1, *S), in the worker thread
+            return engine.noise(seeds[rows], g, mask, t_steps)[0]
+
+        shared = engine.cfg.shared_init_noise
+        cond = None if batch.cond is None else batch.cond[rows]
+        request = Request(batch.input_ids[k * g], seeds[rows], shape, t_steps, cond, rid=k)
+        request.sigmas, request.sde_mask, request.noise = sigmas, mask, draw
+        request.keep_latents = engine.cfg.keep_latents
+        # the runs of bitwise copies the micro-batch engine forwards once (DanceGRPO's shared
+        # initial noise, a tree's branches): the same forwards here
+        request.copies, request.after = (g if shared else 1), tuple(after)
+        batcher.submit(request)
+    while not batcher.idle:
+        for done in await asyncio.to_thread(batcher.step):
+            traj = trajectory(engine, prompts, done, first_prompt)
+            await channel.put(traj, traj.policy_version)
+
+
+def trajectory(
+    engine: RolloutEngine, prompts: PromptBatch, done: Finished, first_prompt: int
+) -> Trajectory:
+    """The finished request ``done`` (prompt ``rid`` of ``prompts``) as a one-group
+    trajectory, the fields as the micro-batch engine fills them."""
+    req, k = done.request, done.request.rid
+    g = len(req.seeds)
+    assert req.sigmas is not None and req.sde_mask is not None, "set by stream_scheduled"
+    return Trajectory(
+        prompts=prompts.select(torch.tensor([k])).repeat(g),
+        group=torch.full((g,), first_prompt + k, dtype=torch.int64),
+        seeds=req.seeds,
+        x0=done.x0,
+        sigmas=req.sigmas,
+        policy_version=done.step_versions[0],  # the first step's: the oldest
+        latents=done.latents,
+        log_probs=done.log_probs,
+        sde_mask=req.sde_mask,
+        step_spec=engine.step_spec(),
+        step_versions=torch.tensor(done.step_versions, dtype=torch.int64).expand(g, -1).clone(),
+        extra_fields=done.media,
+        modality_split=engine.modality_split(),
+        modality_log_probs=done.modality_log_probs,
+    )
