@@ -21,6 +21,7 @@ import contextlib
 import copy
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -32,6 +33,8 @@ from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, HasModalities
 from diffrl.models.graphs import graph_transformer
+from diffrl.models.packed import BACKENDS as PACKED_BACKENDS
+from diffrl.models.packed import packed_velocity
 from diffrl.parallel.tp import Plan
 from diffrl.parallel.tp_sync import (
     ShardedLoraTarget,
@@ -141,9 +144,21 @@ class RolloutConfig:
     # scheduler: the most latent positions (rows x positions) one forward takes; 0 = max_batch
     # samples of the family's latent shape
     token_budget: int = 0
+    # scheduler: requests of different latent shapes (resolutions) share one forward through
+    # sequence packing with block-diagonal attention (diffrl/models/packed.py) under one
+    # budget, instead of a forward per shape; the family's net must have a packed forward
+    packed: bool = False
+    packed_attention: str = "bylength"  # bylength (SDPA per segment length) | varlen (CUDA)
 
     def validate(self) -> None:
         check_choice("engine", self.engine, ("batch", "scheduler"))
+        check_choice("packed_attention", self.packed_attention, PACKED_BACKENDS)
+        check(
+            not self.packed or self.engine == "scheduler",
+            "packed",
+            self.packed,
+            "packs the scheduler's requests: needs rollout.engine=scheduler",
+        )
         check(self.token_budget >= 0, "token_budget", self.token_budget, "must be >= 0")
         check(
             not (self.engine == "scheduler" and self.overlap_decode),
@@ -593,12 +608,18 @@ class RolloutEngine:
         n_video, n_audio = self.family.modality_split()
         return n_video, n_audio
 
-    def batcher(self, token_budget: int, max_wait_s: float = 0.0) -> ContinuousBatcher:
+    def batcher(
+        self, token_budget: int, max_wait_s: float = 0.0, packed: bool | None = None
+    ) -> ContinuousBatcher:
         """Request-level continuous batching (``diffrl.rollout.scheduler``) over this engine's
         weights (serving layout, synced LoRA, an offered update applied between two forwards),
         guidance, time shift and step rule: requests each with its own latent shape, seeds,
-        step count and SDE mask."""
+        step count and SDE mask. ``packed`` (default ``rollout.packed``): every shape in one
+        packed forward."""
         c = self.cfg
+        pack = None
+        if c.packed if packed is None else packed:
+            pack = partial(packed_velocity, self.model, attention=c.packed_attention)
         rule = StepRule(c.sde_step, c.noise_level, c.ode_dtype == "bfloat16", self.modality_split())
         return ContinuousBatcher(
             self.model,
@@ -614,12 +635,15 @@ class RolloutEngine:
             rule=rule,
             before_step=self._apply_offered,
             version=lambda: self.version,
+            packed=pack,
         )
 
     def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor, cond: Tensor | None = None) -> Tensor:
         return guided_velocity(self.model, x, sigma, ids, self.cfg.cfg_scale, self.null_ids, cond)
 
-    def noise(self, seeds: Tensor, g: int, mask: Tensor, t_steps: int) -> tuple[Tensor, list[int]]:
+    def noise(
+        self, seeds: Tensor, g: int, mask: Tensor, t_steps: int, shape: tuple[int, ...] = ()
+    ) -> tuple[Tensor, list[int]]:
         """(B, T+1, *S) on the device, in the model's dtype: each row's initial state (slice 0)
         and each step's noise, for rows in whole groups of ``g``; and ``after`` (T ints): after
         step i, rows are bitwise copies in runs of after[i] (1 = none).
@@ -628,8 +652,9 @@ class RolloutEngine:
         its first member's initial noise, with antithetic_noise every odd member steps with its
         even partner's negated noise, and with tree_noise the members share each SDE step's
         noise in runs of ``after[i]``: all within a group, so a group's rows alone give the
-        same noise (``rollout.engine=scheduler`` draws it per group)."""
-        shape = tuple(self.family.latent_shape())
+        same noise (``rollout.engine=scheduler`` draws it per group). ``shape``: a sample's
+        latent shape (default the family's)."""
+        shape = shape or tuple(self.family.latent_shape())
         dtype = next(self.model.parameters()).dtype
         noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
         row = torch.arange(len(seeds))

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from diffrl.channel import Channel
-from diffrl.rollout.samplers import tree_noise_blocks
+from diffrl.rollout.samplers import coarse_tail, sigma_schedule, tree_noise_blocks
 from diffrl.rollout.scheduler import ContinuousBatcher, Finished, Request, tokens
 from diffrl.types import PromptBatch, StepSpec, Trajectory, check_token_hashes
 
@@ -37,11 +37,14 @@ class RolloutEngine(Protocol):
     family: Any
     cfg: Any  # its RolloutConfig
 
-    def batcher(self, token_budget: int, max_wait_s: float = 0.0) -> ContinuousBatcher: ...
+    def batcher(
+        self, token_budget: int, max_wait_s: float = 0.0, packed: bool | None = None
+    ) -> ContinuousBatcher: ...
     def noise(
-        self, seeds: Tensor, g: int, mask: Tensor, t_steps: int
+        self, seeds: Tensor, g: int, mask: Tensor, t_steps: int, shape: tuple[int, ...] = ()
     ) -> tuple[Tensor, list[int]]: ...
     def step_spec(self) -> StepSpec: ...
+    def sde_mask(self, sampler: str, num_steps: int, iteration: int, seed: int) -> Tensor: ...
     def modality_split(self) -> tuple[int, int] | None: ...
 
 
@@ -64,32 +67,47 @@ async def stream_scheduled(
     shape = tuple(engine.family.latent_shape())
     budget = engine.cfg.token_budget or engine.cfg.max_batch * tokens(shape)
     batcher = engine.batcher(token_budget=budget)
-    t_steps = len(sigmas) - 1
-    after = [1] * t_steps  # a tree's runs of shared noise after each SDE step
-    if engine.cfg.tree_noise:
-        for i, run in zip(
-            mask.nonzero().flatten().tolist(), tree_noise_blocks(mask, g), strict=True
-        ):
-            after[i] = run
     for k in range(len(prompts)):
         rows = slice(k * g, (k + 1) * g)
-
-        def draw(rows: slice = rows) -> Tensor:  # (G, T+1, *S), in the worker thread
-            return engine.noise(seeds[rows], g, mask, t_steps)[0]
-
-        shared = engine.cfg.shared_init_noise
         cond = None if batch.cond is None else batch.cond[rows]
-        request = Request(batch.input_ids[k * g], seeds[rows], shape, t_steps, cond, rid=k)
-        request.sigmas, request.sde_mask, request.noise = sigmas, mask, draw
-        request.keep_latents = engine.cfg.keep_latents
-        # the runs of bitwise copies the micro-batch engine forwards once (DanceGRPO's shared
-        # initial noise, a tree's branches): the same forwards here
-        request.copies, request.after = (g if shared else 1), tuple(after)
-        batcher.submit(request)
+        ids = batch.input_ids[k * g]
+        batcher.submit(training_request(engine, ids, seeds[rows], shape, sigmas, mask, cond, k))
     while not batcher.idle:
         for done in await asyncio.to_thread(batcher.step):
             traj = trajectory(engine, prompts, done, first_prompt)
             await channel.put(traj, traj.policy_version)
+
+
+def training_request(
+    engine: RolloutEngine,
+    ids: Tensor,
+    seeds: Tensor,
+    shape: tuple[int, ...],
+    sigmas: Tensor,
+    mask: Tensor,
+    cond: Tensor | None = None,
+    rid: int = -1,
+) -> Request:
+    """One group's request as the training rollout samples it: ``ids`` (L,), ``seeds`` (G,),
+    a sample's latent ``shape``, the ``sigmas`` (T+1,) and SDE ``mask`` (T,) it steps by, its
+    noise drawn when admitted (``RolloutEngine.noise``), latents kept as ``rollout.keep_latents``
+    says, and the runs of bitwise copies the micro-batch engine forwards once (DanceGRPO's
+    shared initial noise, a tree's branches)."""
+    g, t_steps = len(seeds), len(sigmas) - 1
+    after = [1] * t_steps  # a tree's runs of shared noise after each SDE step
+    if engine.cfg.tree_noise:
+        steps = mask.nonzero().flatten().tolist()
+        for i, run in zip(steps, tree_noise_blocks(mask, g), strict=True):
+            after[i] = run
+
+    def draw() -> Tensor:  # (G, T+1, *S), in the worker thread
+        return engine.noise(seeds, g, mask, t_steps, shape)[0]
+
+    return Request(
+        ids, seeds, shape, t_steps, cond, rid=rid, sigmas=sigmas, sde_mask=mask, noise=draw,
+        keep_latents=engine.cfg.keep_latents, copies=g if engine.cfg.shared_init_noise else 1,
+        after=tuple(after),
+    )  # fmt: skip
 
 
 def trajectory(
@@ -116,3 +134,13 @@ def trajectory(
         modality_split=engine.modality_split(),
         modality_log_probs=done.modality_log_probs,
     )
+
+
+def step_plan(
+    engine: RolloutEngine, num_steps: int, sampler: str, iteration: int = 0, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """(sigmas (T+1,), SDE mask (T,)) of a rollout of ``num_steps`` as ``RolloutEngine.stream``
+    plans a step's (its window, its ODE tail): for requests of several step counts."""
+    mask = engine.sde_mask(sampler, num_steps, iteration, seed)
+    c = engine.cfg
+    return coarse_tail(sigma_schedule(len(mask), c.shift), mask, c.ode_tail_steps, c.shift)

@@ -46,6 +46,7 @@ from diffrl.rollout.samplers import (
     guided_velocity,
     modality_log_probs,
     noise_from_seeds,
+    null_row,
     sigma_schedule,
 )
 from diffrl.types import host_to_device
@@ -133,6 +134,37 @@ class _Rows:
             start += g
 
 
+@dataclass
+class _StepRows:
+    """One step of a bucket: its requests' row spans, each row's sigma and next sigma (n,) on
+    the device, whether it takes an SDE step (n,) on the host, the rows that run (``heads``:
+    the first of each run of copies) and, with copies, each row's head (``of_row``)."""
+
+    spans: list[tuple[_Track, int, int]]
+    sig: Tensor
+    nxt: Tensor
+    sde: Tensor
+    heads: Tensor
+    of_row: Tensor | None
+
+    @staticmethod
+    def of(rows: _Rows) -> _StepRows:
+        spans = list(rows.spans())
+        sig = torch.cat([t.sigmas_dev[t.step].expand(b - a) for t, a, b in spans])
+        nxt = torch.cat([t.sigmas_dev[t.step + 1].expand(b - a) for t, a, b in spans])
+        sde = torch.cat([t.mask[t.step].expand(b - a) for t, a, b in spans])
+        heads: list[int] = []
+        of_row: list[int] = []  # each row's head, as a position in `heads`
+        for t, a, b in spans:
+            of_row += [len(heads) + j // t.copies for j in range(b - a)]
+            heads += range(a, b, t.copies)
+        copied = len(heads) < len(rows.x)
+        return _StepRows(
+            spans, sig, nxt, sde, torch.tensor(heads, dtype=torch.long),
+            torch.tensor(of_row, dtype=torch.long) if copied else None,
+        )  # fmt: skip
+
+
 def tokens(shape: Sequence[int]) -> int:
     """A sample's cost in latent positions (everything but the channel axis): the unit of the
     token budget (a family's patch size divides both sides alike)."""
@@ -189,9 +221,12 @@ class ContinuousBatcher:
         rule: StepRule = StepRule(),
         before_step: Callable[[], None] | None = None,
         version: Callable[[], int] = lambda: 0,
+        packed: Callable[..., list[Tensor]] | None = None,
     ) -> None:
         """``ids_device``: where the model wants ``input_ids`` (``FamilyModel.ids_device``;
-        default ``device``)."""
+        default ``device``). ``packed``: ``models.packed.packed_velocity`` bound to the model
+        (xs, sigmas, ids per shape -> velocities): then every bucket runs in one packed
+        forward under one shared budget, instead of a bucket per forward."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if max_wait_s < 0:
@@ -206,6 +241,7 @@ class ContinuousBatcher:
         self.decode, self.clock = decode, clock
         self.ids_device = device if ids_device is None else ids_device
         self.rule, self.before_step, self.version = rule, before_step, version
+        self.packed = packed
         self.waiting: deque[Request] = deque()
         self.buckets: dict[tuple[int, ...], _Rows] = {}
         self._in_flight: set[int] = set()
@@ -231,6 +267,8 @@ class ContinuousBatcher:
             _check_noise(r, r.noise)
         if r.sde_mask is not None and bool(r.sde_mask.any()) and r.noise is None:
             raise ValueError("a request with SDE steps needs its (G, T+1, *shape) noise")
+        if r.cond is not None and self.packed is not None:
+            raise ValueError("a packed forward takes no per-row conditions beyond the text")
         if r.rid < 0:
             r.rid = self._next_rid
         if r.rid in self._in_flight:
@@ -252,8 +290,12 @@ class ContinuousBatcher:
 
     # --- scheduling ---------------------------------------------------------------------
     def _room(self, request: Request) -> bool:
-        rows = self.buckets.get(tuple(request.shape))
-        used = 0 if rows is None else rows.cost()
+        """Packed, the buckets share the budget (they run as one forward); else each has it."""
+        if self.packed is not None:
+            used = sum(r.cost() for r in self.buckets.values())
+        else:
+            rows = self.buckets.get(tuple(request.shape))
+            used = 0 if rows is None else rows.cost()
         return used == 0 or used + request.cost() <= self.budget
 
     def _admit(self) -> None:
@@ -264,8 +306,8 @@ class ContinuousBatcher:
         keep: deque[Request] = deque()
         for req in self.waiting:
             shape = tuple(req.shape)
-            if shape in blocked or not self._room(req):
-                blocked.add(shape)
+            if shape in blocked or keep and self.packed is not None or not self._room(req):
+                blocked.add(shape)  # packed: one budget, so FIFO over every shape
                 keep.append(req)
                 continue
             self._start(req)
@@ -306,44 +348,44 @@ class ContinuousBatcher:
                 rows.cond = torch.cat([rows.cond, cond])
         rows.tracks.append(track)
 
-    def _pick(self) -> tuple[int, ...] | None:
+    def _pick(self) -> list[tuple[int, ...]]:
+        """The buckets the next forward runs: every live one when packed, else one."""
         live = {s: r for s, r in self.buckets.items() if r.tracks}
-        if not live:
-            return None
+        if not live or self.packed is not None:
+            return list(live)
 
         def oldest_of(s: tuple[int, ...]) -> float:
             return min(t.request.arrival for t in live[s].tracks)
 
         oldest = min(live, key=oldest_of)
         if self.clock() - oldest_of(oldest) >= self.max_wait:
-            return oldest
+            return [oldest]
         # just after _admit, a shape with a request still waiting has no room for it
         pending = {tuple(q.shape) for q in self.waiting}
         full = [s for s in live if s in pending or live[s].cost() >= self.budget]
-        return min(full, key=oldest_of) if full else oldest
+        return [min(full, key=oldest_of) if full else oldest]
 
     @torch.no_grad()
     def step(self) -> list[Finished]:
-        """Admit what fits, then one forward over one bucket; returns the requests it
-        finished (decoded)."""
+        """Admit what fits, then one forward over one bucket (packed: over every bucket);
+        returns the requests it finished (decoded)."""
         self._admit()
-        shape = self._pick()
-        if shape is None:
+        shapes = self._pick()
+        if not shapes:
             return []
         if self.before_step is not None:
             self.before_step()
-        rows = self.buckets[shape]
-        rows.x = self._advance(rows)
+        buckets = [self.buckets[s] for s in shapes]
+        steps = [_StepRows.of(rows) for rows in buckets]
+        for rows, st, v in zip(buckets, steps, self._velocities(buckets, steps), strict=True):
+            rows.x = self._advance(rows, st, v)
         self.forwards += 1
-        return self._retire(rows)
+        return [f for rows in buckets for f in self._retire(rows)]
 
-    def _advance(self, rows: _Rows) -> Tensor:
-        """Every row of ``rows`` one step along its own schedule: (n, *shape)."""
-        spans = list(rows.spans())
-        sig = torch.cat([t.sigmas_dev[t.step].expand(b - a) for t, a, b in spans])
-        nxt = torch.cat([t.sigmas_dev[t.step + 1].expand(b - a) for t, a, b in spans])
-        sde = torch.cat([t.mask[t.step].expand(b - a) for t, a, b in spans])  # (n,) host
-        v = self._velocity(rows, spans, sig, sde).to(self.dtype)
+    def _advance(self, rows: _Rows, st: _StepRows, v: Tensor) -> Tensor:
+        """Every row of ``rows`` one step along its own schedule, given its velocity ``v``:
+        (n, *shape)."""
+        spans, sig, nxt, sde = st.spans, st.sig, st.nxt, st.sde
         x = euler_step(rows.x, v, sig, nxt)  # ODE steps, and the last step to sigma=0
         lp = torch.zeros(len(x), device=x.device)
         by_mod = torch.zeros(len(x), 2, device=x.device)
@@ -375,44 +417,69 @@ class ContinuousBatcher:
             t.step += 1
         return x
 
-    def _velocity(
-        self, rows: _Rows, spans: list[tuple[_Track, int, int]], sig: Tensor, sde: Tensor
-    ) -> Tensor:
-        """The guided velocity of every row: one forward over the first row of each run of
-        copies (``Request.copies``), copied to the run. Under ``low_precision_ode`` the rows at
-        an ODE step run under bf16 autocast and those at an SDE step in the model's dtype
-        (their log-probs stay exact): one forward per kind, as the micro-batch engine runs
-        them."""
-        heads: list[int] = []  # the rows that run
-        of_row: list[int] = []  # each row's head, as a position in `heads`
-        for t, a, b in spans:
-            of_row += [len(heads) + j // t.copies for j in range(b - a)]
-            heads += range(a, b, t.copies)
-        copied = len(heads) < len(rows.x)
-        head = torch.tensor(heads, dtype=torch.long)
-        sde = sde[head] if copied else sde
-
-        def call(idx: Tensor | None, low: bool) -> Tensor:
-            x, s, ids, c = rows.x, sig, rows.ids, rows.cond
-            if idx is not None:
-                on = host_to_device(idx, x.device)
-                x, s, ids = x[on], s[on], ids[idx.to(ids.device)]
-                c = None if c is None else c[on]
+    def _velocities(self, buckets: list[_Rows], steps: list[_StepRows]) -> list[Tensor]:
+        """Each bucket's guided velocity, (n, *shape) per bucket. Rows run once per run of
+        copies (``Request.copies``), their output copied to the run. Under
+        ``low_precision_ode`` the rows at an ODE step run under bf16 autocast and those at an
+        SDE step in the model's dtype (their log-probs stay exact): one forward per kind, as
+        the micro-batch engine runs them. Packed, each kind is one call over every bucket."""
+        heads = [st.heads for st in steps]
+        v_heads = [
+            torch.empty((len(h), *r.x.shape[1:]), dtype=self.dtype, device=r.x.device)
+            for h, r in zip(heads, buckets, strict=True)
+        ]
+        for low in (False, True):
+            # per bucket, the positions (among its heads) that run at this precision
+            runs = []
+            for st, h in zip(steps, heads, strict=True):
+                sde_h = st.sde[h]
+                wants = ~sde_h if low else sde_h
+                if not self.rule.low_precision_ode:
+                    wants = torch.ones_like(sde_h) if not low else torch.zeros_like(sde_h)
+                runs.append(wants.nonzero().squeeze(1))
+            if not any(len(r) for r in runs):
+                continue
             with torch.autocast(self.device.type, torch.bfloat16, enabled=low):
-                v = guided_velocity(self.velocity, x, s, ids, self.cfg_scale, self.null_ids, c)
-            return v.to(self.dtype)
+                outs = self._forward(buckets, steps, heads, runs)
+            for vh, at, out in zip(v_heads, runs, outs, strict=True):
+                if len(at):
+                    vh[host_to_device(at, vh.device)] = out.to(self.dtype)
+        return [
+            vh if st.of_row is None else vh[host_to_device(st.of_row, vh.device)]
+            for vh, st in zip(v_heads, steps, strict=True)
+        ]
 
-        if not self.rule.low_precision_ode or bool(sde.all()) or not sde.any():
-            low = self.rule.low_precision_ode and not bool(sde.any())
-            v = call(head if copied else None, low)
-        else:
-            v = torch.empty((len(head), *rows.x.shape[1:]), dtype=self.dtype, device=rows.x.device)
-            for part, low in ((sde, False), (~sde, True)):
-                at = part.nonzero().squeeze(1)
-                v[host_to_device(at, v.device)] = call(head[at], low)
-        if copied:
-            v = v[host_to_device(torch.tensor(of_row, dtype=torch.long), v.device)]
-        return v
+    def _forward(
+        self, buckets: list[_Rows], steps: list[_StepRows], heads: list[Tensor], runs: list[Tensor]
+    ) -> list[Tensor]:
+        """The guided velocity of rows ``heads[k][runs[k]]`` of each bucket k."""
+        picked = []
+        for rows, st, h, at in zip(buckets, steps, heads, runs, strict=True):
+            idx = h[at]  # rows of the bucket, on the host
+            on = host_to_device(idx, rows.x.device)
+            c = None if rows.cond is None else rows.cond[on]
+            picked.append((rows.x[on], st.sig[on], rows.ids[idx.to(rows.ids.device)], c))
+        if self.packed is None:
+            return [
+                guided_velocity(self.velocity, x, s, i, self.cfg_scale, self.null_ids, c)
+                if len(x) else x
+                for x, s, i, c in picked
+            ]  # fmt: skip
+        live = [k for k, p in enumerate(picked) if len(p[0])]
+        xs = [picked[k][0] for k in live]
+        ss = [picked[k][1] for k in live]
+        ids = [picked[k][2] for k in live]
+        if self.cfg_scale != 1.0:  # both branches in the one call, as guided_velocity
+            null = [null_row(self.null_ids, i).expand_as(i) for i in ids]
+            xs, ss, ids = xs + xs, ss + ss, ids + null
+        vs = self.packed(xs, ss, ids)
+        if self.cfg_scale != 1.0:
+            n = len(live)
+            vs = [u + self.cfg_scale * (c - u) for c, u in zip(vs[:n], vs[n:], strict=True)]
+        out = [p[0] for p in picked]
+        for k, v in zip(live, vs, strict=True):
+            out[k] = v
+        return out
 
     def _retire(self, rows: _Rows) -> list[Finished]:
         """Take the requests whose rows reached sigma 0 out of the bucket, decoded, and hand
