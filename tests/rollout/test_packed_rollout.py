@@ -9,25 +9,18 @@ tokens at once: matmul rounding only."""
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
 import torch
+from sd3_tiny import sd3_tiny
 
 from diffrl.errors import FieldError
 from diffrl.models.packed import Packing, attend
-from diffrl.models.registry import ModelConfig, load_model
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, sample_seeds
 from diffrl.rollout.scheduled import step_plan, training_request
 from diffrl.rollout.scheduler import Finished, tokens
 from diffrl.tasks.shapes.prompts import split_prompts
 
 CPU = torch.device("cpu")
-
-
-@cache
-def sd3_model():
-    return load_model(ModelConfig(family="sd3", preset="sd35-tiny", resolution=32), "cpu")
 
 
 def mixed(eng: RolloutEngine, shapes, steps, g: int = 2):
@@ -57,7 +50,7 @@ def alone(eng: RolloutEngine, req) -> Finished:
 
 @pytest.mark.parametrize("family", ["tiny_dit", "sd3"])
 def test_mixed_shapes_share_a_forward_and_match_sampling_alone(tiny_model, family) -> None:
-    model = tiny_model if family == "tiny_dit" else sd3_model()
+    model = tiny_model if family == "tiny_dit" else sd3_tiny()
     cfg = RolloutConfig(
         keep_latents=True, noise_level=0.8, cfg_scale=1.0 if family == "tiny_dit" else 2.0
     )

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from functools import cache
 
 import pytest
 import torch
+from sd3_tiny import sd3_tiny
 from stream_helpers import stream_parts
 from tiny_runs import tiny_run
 
@@ -24,7 +24,6 @@ from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
 from diffrl.errors import FieldError
-from diffrl.models.registry import ModelConfig, load_model
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine
 from diffrl.tasks import Prompt, PromptSet
 from diffrl.tasks.shapes.prompts import split_prompts
@@ -33,11 +32,6 @@ from diffrl.types import Trajectory
 CPU = torch.device("cpu")
 TEXTS = [p.text for p in split_prompts("train")[:5]]
 FIELDS = ("x0", "latents", "log_probs", "sde_mask", "step_versions", "seeds", "group", "sigmas")
-
-
-@cache
-def sd3_model():
-    return load_model(ModelConfig(family="sd3", preset="sd35-tiny", resolution=32), "cpu")
 
 
 def pair(model, **kw) -> tuple[RolloutEngine, RolloutEngine]:
@@ -98,7 +92,7 @@ def test_same_trajectories_as_the_micro_batch_engine_tiny_dit(tiny_model, case) 
 
 @pytest.mark.parametrize("sampler", ["ode", "sde"])
 def test_same_trajectories_as_the_micro_batch_engine_sd3(sampler) -> None:
-    model = sd3_model()
+    model = sd3_tiny()
     batch, sched = pair(model, sampler=sampler, keep_latents=True, num_steps=2)
     prompts = prompts_of(model)
     assert_same(gen(batch, prompts), gen(sched, prompts))
