@@ -79,10 +79,16 @@ class Packing:
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, pack: Packing, key_mask: Tensor | None = None,
-    backend: str = "bylength",
+    backend: str = "bylength", order: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Block-diagonal attention over packed (N, heads, head_dim) q, k, v: each token attends
-    to its own segment only (and, given ``key_mask`` (N,) bool, to its unmasked keys)."""
+    to its own segment only (and, given ``key_mask`` (N,) bool, to its unmasked keys).
+    ``order`` (N,): q, k, v (and the output) are rows of another layout, packed position p
+    being row order[p] (``interleave``): read and written in place of a permuted copy."""
+    if order is not None and backend == "varlen":
+        out = torch.empty_like(q)
+        out[order] = attend(q[order], k[order], v[order], pack, None, backend)
+        return out
     if backend == "varlen":
         if key_mask is not None or q.device.type != "cuda" or q.dtype == torch.float32:
             raise ConfigError(
@@ -100,6 +106,8 @@ def attend(
         raise ConfigError(f"packed attention backend {backend!r}: one of {BACKENDS}")
     out = torch.empty_like(q)
     for _, (_, pos) in pack.by_length.items():  # pos: (m, n) token positions
+        if order is not None:
+            pos = order[pos]
         # (m, n, H, D) -> (m, H, n, D): the same SDPA an unpacked batch of this length runs
         qs, ks, vs = (t[pos].transpose(1, 2) for t in (q, k, v))
         mask = None if key_mask is None else key_mask[pos][:, None, None, :]

@@ -159,6 +159,15 @@ class RolloutConfig:
             self.packed,
             "packs the scheduler's requests: needs rollout.engine=scheduler",
         )
+        # a packed forward calls the blocks' modules in its own order, not the blocks' compiled
+        # forwards or a captured graph: they would be held and never run
+        check(
+            not (self.packed and (self.compile or self.cuda_graphs)),
+            "packed",
+            self.packed,
+            "runs its forwards eager (packed layouts change every step): set "
+            "rollout.compile=false and rollout.cuda_graphs=false with it",
+        )
         check(self.token_budget >= 0, "token_budget", self.token_budget, "must be >= 0")
         check(
             not (self.engine == "scheduler" and self.overlap_decode),

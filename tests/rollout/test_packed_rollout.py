@@ -88,11 +88,22 @@ def test_block_diagonal_attention_is_attention_per_segment() -> None:
         torch.testing.assert_close(out[s], ref, rtol=0, atol=1e-6)
         at += n
     assert pack.cu.tolist() == [0, 5, 8, 13, 15] and pack.seg.tolist()[5:9] == [1, 1, 1, 2]
+    # the same attention read from (and written to) a permuted layout, through ``order``
+    perm = torch.randperm(len(q))
+    src = [torch.empty_like(t) for t in (q, k, v)]
+    for s_, t in zip(src, (q, k, v), strict=True):
+        s_[perm] = t  # packed position p lives at row perm[p]
+    m = torch.empty_like(mask)
+    m[perm] = mask
+    got = attend(src[0], src[1], src[2], pack, m, order=perm)  # the mask in that layout too
+    torch.testing.assert_close(got[perm], out, rtol=0, atol=1e-6)
 
 
 def test_packed_needs_the_scheduler_and_a_shared_budget(tiny_model) -> None:
     with pytest.raises(FieldError, match="packed"):
         RolloutConfig(packed=True).validate()
+    with pytest.raises(FieldError, match="compile=false"):
+        RolloutConfig(engine="scheduler", packed=True, compile=True).validate()
     eng = RolloutEngine(tiny_model, RolloutConfig(), [], CPU)
     small, big = (3, 16, 16), (3, 32, 32)
     reqs = mixed(eng, [big, small], [2])

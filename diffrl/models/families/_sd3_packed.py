@@ -48,11 +48,11 @@ def _joint(
         cq = attn.norm_added_q(cq)
     if attn.norm_added_k is not None:
         ck = attn.norm_added_k(ck)
-    # sample by sample: [its image tokens; its text tokens], one segment each
-    qs, ks, vs = (torch.cat([a, b])[order] for a, b in ((q, cq), (k, ck), (v, cv)))
-    o = attend(qs, ks, vs, pack, backend=backend).to(q.dtype)
-    out = torch.empty_like(o)
-    out[order] = o
+    # sample by sample: [its image tokens; its text tokens], one segment each (``order``)
+    qs, ks, vs = (
+        torch.cat([a, b.reshape(-1, *a.shape[1:])]) for a, b in ((q, cq), (k, ck), (v, cv))
+    )
+    out = attend(qs, ks, vs, pack, backend=backend, order=order).to(q.dtype)
     n = len(img)
     img_out = attn.to_out[1](attn.to_out[0](out[:n].reshape(n, -1)))
     if attn.context_pre_only:
