@@ -99,9 +99,9 @@ def attend(
         from torch.nn.attention.varlen import varlen_attn
 
         m = max(pack.lengths)
-        out = varlen_attn(q, k, v, pack.cu, pack.cu, m, m)
-        assert isinstance(out, Tensor), "no aux asked for"
-        return out
+        got = varlen_attn(q, k, v, pack.cu, pack.cu, m, m)
+        assert isinstance(got, Tensor), "no aux asked for"
+        return got
     if backend != "bylength":
         raise ConfigError(f"packed attention backend {backend!r}: one of {BACKENDS}")
     out = torch.empty_like(q)
