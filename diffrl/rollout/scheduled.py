@@ -7,14 +7,15 @@ run for them: its rows' seeds, the step's sigma schedule and SDE mask, and the g
 and tree noise applied within the group), drawn when the request is admitted. Requests are
 admitted between two denoising steps as soon as the token budget has room, so a finishing
 group's slot is refilled at once rather than at the next micro-batch; each request that
-finishes is decoded and put on the channel as a trajectory of its own (one group, whole), so
+finishes is decoded and put on the channel at once (whole groups; those that finish in the
+same forward together, so with the default budget the parts are the micro-batch engine's), and
 the reward pool (``reward/edges.py``) starts scoring it while the others still denoise.
 
 The trajectories equal the micro-batch engine's, row for row, up to the float noise of matmuls
 over other batch sizes (tests/rollout/test_scheduled_rollout.py states the tolerance): same
 latents, per-step log-probs, SDE mask, step versions (an offered update is applied between two
-forwards), seeds and group ids. Rows arrive one group at a time, in the order groups finish (in
-prompt order when every request has the same step count).
+forwards), seeds and group ids. Groups arrive in the order they finish (prompt order when
+every request has the same step count).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ async def stream_scheduled(
     channel: Channel,
 ) -> None:
     """Consumes ``prompts`` (n), their (n*G,) ``seeds``, the step's ``sigmas`` (T+1,) and SDE
-    ``mask`` (T,); puts one ``Trajectory`` per prompt on ``channel`` as its request finishes.
+    ``mask`` (T,); puts each prompt's ``Trajectory`` on ``channel`` as its request finishes
+    (the groups that finish in one forward as one trajectory).
     Waits only on the worker thread (one forward per hop) and on channel back-pressure; the
     caller closes the channel."""
     batch = prompts.repeat(g)
@@ -73,8 +75,15 @@ async def stream_scheduled(
         ids = batch.input_ids[k * g]
         batcher.submit(training_request(engine, ids, seeds[rows], shape, sigmas, mask, cond, k))
     while not batcher.idle:
-        for done in await asyncio.to_thread(batcher.step):
-            traj = trajectory(engine, prompts, done, first_prompt)
+        finished = await asyncio.to_thread(batcher.step)
+        # the groups one forward finished go on together (one part per shape and schedule):
+        # none waits for another, and a scorer still batches them in one call
+        parts: dict[tuple, list[Trajectory]] = {}
+        for done in finished:
+            key = (done.request.shape, done.request.num_steps)
+            parts.setdefault(key, []).append(trajectory(engine, prompts, done, first_prompt))
+        for part in parts.values():
+            traj = Trajectory.concat(part)
             await channel.put(traj, traj.policy_version)
 
 

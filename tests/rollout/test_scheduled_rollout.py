@@ -20,6 +20,7 @@ from sd3_tiny import sd3_tiny
 from stream_helpers import stream_parts
 from tiny_runs import tiny_run
 
+from diffrl.channel import Channel
 from diffrl.config import load_config
 from diffrl.controller.loop import train
 from diffrl.controller.run_dir import read_metrics
@@ -107,9 +108,10 @@ def test_another_budget_batches_other_rows_within_fp32_rounding(tiny_model) -> N
     assert_same(gen(batch, prompts), gen(sched, prompts), atol=1e-5)
 
 
-def test_each_group_is_handed_on_as_it_finishes_with_the_offered_versions(tiny_model) -> None:
-    """One trajectory per prompt, in prompt order; a weight update applied between two
-    forwards shows in the steps that follow it, as in the micro-batch engine."""
+def test_groups_are_handed_on_as_they_finish_with_the_offered_versions(tiny_model) -> None:
+    """Each group goes on the channel right after the forward that finishes it (those that
+    finish together as one part: the micro-batch engine's parts, with its budget); a weight
+    update applied between two forwards shows in the steps that follow it, as there."""
     engines = pair(tiny_model, **SDE)
     for eng in engines:
         calls = [0]
@@ -119,15 +121,35 @@ def test_each_group_is_handed_on_as_it_finishes_with_the_offered_versions(tiny_m
             eng.version = 1 if calls[0] >= 5 else 0
 
         eng._apply_offered = bump  # type: ignore[method-assign]
-    prompts = prompts_of(tiny_model)
-    parts = stream_parts(engines[1], prompts, 5)
-    assert [p.group.tolist() for p in parts] == [[k, k] for k in range(len(TEXTS))]
-    engines[1].version = engines[0].version = 0
-    whole = gen(engines[0], prompts)
-    # the second micro-batch (groups 2, 3) takes step 1 under version 0 and its later steps
-    # under version 1
-    assert whole.step_versions[4].tolist() == [0, 1, 1]
-    assert_same(whole, Trajectory.concat(parts))
+    sched, made = engines[1], []
+    real = sched.batcher
+    sched.batcher = lambda *a, **kw: made.append(real(*a, **kw)) or made[-1]  # type: ignore[method-assign]
+
+    class Seen(Channel):
+        """Records, for each part put, the scheduler's forwards so far."""
+
+        at: list[int] = []
+
+        async def put(self, item, version=0):
+            self.at.append(made[0].forwards)
+            await super().put(item, version)
+
+    channel = Seen()
+
+    async def collect():
+        task = asyncio.create_task(sched.stream(prompts_of(tiny_model), 5, channel))
+        parts = [t async for t in channel]
+        await task
+        return parts
+
+    parts = asyncio.run(collect())
+    assert Seen.at == [3, 6, 9]  # each part right after its third step, not at the end
+    batch_parts = stream_parts(engines[0], prompts_of(tiny_model), 5)
+    assert [p.group.tolist() for p in parts] == [p.group.tolist() for p in batch_parts]
+    assert [p.group.tolist() for p in parts] == [[0, 0, 1, 1], [2, 2, 3, 3], [4, 4]]
+    # the second part (groups 2, 3) takes step 1 under version 0 and its later steps under 1
+    assert parts[1].step_versions[0].tolist() == [0, 1, 1]
+    assert_same(Trajectory.concat(batch_parts), Trajectory.concat(parts))
 
 
 def test_overlap_decode_is_refused_with_the_scheduler() -> None:
