@@ -34,7 +34,7 @@ from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, HasModalities
 from diffrl.models.graphs import graph_transformer
 from diffrl.models.packed import BACKENDS as PACKED_BACKENDS
-from diffrl.models.packed import packed_velocity
+from diffrl.models.packed import PacksSequences, packed_velocity
 from diffrl.parallel.tp import Plan
 from diffrl.parallel.tp_sync import (
     ShardedLoraTarget,
@@ -357,6 +357,11 @@ class RolloutEngine:
         else:
             self.model = model if share_model else copy.deepcopy(model).to(device)
         self.model.eval().requires_grad_(False)
+        if cfg.packed and not isinstance(self.model.net, PacksSequences):
+            raise ConfigError(
+                f"rollout.packed: the {self.family.name} family's net has no packed forward "
+                "(the tiny DiT and SD3 have one); set rollout.packed=false"
+            )
         self.cfg = cfg
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
         self.device = device

@@ -13,7 +13,8 @@ import pytest
 import torch
 from sd3_tiny import sd3_tiny
 
-from diffrl.errors import FieldError
+from diffrl.errors import ConfigError, FieldError
+from diffrl.models.family import FamilyModel
 from diffrl.models.packed import Packing, attend
 from diffrl.rollout.engine import RolloutConfig, RolloutEngine, sample_seeds
 from diffrl.rollout.scheduled import step_plan, training_request
@@ -104,6 +105,18 @@ def test_packed_needs_the_scheduler_and_a_shared_budget(tiny_model) -> None:
         RolloutConfig(packed=True).validate()
     with pytest.raises(FieldError, match="compile=false"):
         RolloutConfig(engine="scheduler", packed=True, compile=True).validate()
+
+    class Plain(torch.nn.Module):  # a net with no packed forward (FLUX's, Wan's, ...)
+        def __init__(self, net) -> None:
+            super().__init__()
+            self.inner = net
+
+        def forward(self, *a):
+            return self.inner(*a)
+
+    plain = FamilyModel(Plain(tiny_model.net), tiny_model.family)
+    with pytest.raises(ConfigError, match="no packed forward"):
+        RolloutEngine(plain, RolloutConfig(engine="scheduler", packed=True), [], CPU)
     eng = RolloutEngine(tiny_model, RolloutConfig(), [], CPU)
     small, big = (3, 16, 16), (3, 32, 32)
     reqs = mixed(eng, [big, small], [2])

@@ -108,6 +108,14 @@ def test_another_budget_batches_other_rows_within_fp32_rounding(tiny_model) -> N
     assert_same(gen(batch, prompts), gen(sched, prompts), atol=1e-5)
 
 
+def test_packed_forwards_give_the_same_trajectories_within_fp32_rounding(tiny_model) -> None:
+    batch, _ = pair(tiny_model, **SDE)
+    cfg = dataclasses.replace(batch.cfg, engine="scheduler", packed=True, compile=False)
+    packed = RolloutEngine(tiny_model, cfg, [], CPU)
+    prompts = prompts_of(tiny_model)
+    assert_same(gen(batch, prompts), gen(packed, prompts), atol=1e-5)
+
+
 def test_groups_are_handed_on_as_they_finish_with_the_offered_versions(tiny_model) -> None:
     """Each group goes on the channel right after the forward that finishes it (those that
     finish together as one part: the micro-batch engine's parts, with its budget); a weight
