@@ -14,6 +14,8 @@ CFG, every image decoded), three ways in one process:
     python benchmarks/mixed_stream.py --smoke         # tiny SD3 on the CPU, to test the script
 
 Each mode first runs the stream once untimed (warm-up: kernels, allocator, encoder cache).
+How much packing gains depends on how full each shape's bucket gets (requests per shape in
+flight against the budget): the row records the stream's composition with the figures.
 The packed mode's trajectories are compared with the bucketed mode's (same seeds): the largest
 difference of latents and of log-probs is printed, with the attention backend that ran. The
 last line is one JSON row: images/s per mode and the ratios the issue's bars are about
@@ -87,8 +89,10 @@ def run(engine: RolloutEngine, reqs: list[Request], budget: int, packed: bool):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--requests", type=int, default=48, help="prompts (groups) in the stream")
-    p.add_argument("--group", type=int, default=4, help="G samples per prompt")
+    # default: two of the FlowGRPO epochs (8 prompts x 8 images), spread over 3
+    # resolutions and 2 step counts
+    p.add_argument("--requests", type=int, default=16, help="prompts (groups) in the stream")
+    p.add_argument("--group", type=int, default=8, help="G samples per prompt")
     p.add_argument("--resolutions", type=int, nargs="+", default=[256, 384, 512])
     p.add_argument("--steps", type=int, nargs="+", default=[10, 6])
     p.add_argument("--cfg", type=float, default=4.5)
