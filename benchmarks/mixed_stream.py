@@ -109,6 +109,8 @@ def main() -> None:
         preset, res, dtype = "sd35-tiny", 32, "float32"
         args.requests, args.group, args.resolutions, args.steps = 4, 2, [32, 48, 64], [3, 2]
         args.budget = 4 * 8 * 8
+    # as the other SD3.5 benchmarks: FlashAttention through SDPA, both modes alike
+    torch.backends.cuda.enable_cudnn_sdp(False)
     torch.manual_seed(0)
     base = load_model(ModelConfig(preset=preset, dtype=dtype, resolution=res), DEV)
     cfg = RolloutConfig(
