@@ -9,6 +9,7 @@ the network predicts v = eps - x0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 from diffrl.errors import check
 from diffrl.models.attention import routed
+from diffrl.models.packed import attend, interleave
 
 
 @dataclass(frozen=True)
@@ -127,15 +129,28 @@ class TinyDiT(nn.Module):
             nn.init.zeros_(zero.weight)
             nn.init.zeros_(zero.bias)
 
-    def patchify(self, x: Tensor) -> Tensor:  # (B,C,H,W) -> (B, grid*grid, C*p*p)
-        b, c, _, _ = x.shape
-        p, g = self.cfg.patch, self.grid
-        return x.view(b, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)
+    def patchify(self, x: Tensor) -> Tensor:  # (B,C,H,W) -> (B, gh*gw, C*p*p)
+        b, c, h, w = x.shape
+        p = self.cfg.patch
+        gh, gw = h // p, w // p
+        return x.view(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * p * p)
 
-    def unpatchify(self, t: Tensor) -> Tensor:  # inverse of patchify
+    def unpatchify(self, t: Tensor, size: tuple[int, int] | None = None) -> Tensor:
+        """Inverse of patchify, to (B, C, H, W) of ``size`` (default the model's own)."""
         b = t.shape[0]
-        c, p, g = self.cfg.channels, self.cfg.patch, self.grid
-        return t.view(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, g * p, g * p)
+        c, p = self.cfg.channels, self.cfg.patch
+        h, w = size or (self.cfg.image_size, self.cfg.image_size)
+        gh, gw = h // p, w // p
+        return t.view(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+    def pos(self, h: int, w: int) -> Tensor:
+        """(1, gh*gw, d) image positions of an h x w input: the top-left gh x gw of the
+        table (all of it at the model's own size), so smaller inputs run too."""
+        p, g = self.cfg.patch, self.grid
+        if (h, w) == (self.cfg.image_size,) * 2:
+            return self.pos_img
+        table = self.pos_img.view(1, g, g, -1)[:, : h // p, : w // p]
+        return table.reshape(1, (h // p) * (w // p), -1)
 
     def forward(self, x: Tensor, sigma: Tensor, input_ids: Tensor) -> Tensor:
         b, n_txt = x.shape[0], input_ids.shape[1]
@@ -145,7 +160,8 @@ class TinyDiT(nn.Module):
             )
         if sigma.ndim == 0:
             sigma = sigma.expand(b)
-        img = self.patch_in(self.patchify(x)) + self.pos_img  # (B, Ni, d)
+        size = (x.shape[2], x.shape[3])
+        img = self.patch_in(self.patchify(x)) + self.pos(*size)  # (B, Ni, d)
         txt = self.tok_emb(input_ids) + self.pos_txt[:, :n_txt]  # (B, L, d)
         h = torch.cat([txt, img], dim=1)  # (B, L+Ni, d)
         key_mask = torch.cat(
@@ -156,7 +172,60 @@ class TinyDiT(nn.Module):
             h = block(h, c, key_mask)
         shift, scale = self.ada_out(F.silu(c)).chunk(2, dim=-1)
         h = modulate(self.norm_out(h[:, n_txt:]), shift, scale)
-        return self.unpatchify(self.patch_out(h))
+        return self.unpatchify(self.patch_out(h), size)
+
+    def forward_packed(
+        self, xs: Sequence[Tensor], ts: Sequence[Tensor], ids: Sequence[Tensor], attention: str
+    ) -> list[Tensor]:
+        """``forward`` over groups of several image sizes in one call (``models/packed.py``):
+        each sample's [text; image] tokens are one segment of a packed sequence, attention is
+        block-diagonal (text padding masked as in ``forward``), and the adaLN modulation is
+        each sample's, gathered per token."""
+        d = self.cfg.hidden
+        txt = torch.cat([self.tok_emb(i) + self.pos_txt[:, : i.shape[1]] for i in ids])  # (B,L,d)
+        img = [self.patch_in(self.patchify(x)) + self.pos(*x.shape[2:]) for x in xs]
+        n_img = torch.tensor([t.shape[1] for t in img for _ in range(len(t))])
+        n_txt = torch.full_like(n_img, txt.shape[1])
+        flat = torch.cat([txt.reshape(-1, d), *(t.reshape(-1, d) for t in img)])
+        order, pack = interleave(
+            [(txt.reshape(-1, d), n_txt), (flat[len(n_txt) * txt.shape[1] :], n_img)], flat.device
+        )
+        keep = torch.cat(
+            [
+                torch.cat(list(ids)).reshape(-1) != 0,
+                torch.ones(int(n_img.sum()), dtype=torch.bool, device=flat.device),
+            ]
+        )
+        h, key_mask = flat[order], keep[order]  # (N, d), (N,): sample by sample
+        sigma = torch.cat(list(ts))
+        c = self.sigma_mlp(sigma_embedding(sigma, d).to(h.dtype))  # (B, d)
+        seg = pack.seg
+        for block in self.blocks:
+            s1, sc1, g1, s2, sc2, g2 = (m[seg] for m in block.ada(F.silu(c)).chunk(6, dim=-1))
+            a = block.attn
+            qkv = a.qkv(block.norm1(h) * (1 + sc1) + s1).view(len(h), 3, a.heads, -1)
+            q, k, v = qkv.unbind(1)  # (N, heads, d/h)
+            with routed(a.attention_backend):  # model.attention, as Attention.forward
+                if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+                    with torch.autocast("cpu", enabled=False):
+                        o = attend(q.float(), k.float(), v.float(), pack, key_mask, attention)
+                    o = o.to(q.dtype)
+                else:
+                    o = attend(q, k, v, pack, key_mask, attention)
+            h = h + g1 * a.proj(o.reshape(len(h), d))
+            h = h + g2 * block.mlp(block.norm2(h) * (1 + sc2) + s2)
+        shift, scale = (m[seg] for m in self.ada_out(F.silu(c)).chunk(2, dim=-1))
+        out = self.patch_out(self.norm_out(h) * (1 + scale) + shift)
+        unpacked = torch.empty_like(out)
+        unpacked[order] = out  # back to [all text; group 0's images; group 1's; ...]
+        rows = unpacked[len(n_txt) * txt.shape[1] :]
+        outs, at = [], 0
+        for x in xs:
+            n = x.shape[0] * self.patchify(x[:1]).shape[1]
+            t = rows[at : at + n].view(x.shape[0], -1, out.shape[-1])
+            outs.append(self.unpatchify(t, (x.shape[2], x.shape[3])))
+            at += n
+        return outs
 
 
 # LoRA targets are named explicitly per family (contract 2: never "all-linear").

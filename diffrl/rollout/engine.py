@@ -21,6 +21,7 @@ import contextlib
 import copy
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -32,6 +33,8 @@ from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.compile import compile_blocks
 from diffrl.models.family import FamilyModel, HasModalities
 from diffrl.models.graphs import graph_transformer
+from diffrl.models.packed import BACKENDS as PACKED_BACKENDS
+from diffrl.models.packed import PacksSequences, packed_velocity
 from diffrl.parallel.tp import Plan
 from diffrl.parallel.tp_sync import (
     ShardedLoraTarget,
@@ -51,7 +54,8 @@ from diffrl.rollout.samplers import (
     sigma_schedule,
     tree_noise_blocks,
 )
-from diffrl.rollout.scheduler import ContinuousBatcher
+from diffrl.rollout.scheduled import stream_scheduled
+from diffrl.rollout.scheduler import ContinuousBatcher, StepRule
 from diffrl.sync.bound import bound_of, linear_weights
 from diffrl.sync.receipt import SyncReceipt, load_verified, receipt_of
 from diffrl.sync.shared_base import SharedBaseTarget, receipt_of_shared
@@ -132,8 +136,46 @@ class RolloutConfig:
     # shared weight (diffrl/sync/shared_base.py): two DiTs fewer in memory. One process only
     # (run.backend=local, no FSDP or TP base); no serving layout; base_copy is unused
     share_base: bool = False
+    # how a training step's samples are batched: batch = micro-batches of max_batch // G whole
+    # prompts, each run start to end; scheduler = request-level continuous batching
+    # (diffrl/rollout/scheduled.py): each prompt's G samples are one request, admitted between
+    # two denoising steps as soon as room frees, and handed to the reward pool as it finishes
+    engine: str = "batch"  # batch | scheduler
+    # scheduler: the most latent positions (rows x positions) one forward takes; 0 = max_batch
+    # samples of the family's latent shape
+    token_budget: int = 0
+    # scheduler: requests of different latent shapes (resolutions) share one forward through
+    # sequence packing with block-diagonal attention (diffrl/models/packed.py) under one
+    # budget, instead of a forward per shape; the family's net must have a packed forward
+    packed: bool = False
+    packed_attention: str = "bylength"  # bylength (SDPA per segment length) | varlen (CUDA)
 
     def validate(self) -> None:
+        check_choice("engine", self.engine, ("batch", "scheduler"))
+        check_choice("packed_attention", self.packed_attention, PACKED_BACKENDS)
+        check(
+            not self.packed or self.engine == "scheduler",
+            "packed",
+            self.packed,
+            "packs the scheduler's requests: needs rollout.engine=scheduler",
+        )
+        # a packed forward calls the blocks' modules in its own order, not the blocks' compiled
+        # forwards or a captured graph: they would be held and never run
+        check(
+            not (self.packed and (self.compile or self.cuda_graphs)),
+            "packed",
+            self.packed,
+            "runs its forwards eager (packed layouts change every step): set "
+            "rollout.compile=false and rollout.cuda_graphs=false with it",
+        )
+        check(self.token_budget >= 0, "token_budget", self.token_budget, "must be >= 0")
+        check(
+            not (self.engine == "scheduler" and self.overlap_decode),
+            "overlap_decode",
+            self.overlap_decode,
+            "decodes micro-batches beside the next; rollout.engine=scheduler decodes each request "
+            "as it finishes: set rollout.overlap_decode=false",
+        )
         check(self.graph_cache >= 1, "graph_cache", self.graph_cache, "must be >= 1")
         check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
         check(self.num_steps >= 1, "num_steps", self.num_steps, "must be >= 1")
@@ -315,6 +357,11 @@ class RolloutEngine:
         else:
             self.model = model if share_model else copy.deepcopy(model).to(device)
         self.model.eval().requires_grad_(False)
+        if cfg.packed and not isinstance(self.model.net, PacksSequences):
+            raise ConfigError(
+                f"rollout.packed: the {self.family.name} family's net has no packed forward "
+                "(the tiny DiT and SD3 have one); set rollout.packed=false"
+            )
         self.cfg = cfg
         self.null_ids = tuple(int(i) for i in self.family.null_ids())
         self.device = device
@@ -451,6 +498,9 @@ class RolloutEngine:
         overlap = self.cfg.overlap_decode
         decoding: asyncio.Task | None = None  # the previous micro-batch's decode (overlap)
         try:
+            if self.cfg.engine == "scheduler":  # one trajectory per prompt, as each finishes
+                await stream_scheduled(self, prompts, seeds, g, first_prompt, sigmas, mask, channel)
+                return
             for k in range(0, len(prompts), per):
                 sub = prompts.select(torch.arange(k, min(k + per, len(prompts))))
                 traj, x0 = await asyncio.to_thread(
@@ -551,19 +601,19 @@ class RolloutEngine:
             latents=latents.cpu() if self.cfg.keep_latents else None,
             log_probs=log_probs.cpu(),
             sde_mask=mask,
-            step_spec=StepSpec(
-                self.cfg.sde_step,
-                self.cfg.noise_level,
-                self.cfg.cfg_scale,
-                self.null_ids,
-                shares_inputs=self.cfg.shared_init_noise or self.cfg.tree_noise,
-            ),
+            step_spec=self.step_spec(),
             step_versions=torch.tensor(versions, dtype=torch.int64).expand(len(batch), -1).clone(),
             extra_fields=self.family.decode(x0) if decode else {},
             modality_split=split,
             modality_log_probs=None if not by_modality else torch.stack(by_modality, 1).cpu(),
         )
         return traj, x0
+
+    def step_spec(self) -> StepSpec:
+        """How this rollout takes its stochastic steps (training recomputes them so)."""
+        c = self.cfg
+        shares = c.shared_init_noise or c.tree_noise
+        return StepSpec(c.sde_step, c.noise_level, c.cfg_scale, self.null_ids, shares_inputs=shares)
 
     def modality_split(self) -> tuple[int, int] | None:
         """(n_video, n_audio) elements of x for a video+audio family, else None."""
@@ -572,10 +622,19 @@ class RolloutEngine:
         n_video, n_audio = self.family.modality_split()
         return n_video, n_audio
 
-    def batcher(self, token_budget: int, max_wait_s: float = 0.0) -> ContinuousBatcher:
+    def batcher(
+        self, token_budget: int, max_wait_s: float = 0.0, packed: bool | None = None
+    ) -> ContinuousBatcher:
         """Request-level continuous batching (``diffrl.rollout.scheduler``) over this engine's
-        weights (serving layout, synced LoRA), guidance and time shift: ODE requests, each
-        with its own latent shape, seeds and step count."""
+        weights (serving layout, synced LoRA, an offered update applied between two forwards),
+        guidance, time shift and step rule: requests each with its own latent shape, seeds,
+        step count and SDE mask. ``packed`` (default ``rollout.packed``): every shape in one
+        packed forward."""
+        c = self.cfg
+        pack = None
+        if c.packed if packed is None else packed:
+            pack = partial(packed_velocity, self.model, attention=c.packed_attention)
+        rule = StepRule(c.sde_step, c.noise_level, c.ode_dtype == "bfloat16", self.modality_split())
         return ContinuousBatcher(
             self.model,
             self.device,
@@ -587,10 +646,45 @@ class RolloutEngine:
             dtype=next(self.model.parameters()).dtype,
             decode=self.family.decode,
             ids_device=self.model.ids_device(self.device),
+            rule=rule,
+            before_step=self._apply_offered,
+            version=lambda: self.version,
+            packed=pack,
         )
 
     def velocity(self, x: Tensor, sigma: Tensor, ids: Tensor, cond: Tensor | None = None) -> Tensor:
         return guided_velocity(self.model, x, sigma, ids, self.cfg.cfg_scale, self.null_ids, cond)
+
+    def noise(
+        self, seeds: Tensor, g: int, mask: Tensor, t_steps: int, shape: tuple[int, ...] = ()
+    ) -> tuple[Tensor, list[int]]:
+        """(B, T+1, *S) on the device, in the model's dtype: each row's initial state (slice 0)
+        and each step's noise, for rows in whole groups of ``g``; and ``after`` (T ints): after
+        step i, rows are bitwise copies in runs of after[i] (1 = none).
+
+        Every slice comes from the sample's own seed; with shared_init_noise a group starts from
+        its first member's initial noise, with antithetic_noise every odd member steps with its
+        even partner's negated noise, and with tree_noise the members share each SDE step's
+        noise in runs of ``after[i]``: all within a group, so a group's rows alone give the
+        same noise (``rollout.engine=scheduler`` draws it per group). ``shape``: a sample's
+        latent shape (default the family's)."""
+        shape = shape or tuple(self.family.latent_shape())
+        dtype = next(self.model.parameters()).dtype
+        noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
+        row = torch.arange(len(seeds))
+        member = row % g  # position within its (contiguous) group
+        if self.cfg.antithetic_noise:  # an odd-sized group's last member stays unpaired
+            odd = (member % 2 == 1).nonzero().squeeze(1)
+            noise[odd, 1:] = -noise[odd - 1, 1:]
+        after = [1] * t_steps
+        if self.cfg.tree_noise:
+            steps = mask.nonzero().flatten().tolist()
+            for i, run in zip(steps, tree_noise_blocks(mask, g), strict=True):
+                noise[:, i + 1] = noise[row - row % run, i + 1]
+                after[i] = run
+        if self.cfg.shared_init_noise:
+            noise[:, 0] = noise[row - member, 0]
+        return noise, after
 
     def _sample(
         self,
@@ -606,27 +700,10 @@ class RolloutEngine:
         version that took each step (T ints). An offered update is applied before each step.
         Given ``by_modality`` (a video+audio family), each step's (b, 2) log-prob split by
         modality is appended to it (``samplers.modality_log_probs``; zeros for ODE steps)."""
-        shape = tuple(self.family.latent_shape())
         t_steps = len(sigmas) - 1
         dtype = next(self.model.parameters()).dtype
-        # the initial noise and every SDE step's noise come from the sample's own seed; with
-        # shared_init_noise a group starts from its first member's initial noise, with
-        # antithetic_noise every odd member steps with its even partner's negated noise, and
-        # with tree_noise the members share each SDE step's noise in runs of `after[i]`
-        noise = noise_from_seeds(seeds, (t_steps + 1, *shape), self.device).to(dtype)
-        row = torch.arange(len(seeds))
-        member = row % g  # position within its (contiguous) group
-        if self.cfg.antithetic_noise:  # an odd-sized group's last member stays unpaired
-            odd = (member % 2 == 1).nonzero().squeeze(1)
-            noise[odd, 1:] = -noise[odd - 1, 1:]
-        after = [1] * t_steps  # after step i, rows are bitwise copies in runs of after[i]
-        if self.cfg.tree_noise:
-            steps = mask.nonzero().flatten().tolist()
-            for i, run in zip(steps, tree_noise_blocks(mask, g), strict=True):
-                noise[:, i + 1] = noise[row - row % run, i + 1]
-                after[i] = run
-        first = row - member if self.cfg.shared_init_noise else slice(None)
-        x, ids = noise[first, 0], ids.to(self.model.ids_device(self.device))
+        noise, after = self.noise(seeds, g, mask, t_steps)
+        x, ids = noise[:, 0], ids.to(self.model.ids_device(self.device))
         cond = None if cond is None else cond.to(self.device, dtype)
         step_fn = STOCHASTIC_STEPS[self.cfg.sde_step]
         latents, log_probs, versions = [x], [], []

@@ -39,9 +39,10 @@ def euler_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tenso
     return x + v * _bcast(sigma_next - sigma, x)
 
 
-def sde_std(sigma: Tensor, noise_level: float, sigma_cap: float) -> Tensor:
+def sde_std(sigma: Tensor, noise_level: float, sigma_cap: float | Tensor) -> Tensor:
     """FlowGRPO's diffusion scale s = a * sqrt(sigma / (1 - sigma)); at sigma=1 (where it is
-    infinite) sigma is replaced by ``sigma_cap`` (the schedule's second sigma)."""
+    infinite) sigma is replaced by ``sigma_cap`` (the schedule's second sigma; per row, (B,),
+    when rows follow schedules of their own)."""
     sigma = torch.as_tensor(sigma)
     safe = torch.where(sigma >= 1.0, torch.as_tensor(sigma_cap, dtype=sigma.dtype), sigma)
     return noise_level * torch.sqrt(safe / (1 - safe))
@@ -79,7 +80,7 @@ def sde_step_with_logprob(
     sigma: Tensor,
     sigma_next: Tensor,
     noise_level: float,
-    sigma_cap: float,
+    sigma_cap: float | Tensor,
     noise: Tensor | None = None,
     x_next: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -103,7 +104,7 @@ def cps_step_with_logprob(
     sigma: Tensor,
     sigma_next: Tensor,
     noise_level: float,
-    sigma_cap: float = 0.0,
+    sigma_cap: float | Tensor = 0.0,
     noise: Tensor | None = None,
     x_next: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

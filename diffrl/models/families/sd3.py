@@ -39,6 +39,7 @@ from diffrl.models.families._diffusers import (
     word_tokenizer,
 )
 from diffrl.models.families._encoder_plans import T5_ENCODER_PLAN
+from diffrl.models.families._sd3_packed import forward_packed
 from diffrl.models.family import (
     Builtin,
     FamilyModel,
@@ -187,6 +188,16 @@ class SD3Net(DiffusersNet):
             pooled_projections=pooled.to(x.device),
             return_dict=False,
         )[0]
+
+    def forward_packed(
+        self, xs: Sequence[Tensor], ts: Sequence[Tensor], ids: Sequence[Tensor], attention: str
+    ) -> list[Tensor]:
+        """``forward`` over groups of several resolutions in one call (sequence packing:
+        ``_sd3_packed.py``, ``models/packed.py``)."""
+        conds = [self.conditions(i, dtype=x.dtype) for x, i in zip(xs, ids, strict=True)]
+        prompts = [p.to(x.device) for (p, _), x in zip(conds, xs, strict=True)]
+        pooled = [q.to(x.device) for (_, q), x in zip(conds, xs, strict=True)]
+        return forward_packed(self.transformer, xs, ts, prompts, pooled, attention)
 
 
 class SD3Family(ResolutionFree, HasReferencePipeline):

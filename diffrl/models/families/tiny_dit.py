@@ -21,6 +21,7 @@ from diffrl.models.family import (
     Builtin,
     FamilyModel,
     FamilySpec,
+    ResolutionFree,
     TokenBatch,
     attention_flops,
     hash_rows,
@@ -40,7 +41,7 @@ BUILTIN = {
 LORA_TARGETS = TINY_DIT_LORA_TARGETS
 
 
-class TinyDiTFamily:
+class TinyDiTFamily(ResolutionFree):
     name = "tiny_dit"
     native_convention = "sigma"
     lora_targets = LORA_TARGETS
@@ -64,6 +65,17 @@ class TinyDiTFamily:
 
     def latent_shape(self) -> tuple[int, ...]:
         return (self.arch.channels, self.arch.image_size, self.arch.image_size)
+
+    def accepts_shape(self, shape: tuple[int, ...]) -> bool:
+        """Smaller square or oblong images too (the position table's top-left corner, as
+        ``TinyDiT.pos``): sides multiples of the patch, at most ``image_size``; for
+        mixed-resolution rollouts (``rollout.packed``)."""
+        a = self.arch
+        return (
+            len(shape) == 3
+            and shape[0] == a.channels
+            and all(0 < n <= a.image_size and n % a.patch == 0 for n in shape[1:])
+        )
 
     def decode(self, latents: Tensor) -> dict[str, Tensor]:
         return {"image": images_to_uint8(latents.cpu())}
