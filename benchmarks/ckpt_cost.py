@@ -44,7 +44,7 @@ def main() -> None:
     row = {"preset": preset, "resolution": res, "rows": args.rows, "device": str(dev)}
     for mode in ("plain", "checkpointed"):
         if mode == "checkpointed":
-            enable_checkpointing(model)
+            enable_checkpointing(model, True)
         one_pass()  # warm-up (and the text conditions into the cache)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -198,7 +198,7 @@ def encode_modes(base, ids, preset: str) -> dict:
 def bare_fwd_bwd(base, traj, preset: str) -> dict:
     """The model's own forward+backward on the LoRA step's rows (input gradients only, the
     actor's checkpointing, one sample per call as micro-batch 1): the floor a LoRA step pays."""
-    enable_checkpointing(base)
+    enable_checkpointing(base, True)
     x, prompts = traj.x0, traj.prompts
     cond = prompts.cond
     times = []
