@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # what the start-up contract checks found is shown, not only their failures
     logging.getLogger(CONTRACTS_LOG).setLevel(logging.INFO)
+    # an offloaded encoder's first visits say how long they take (real-size H3: the encode)
+    logging.getLogger("diffrl.models.host_offload").setLevel(logging.INFO)
     parser = argparse.ArgumentParser(prog="diffrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(

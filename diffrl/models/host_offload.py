@@ -27,11 +27,15 @@ it to run the mechanics on the CPU).
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: every view starts on a boundary any dtype's element size divides
 
@@ -112,6 +116,7 @@ class HostResident:
         self.units = [self._unit(b, set(), pin) for b in self.blocks]
         self.on_device = 0  # blocks resident on the device now (the tests' window check)
         self.peak_on_device = 0
+        self.visits, self.last_s = 0, 0.0
 
     @staticmethod
     def _unit(mod: nn.Module, skip: set[int], pin: bool) -> _Unit:
@@ -172,6 +177,7 @@ class HostResident:
             return
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
         hooks: list = []
+        start = time.perf_counter()
         try:
             self._bring(self.rest, device, None)
             self._use(self.rest)
@@ -192,6 +198,18 @@ class HostResident:
                 if u.device_flat is not None:
                     self._drop(u)
             self.on_device = 0
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the visit's true length
+            self.visits += 1
+            self.last_s = time.perf_counter() - start
+            if self.visits <= 3:  # the first visits (the last one warms nothing further)
+                log.info(
+                    "%s: visit %d to %s from %s host memory, %s, %.2f s (%.1f GB)",
+                    type(self.module).__name__, self.visits, device,
+                    "pinned" if self.rest.host.is_pinned() else "pageable",
+                    "streamed a layer ahead" if self.stream else "whole", self.last_s,
+                    self.host_bytes / 1e9,
+                )  # fmt: skip
 
     def _arrive(self) -> None:
         self.on_device += 1
