@@ -61,6 +61,9 @@ class DPPOConfig(GRPOConfig):
             "must be > 0",
         )
 
+    def clips(self) -> bool:
+        return False  # the divergence mask takes the clip's place
+
     def uses_old_policy(self) -> bool:
         return True  # the mask reads pi_old's step mean
 

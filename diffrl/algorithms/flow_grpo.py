@@ -154,6 +154,10 @@ class GRPOConfig(AlgorithmConfig):
             "Flow-DPPO): set algorithm.modality_credit=false or algorithm.rollout_correction=off",
         )
 
+    def clips(self) -> bool:
+        """Whether the loss clips its ratio at ``clip_range`` (logged as grpo/clip_frac)."""
+        return True
+
     def uses_old_policy(self) -> bool:
         """Whether the loss anchors on pi_old, the update's start weights (module docstring)."""
         return self.rollout_correction != "off"
@@ -412,7 +416,9 @@ def loss(
     n, sde_steps = len(batch), mask.nonzero().squeeze(1)
     steps = host_to_device(train_steps(sde_steps, n, cfg, gen), batch.x0.device)  # (n, k)
     total = batch.x0.new_zeros(())
-    m: Metrics = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
+    m: Metrics = {"grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
+    if cfg.clips():
+        m["grpo/clip_frac"] = 0.0
     # |log ratio| per trained (sample, step): the rollout-vs-train gap before the step's
     # optimizer step (actor.minibatches = 1), logged, never used in the loss
     m["check/logp_gap_mean"], gap_max = 0.0, rollout_logp.new_zeros((), device=batch.x0.device)
@@ -491,7 +497,9 @@ def loss(
                     m[key] = m.get(key, 0.0) + shares[:, i].mean() / steps.shape[1]
         total = add_part(total, step_loss / steps.shape[1], backward)
         r = ratio.detach()
-        m["grpo/clip_frac"] += ((r - 1).abs() > cfg.clip_range).float().mean() / steps.shape[1]
+        if cfg.clips():
+            clipped = ((r - 1).abs() > cfg.clip_range).float().mean()
+            m["grpo/clip_frac"] += clipped / steps.shape[1]
         m["grpo/ratio_dev"] += (r - 1).abs().mean() / steps.shape[1]
     m["check/logp_gap_max"] = gap_max  # the actor keeps the largest over the step
     if tis or corrected:

@@ -221,6 +221,7 @@ def test_flow_dppo_matches_the_papers_divergence_mask() -> None:
     torch.testing.assert_close(grad, w_leaf.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(m["dppo/masked_frac"], frac, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(m["dppo/divergence"], ds.mean(), rtol=1e-5, atol=1e-9)
+    assert "grpo/clip_frac" not in m  # no clip: the mask takes its place
 
 
 @pytest.mark.parametrize(
