@@ -52,8 +52,10 @@ the ``old`` adapter, which the weight plan copies from ``default`` after every u
 holds the update's start weights (valid with several minibatches). That forward is the
 old-log-prob recompute verl runs before every update; its share of the update's time is logged
 as ``perf/old_logp_frac`` (and ``perf/old_logp_s_per_sample``): what the bypass saves per step.
-Where verl's bypass sets pi_old := mu (so its weights turn trivial), diffrl's bypass keeps
-pi_old exact, so the weights still measure the rollout-vs-train mismatch.
+What verl does differently: its bypass sets pi_old := mu (so its weights turn trivial), where
+diffrl's keeps pi_old exact, so the weights still measure the rollout-vs-train mismatch; its
+weights may also be per sequence (a product over tokens) and its rejection bounds asymmetric,
+where diffrl weighs each denoising step alone (a step is the token's analogue) within [1/C, C].
 """
 
 from __future__ import annotations
