@@ -191,6 +191,11 @@ class Config:
         every section's own ``validate`` (``load_config``), so each sees valid sections."""
         self.run.check_streaming(self.actor.minibatches)
         self.check_midsync()
+        reason = self.algorithm.one_step_reason()
+        if reason is not None and self.actor.minibatches != 1:
+            raise ConfigError(
+                f"config key 'actor.minibatches' = {self.actor.minibatches}: {reason}"
+            )
         self.data.check_loop(self.run.mode)
         get_algorithm(self.algorithm.name).validate(self)
 

@@ -36,11 +36,33 @@ the current version took keeps w_t = 1 and the ratio against its recorded log-pr
 staleness 0 is the plain loss. pi_prox is read off the update's own forward (detached): before
 the update's only optimizer step (``actor.minibatches=1``, which the config requires here) the
 policy's weights are the update's start weights, so it costs no extra forward.
+
+Rollout correction (``algorithm.rollout_correction=is|rs``, default off), as verl's: every
+trained step, not only the stale ones, is weighed against the log-prob mu the rollout recorded
+(``Trajectory.log_probs``), with the PPO ratio anchored on pi_old (the update's start weights):
+
+    is: w_t = min(pi_old / mu, C)          rs: w_t = 1[1/C <= pi_old / mu <= C]   (C = tis_cap)
+    L_t = w_t * max(-A rho_t, -A clip(rho_t, 1 - eps, 1 + eps)),   rho_t = pi_theta / pi_old
+
+pi_old comes from one of two places. ``rollout_correction_bypass=true`` (the default) reads it
+off the update's own forward, detached, as the stale-step weights above do: exact under one
+optimizer step per update (``actor.minibatches=1``, which the config then requires) and free.
+``rollout_correction_bypass=false`` recomputes it, one no-grad forward per trained step under
+the ``old`` adapter, which the weight plan copies from ``default`` after every update so that it
+holds the update's start weights (valid with several minibatches). That forward is the
+old-log-prob recompute verl runs before every update; its share of the update's time is logged
+as ``perf/old_logp_frac`` (and ``perf/old_logp_s_per_sample``): what the bypass saves per step.
+What verl does differently: its bypass sets pi_old := mu (so its weights turn trivial), where
+diffrl's keeps pi_old exact, so the weights still measure the rollout-vs-train mismatch; its
+weights may also be per sequence (a product over tokens) and its rejection bounds asymmetric,
+where diffrl weighs each denoising step alone (a step is the token's analogue) within [1/C, C].
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -71,6 +93,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+
 
 # the rollout's path fields are Optional on a TrainBatch; FlowGRPO's validate makes the rollout
 # keep them (needs_logprobs), so a batch without them is a bug upstream
+ROLLOUT_CORRECTIONS = ("off", "is", "rs")  # algorithm.rollout_correction
 NO_PATH = "a FlowGRPO batch carries the rollout's path (latents, log_probs, sde_mask, step_spec)"
 
 
@@ -97,6 +120,13 @@ class GRPOConfig(AlgorithmConfig):
     # C of the truncated importance weights min(pi_prox / mu_v, C) of steps an older policy
     # version took (run.async_sync=step only; see the module docstring)
     tis_cap: float = 2.0
+    # rollout correction against the rollout's recorded log-probs (module docstring):
+    # off | is (truncated importance weights, capped at tis_cap) | rs (rejection outside
+    # [1/tis_cap, tis_cap])
+    rollout_correction: str = "off"
+    # pi_old read off the update's own forward (no extra forward; needs actor.minibatches=1)
+    # instead of recomputed by a no-grad forward under the ``old`` adapter
+    rollout_correction_bypass: bool = True
 
     def validate(self) -> None:
         check(self.clip_range > 0, "clip_range", self.clip_range, "must be > 0")
@@ -117,6 +147,35 @@ class GRPOConfig(AlgorithmConfig):
             "must be a finite number >= 1 (the largest importance weight of a step an older "
             "policy version took; 1 = never up-weight)",
         )
+        check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        check(
+            not (self.modality_credit and self.uses_old_policy()),
+            "modality_credit",
+            self.modality_credit,
+            f"is not supported with {self.name}'s pi_old (rollout correction, GRPO-Guard, "
+            "Flow-DPPO): set algorithm.modality_credit=false or algorithm.rollout_correction=off",
+        )
+
+    def clips(self) -> bool:
+        """Whether the loss clips its ratio at ``clip_range`` (logged as grpo/clip_frac)."""
+        return True
+
+    def uses_old_policy(self) -> bool:
+        """Whether the loss anchors on pi_old, the update's start weights (module docstring)."""
+        return self.rollout_correction != "off"
+
+    def recomputes_old(self) -> bool:
+        """Whether pi_old costs a no-grad forward under ``old`` (else: the update's own)."""
+        return self.uses_old_policy() and not self.rollout_correction_bypass
+
+    def one_step_reason(self) -> str | None:
+        if self.uses_old_policy() and self.rollout_correction_bypass:
+            return (
+                "algorithm.rollout_correction_bypass reads pi_old off the update's own forward, "
+                "which holds only before its first optimizer step; set actor.minibatches=1 or "
+                "algorithm.rollout_correction_bypass=false"
+            )
+        return None
 
     def unbatched(self) -> Self:
         return replace(self, ref_rows=0)
@@ -235,16 +294,74 @@ def shared_rows(x: Tensor, ids: Tensor, key: Tensor) -> tuple[Tensor, Tensor] | 
 
 
 def truncated_is(
-    logp: Tensor, rollout_logp: Tensor, behind: Tensor, cap: float
+    logp: Tensor,
+    rollout_logp: Tensor,
+    behind: Tensor,
+    cap: float,
+    mode: str = "is",
+    base: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per row of one trained step: (anchor, w). Where ``behind`` (an older version took the
-    step), the anchor is pi_prox's log-prob, ``logp`` detached (the policy at the update's
-    start), and w = min(pi_prox / mu, cap) against the rollout's ``rollout_logp`` mu; elsewhere
-    the anchor is mu and w = 1 exactly."""
+    step, or rollout correction weighs every step), the anchor is pi_prox's log-prob, ``logp``
+    detached (the policy at the update's start), and w = min(pi_prox / mu, cap) against the
+    rollout's ``rollout_logp`` mu (``mode="is"``), or w = 1[1/cap <= pi_prox / mu <= cap]
+    (``mode="rs"``); elsewhere the anchor is ``base`` (default mu) and w = 1 exactly."""
     prox = logp.detach()
-    anchor = torch.where(behind, prox, rollout_logp)
-    w = torch.where(behind, torch.exp(prox - rollout_logp).clamp(max=cap), torch.ones_like(prox))
+    anchor = torch.where(behind, prox, rollout_logp if base is None else base)
+    r = torch.exp(prox - rollout_logp)
+    if mode == "rs":
+        kept = (r >= 1 / cap) & (r <= cap)
+        w = torch.where(behind & ~kept, torch.zeros_like(prox), torch.ones_like(prox))
+    else:
+        w = torch.where(behind, r.clamp(max=cap), torch.ones_like(prox))
     return anchor, w
+
+
+@dataclass(frozen=True)
+class OldStep:
+    """pi_old at one trained step, per row (detached): its log-prob and its step mean."""
+
+    logp: Tensor  # (n,)
+    mean: Tensor  # (n, *S)
+
+
+def old_step(
+    policy: Policy, batch: TrainBatch, j: Tensor, logp: Tensor, mean: Tensor, cfg: GRPOConfig
+) -> tuple[OldStep, float]:
+    """pi_old at trained steps ``j`` (n,), given the update's own forward (``logp``, ``mean``):
+    read off it (bypass), or recomputed by a no-grad forward under ``old`` (which the weight
+    plan keeps at the update's start weights). -> (pi_old, seconds the recompute took)."""
+    if not cfg.recomputes_old():
+        return OldStep(logp.detach(), mean.detach()), 0.0
+    on_gpu = mean.device.type == "cuda"
+    if on_gpu:  # time the recompute alone, not the queued work before it
+        torch.cuda.synchronize(mean.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        logp_old, mean_old, _ = step_logprob(policy, batch, j, adapter="old")
+    if on_gpu:
+        torch.cuda.synchronize(mean.device)
+    return OldStep(logp_old, mean_old), time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """What a per-step surrogate sees of one trained step, per row (``n`` samples)."""
+
+    logp: Tensor  # (n,) pi_theta's log-prob, with grad
+    anchor: Tensor  # (n,) the log-prob the ratio is taken against (detached)
+    w: Tensor | None  # (n,) importance / rejection weights (detached); None = all 1
+    adv: Tensor  # (n,)
+    mean: Tensor  # (n, *S) pi_theta's step mean, with grad
+    old: OldStep | None  # pi_old, for losses that read its mean (GRPO-Guard, Flow-DPPO)
+    std: Tensor  # (n,) or () the step's Gaussian std
+    sigma: Tensor  # (n,) sigma at the step
+    sigma_next: Tensor  # (n,)
+
+
+# a per-step surrogate other than FlowGRPO's clipped one: (terms, cfg, metrics, 1 / k) ->
+# ((n,) per-row loss, (n,) the ratio to log the clip fraction of)
+StepObjective = Callable[[StepTerms, "GRPOConfig", Metrics, float], tuple[Tensor, Tensor]]
 
 
 def modality_objective(
@@ -289,13 +406,21 @@ def loss(
     cfg: GRPOConfig,
     gen: torch.Generator,
     backward: Backward | None = None,
+    objective: StepObjective | None = None,
 ) -> tuple[Tensor, Metrics]:
+    """FlowGRPO's loss over a micro-batch; ``objective`` swaps the per-step clipped surrogate
+    for another one on the same steps, weights and KL (GRPO-Guard, Flow-DPPO)."""
     mask, rollout_logp, adv = batch.sde_mask, batch.log_probs, batch.advantages
+    sigmas = batch.sigmas
     assert mask is not None and rollout_logp is not None and adv is not None, NO_PATH
+    assert sigmas is not None, NO_PATH
+    started = time.perf_counter()
     n, sde_steps = len(batch), mask.nonzero().squeeze(1)
     steps = host_to_device(train_steps(sde_steps, n, cfg, gen), batch.x0.device)  # (n, k)
     total = batch.x0.new_zeros(())
-    m: Metrics = {"grpo/clip_frac": 0.0, "grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
+    m: Metrics = {"grpo/ratio_dev": 0.0, "grpo/kl": 0.0}
+    if cfg.clips():
+        m["grpo/clip_frac"] = 0.0
     # |log ratio| per trained (sample, step): the rollout-vs-train gap before the step's
     # optimizer step (actor.minibatches = 1), logged, never used in the loss
     m["check/logp_gap_mean"], gap_max = 0.0, rollout_logp.new_zeros((), device=batch.x0.device)
@@ -304,10 +429,12 @@ def loss(
         refs = reference_means(policy, batch, steps, cfg.ref_rows)
     versions, prox = batch.step_versions, batch.prox_version
     tis = prox is not None
-    if tis:
-        assert versions is not None, "a batch with prox_version carries step_versions"
+    corrected = cfg.rollout_correction != "off"  # every step weighed against its mu
+    if tis or corrected:
+        assert not tis or versions is not None, "a batch with prox_version carries step_versions"
         m["grpo/tis_weight_mean"], m["grpo/tis_stale_frac"] = 0.0, 0.0
         w_max = rollout_logp.new_zeros((), device=batch.x0.device)
+    recompute_s = 0.0
     k = steps.shape[1]
     for c in range(k):
         j = steps[:, c]
@@ -319,21 +446,39 @@ def loss(
         gap = log_ratio.detach().abs()
         m["check/logp_gap_mean"] += gap.mean() / steps.shape[1]
         gap_max = torch.maximum(gap_max, gap.max().to(gap_max))
-        if tis:  # each step weighed by its own version's truncated importance weight
-            assert versions is not None and prox is not None
-            behind = versions.to(j.device)[at, j] < prox
-            anchor, w = truncated_is(logp, mu, behind, cfg.tis_cap)
-            ratio = torch.exp(logp - anchor)
-            if cfg.modality_credit:
-                objective = modality_objective(batch, j, mean, std, behind, cfg, m, k)
-                step_loss = objective.mean()
+        old, w = None, None
+        if cfg.uses_old_policy():
+            old, seconds = old_step(policy, batch, j, logp, mean, cfg)
+            recompute_s += seconds
+        if tis or corrected:  # each step weighed by its own truncated importance weight
+            if corrected:
+                behind = torch.ones_like(mu, dtype=torch.bool)
             else:
-                step_loss = (w * clipped_objective(ratio, adv, cfg.clip_range)).mean()
+                assert versions is not None and prox is not None
+                behind = versions.to(j.device)[at, j] < prox
+            mode = cfg.rollout_correction if corrected else "is"
+            prox_logp = logp if old is None else old.logp
+            base = None if old is None else old.logp
+            anchor, w = truncated_is(prox_logp, mu, behind, cfg.tis_cap, mode, base)
+            ratio = torch.exp(logp - anchor)
             m["grpo/tis_weight_mean"] += w.mean() / steps.shape[1]
             m["grpo/tis_stale_frac"] += behind.float().mean() / steps.shape[1]
             w_max = torch.maximum(w_max, w.max().to(w_max))
+        elif old is not None:
+            anchor = old.logp
+            ratio = torch.exp(logp - anchor)
+        else:
+            anchor = mu
+        if objective is not None:
+            sig = host_to_device(sigmas, j.device, batch.x0.dtype)
+            terms = StepTerms(logp, anchor, w, adv, mean, old, std, sig[j], sig[j + 1])
+            per_row, ratio = objective(terms, cfg, m, 1 / steps.shape[1])
+            step_loss = per_row.mean()
         elif cfg.modality_credit:
-            step_loss = modality_objective(batch, j, mean, std, None, cfg, m, k).mean()
+            behind_m = behind if tis else None
+            step_loss = modality_objective(batch, j, mean, std, behind_m, cfg, m, k).mean()
+        elif w is not None:
+            step_loss = (w * clipped_objective(ratio, adv, cfg.clip_range)).mean()
         else:
             step_loss = clipped_objective(ratio, adv, cfg.clip_range).mean()
         if cfg.kl_coef > 0:
@@ -354,11 +499,16 @@ def loss(
                     m[key] = m.get(key, 0.0) + shares[:, i].mean() / steps.shape[1]
         total = add_part(total, step_loss / steps.shape[1], backward)
         r = ratio.detach()
-        m["grpo/clip_frac"] += ((r - 1).abs() > cfg.clip_range).float().mean() / steps.shape[1]
+        if cfg.clips():
+            clipped = ((r - 1).abs() > cfg.clip_range).float().mean()
+            m["grpo/clip_frac"] += clipped / steps.shape[1]
         m["grpo/ratio_dev"] += (r - 1).abs().mean() / steps.shape[1]
     m["check/logp_gap_max"] = gap_max  # the actor keeps the largest over the step
-    if tis:
+    if tis or corrected:
         m["grpo/tis_weight_max"] = w_max
+    if cfg.recomputes_old():  # what the bypass saves: the recompute's share of the update
+        m["perf/old_logp_frac"] = recompute_s / max(time.perf_counter() - started, 1e-9)
+        m["perf/old_logp_s_per_sample"] = recompute_s / max(n, 1)
     return total, m
 
 
@@ -444,11 +594,14 @@ def train_cost(cfg: GRPOConfig, batch: TrainBatch) -> TrainCost:
     trained = max(1, round(cfg.timestep_fraction * int(mask.sum())))
     rows = 1 if spec.cfg_scale == 1 else 2
     kl = 1 if cfg.kl_coef > 0 else 0
-    return TrainCost(forwards=trained * (1 + kl) * rows, backwards=trained * rows)
+    old = 1 if cfg.recomputes_old() else 0  # pi_old's no-grad forward under ``old``
+    return TrainCost(forwards=trained * (1 + kl + old) * rows, backwards=trained * rows)
 
 
 def weight_plan(step: int, cfg: GRPOConfig) -> WeightPlan:
-    return WeightPlan("default")  # on-policy: sample with the current policy, sync every update
+    """On-policy: sample with the current policy, sync every update. When pi_old is
+    recomputed, ``old`` becomes a copy of the updated weights, i.e. the next update's start."""
+    return WeightPlan("default", refresh_old=0.0 if cfg.recomputes_old() else None)
 
 
 ALGORITHM = register_algorithm(

@@ -76,6 +76,11 @@ class AlgorithmConfig:
         ``diffrl bench`` baseline); itself when the loss batches none."""
         return self
 
+    def one_step_reason(self) -> str | None:
+        """Why this setting needs one optimizer step per update (``actor.minibatches=1``), or
+        None when it does not."""
+        return None
+
     def whole_batch_keys(self) -> tuple[str, ...]:
         """Keys set to something ``prepare`` needs the whole step's batch for (a batch-wide
         normalisation): a micro-batch of whole groups cannot be prepared alone under them."""

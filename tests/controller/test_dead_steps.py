@@ -15,6 +15,8 @@ RECIPES = {
     "diffusion_nft": "recipes/shapes_nft.yaml",
     "flow_grpo": "recipes/shapes_grpo.yaml",
     "diffusion_dpo": "recipes/shapes_dpo.yaml",
+    "grpo_guard": "recipes/shapes_grpo_guard.yaml",
+    "flow_dppo": "recipes/shapes_dppo.yaml",
 }
 
 
