@@ -15,6 +15,8 @@ RECIPES = {
     "diffusion_nft": "recipes/shapes_nft.yaml",
     "flow_grpo": "recipes/shapes_grpo.yaml",
     "diffusion_dpo": "recipes/shapes_dpo.yaml",
+    "awm": "recipes/shapes_awm.yaml",
+    "dgpo": "recipes/shapes_dgpo.yaml",
 }
 
 
