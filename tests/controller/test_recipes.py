@@ -20,7 +20,8 @@ from diffrl.models.registry import PRESET_FAMILY
 
 RECIPES = sorted(p.name for p in (REPO_ROOT / "recipes").glob("*.yaml"))
 # recipes whose tiny run has its own test, with their own reward (CI time: ~15 s each here)
-OWN_TEST = {"h3_t2va_nft.yaml", "h3_fl2va_nft.yaml"}  # test_h3_recipes.py
+# (shapes_opd: tests/algorithms/test_opd.py, with a teacher LoRA it writes)
+OWN_TEST = {"h3_t2va_nft.yaml", "h3_fl2va_nft.yaml", "shapes_opd.yaml"}  # test_h3_recipes.py
 
 
 def test_the_algorithm_recipes_ship() -> None:
