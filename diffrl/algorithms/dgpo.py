@@ -24,8 +24,8 @@ training noise (``shared_noise``, as the reference) so the noise cancels in S. T
 samples with the policy (ODE by default: DGPO needs no stochastic policy) and syncs each update.
 
 S needs every member of a group: ``prepare`` keeps groups whole (a sample whose scorer failed
-stays, with A = 0), and a micro-batch that splits a group is refused (``actor.micro_batch`` a
-multiple of ``rollout.group_size``).
+stays, with A = 0), ``actor.micro_batch`` must be a multiple of ``rollout.group_size`` (checked
+with the config), and the loss refuses a micro-batch that splits a group all the same.
 
 What the reference does that diffrl does differently:
 - It adds a PPO-style clip of the matching loss against a fast EMA ``clip_range`` (1e-3..1e-5)
@@ -53,13 +53,14 @@ from diffrl.algorithms.registry import (
     Backward,
     Metrics,
     Policy,
+    Setup,
     TrainCost,
     WeightPlan,
     add_part,
     check_training_draws,
     register_algorithm,
 )
-from diffrl.errors import check, check_choice
+from diffrl.errors import ConfigError, check, check_choice
 from diffrl.models.family import noised
 from diffrl.types import ScoredBatch, TrainBatch, train_batch
 
@@ -97,6 +98,24 @@ class DGPOConfig(AlgorithmConfig):
 
     def whole_batch_keys(self) -> tuple[str, ...]:
         return ("global_std",) if self.global_std else ()
+
+
+@dataclass(frozen=True)
+class GroupPreference(Algorithm[DGPOConfig]):
+    """Beyond every algorithm's rules: an actor micro-batch of whole groups, refused with the
+    config rather than at the first update (the actor splits a step's rows, groups in order,
+    into micro-batches of ``actor.micro_batch``)."""
+
+    def validate(self, cfg: Setup) -> None:
+        super().validate(cfg)
+        micro = getattr(getattr(cfg, "actor", None), "micro_batch", None)  # a full Config's
+        g = cfg.rollout.group_size
+        if isinstance(micro, int) and micro % g:
+            raise ConfigError(
+                f"config key 'actor.micro_batch' = {micro}: dgpo scores each group as a whole, "
+                f"so a micro-batch must hold whole groups; set it to a multiple of "
+                f"rollout.group_size ({g})"
+            )
 
 
 def prepare(scored: ScoredBatch, cfg: DGPOConfig) -> TrainBatch:
@@ -180,7 +199,7 @@ def weight_plan(step: int, cfg: DGPOConfig) -> WeightPlan:
 
 
 ALGORITHM = register_algorithm(
-    Algorithm(
+    GroupPreference(
         name="dgpo",
         config_cls=DGPOConfig,
         prepare=prepare,

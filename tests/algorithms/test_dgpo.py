@@ -60,3 +60,12 @@ def test_a_micro_batch_that_splits_a_group_is_refused() -> None:
     batch = fm_batch(4, 3, advantages=torch.zeros(4, dtype=torch.float64))  # groups of 3 and 1
     with pytest.raises(ValueError, match="actor.micro_batch to a multiple of rollout.group_size"):
         loss(LinearPolicy((2, 3)), batch, DGPOConfig(), torch.Generator())
+
+
+def test_the_config_refuses_micro_batches_of_split_groups() -> None:
+    from diffrl.config import load_config
+    from diffrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'actor.micro_batch' = 12: dgpo"):
+        load_config("shapes_dgpo.yaml", ["actor.micro_batch=12"])  # groups of 8
+    assert load_config("shapes_dgpo.yaml", ["actor.micro_batch=16"]).actor.micro_batch == 16
