@@ -130,19 +130,25 @@ def prepare(scored: ScoredBatch, cfg: DGPOConfig) -> TrainBatch:
 def group_weights(
     adv: Tensor, err: Tensor, ref_err: Tensor, group: Tensor, beta: float
 ) -> tuple[Tensor, Tensor]:
-    """Per group g present in ``group`` (B,): S_g = beta / |g| * sum_g A (l_theta - l_ref).
-    -> (sigmoid(S_g) for each row (B,), L_DGPO = -log sigmoid(-S_g) per group (n_g,))."""
-    ids, row_group = group.unique(return_inverse=True)
-    term = beta * adv * (err - ref_err)
-    sums = term.new_zeros(len(ids)).index_add_(0, row_group, term)
-    sizes = term.new_zeros(len(ids)).index_add_(0, row_group, torch.ones_like(term))
-    s = sums / sizes
-    return torch.sigmoid(s)[row_group], -F.logsigmoid(-s)
+    """Per row, its group's S_g = beta / |g| * sum_g A (l_theta - l_ref), over the groups in
+    ``group`` (B,) -> (sigmoid(S_g) per row (B,), the mean over groups of L_DGPO =
+    -log sigmoid(-S_g) ()). Through a (B, B) same-group matrix rather than ``unique``, so
+    nothing waits on the device (a micro-batch is tens of rows)."""
+    same = (group[:, None] == group[None, :]).to(err.dtype)  # (B, B)
+    size = same.sum(1)  # (B,) rows of each row's group
+    s = same @ (beta * adv * (err - ref_err)) / size
+    # each group's L_DGPO once: its rows' mean weighs 1/|g| per row
+    group_loss = (-F.logsigmoid(-s) / size).sum() / (1 / size).sum()
+    return torch.sigmoid(s), group_loss
 
 
 def whole_groups(group: Tensor) -> None:
     """Refuse a micro-batch that splits a group (its S would miss members): the groups a
-    micro-batch holds all have as many rows."""
+    micro-batch holds all have as many rows. Checked on the host only: on an accelerator it
+    would wait on the device every micro-batch, and the config's ``actor.micro_batch`` rule
+    (``GroupPreference.validate``) holds there."""
+    if group.device.type != "cpu":
+        return
     counts = group.unique(return_counts=True)[1]
     if len(counts) and bool((counts != counts.max()).any()):
         raise ValueError(
@@ -175,7 +181,7 @@ def loss(
             ref_err = (v_ref - v).pow(2).flatten(1).mean(1)
         weight, group_loss = group_weights(adv, err.detach(), ref_err, group, cfg.beta)
         part = (weight * adv * err).mean()
-        parts = {"dgpo/group_loss": group_loss.mean(), "dgpo/weight": weight.mean()}
+        parts = {"dgpo/group_loss": group_loss, "dgpo/weight": weight.mean()}
         if cfg.kl_coef > 0:
             gap = velocity_gap(policy, v_theta, x, sigma, batch, None).mean()
             part = part + cfg.kl_coef * gap
