@@ -11,7 +11,8 @@ over dimensions) on x_sigma = (1 - sigma) x0 + sigma eps, v = eps - x0:
     L_DGPO = -log sigmoid(-S)
 
 whose gradient is sigmoid(S) * beta / |G| * sum_x A(x) grad l_theta(x). As the reference, diffrl
-trains on the surrogate with that gradient up to the constant beta * n_groups,
+trains on a surrogate with that direction (the mean over groups of L_DGPO has beta times its
+gradient, for groups of equal size),
 
     L = mean_x [ sg(sigmoid(S_g(x))) * A(x) * l_theta(x) ] + kl_coef * ||v_theta - v_base||^2
 
