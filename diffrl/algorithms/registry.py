@@ -234,12 +234,15 @@ class Algorithm(Generic[C]):
     # refuses rollout.group_size=1: a group of one has nothing to compare, every advantage (or
     # pair) is empty, and the run would train nothing while exiting 0
     group_use: str = "its advantages are each sample's reward minus its group's mean"
+    # learns from comparing a prompt's samples (every RL loss here); False for one that trains
+    # on each sample alone (distillation), which a group of one serves as well
+    needs_groups: bool = True
 
     def validate(self, cfg: Setup) -> None:
         """What this algorithm needs of the rest of the run, checked before any work: the
         rollout it trains on (groups of two or more samples per prompt), run.stale=correct,
         and run.stream_train."""
-        if cfg.rollout.group_size < 2:
+        if self.needs_groups and cfg.rollout.group_size < 2:
             raise ConfigError(
                 f"config key 'rollout.group_size' = {cfg.rollout.group_size}: {self.name} "
                 f"needs at least 2 samples per prompt ({self.group_use}, so a group of one "

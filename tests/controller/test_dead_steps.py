@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffrl.algorithms.registry import registered_algorithms
+from diffrl.algorithms.registry import get_algorithm, registered_algorithms
 from diffrl.config import load_config
 from diffrl.controller.dead_steps import DeadSteps, NoProgress, dead_cause
 from diffrl.errors import ConfigError
@@ -17,12 +17,18 @@ RECIPES = {
     "diffusion_dpo": "recipes/shapes_dpo.yaml",
     "grpo_guard": "recipes/shapes_grpo_guard.yaml",
     "flow_dppo": "recipes/shapes_dppo.yaml",
+    "awm": "recipes/shapes_awm.yaml",
+    "dgpo": "recipes/shapes_dgpo.yaml",
+    "opd": "recipes/shapes_opd.yaml",
 }
 
 
 @pytest.mark.parametrize("algorithm", registered_algorithms())
 def test_every_algorithm_refuses_a_group_of_one(algorithm) -> None:
     recipe = RECIPES[algorithm]  # a new algorithm: add its recipe here, and decide
+    if not get_algorithm(algorithm).needs_groups:  # distillation: each sample alone
+        assert load_config(recipe, ["rollout.group_size=1"]).rollout.group_size == 1
+        return
     with pytest.raises(ConfigError, match=f"'rollout.group_size' = 1: {algorithm} needs at least"):
         # (mirrored noise needs an even group, and would refuse 1 for its own reason)
         load_config(recipe, ["rollout.antithetic_noise=false", "rollout.group_size=1"])

@@ -23,6 +23,8 @@ RECIPES = sorted(p.name for p in (REPO_ROOT / "recipes").glob("*.yaml"))
 OWN_TEST = {"h3_t2va_nft.yaml", "h3_fl2va_nft.yaml"}  # test_h3_recipes.py
 # FlowGRPO variants run their two steps at the smallest size in test_ratio_losses.py
 OWN_TEST |= {"shapes_grpo_guard.yaml", "shapes_dppo.yaml"}
+# (shapes_opd: tests/algorithms/test_opd.py, with a teacher LoRA it writes)
+OWN_TEST |= {"shapes_opd.yaml"}
 
 
 def test_the_algorithm_recipes_ship() -> None:
