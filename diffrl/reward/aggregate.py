@@ -12,7 +12,7 @@
   combinations of rewards keep distinct values (under ``sum`` then one GRPO normalisation, two
   rewards' (1, 0) and (0, 1) collapse to the same advantage). The paper then normalises R over
   the whole batch, (R - mean_B R) / (std_B R + eps); in diffrl that is the algorithm's batch-std
-  option (``algorithm.global_std=true``, as recipes/shapes_grpo_gdpo.yaml sets), since the pool
+  option (``algorithm.global_std=true``, see recipes/shapes_grpo_pref.yaml), since the pool
   sees one micro-batch at a time.
 
 What the reference (NVlabs/GDPO, its TRL trainer) does that diffrl does differently: it counts

@@ -163,30 +163,37 @@ class RewardPool:
                 )
 
     async def _run(self, sc: ScorerConfig, scorer: Scorer | GroupScorer, traj: Trajectory):
+        if is_group_scorer(scorer):
+            return await self._run_groups(sc, scorer, traj)  # type: ignore[arg-type]
         try:
             check_fields(scorer, traj)
-            if is_group_scorer(scorer):
-                return await self._run_groups(sc, scorer, traj)  # type: ignore[arg-type]
             result = await scorer.score(traj)  # type: ignore[union-attr]
             if result.scores.shape != (len(traj),):
                 raise ValueError(
                     f"returned {tuple(result.scores.shape)} scores for {len(traj)} samples"
                 )
             return result
-        except RewardFailure:
-            raise
         except Exception as e:
-            if sc.required:
-                raise RewardFailure(f"required scorer {sc.key!r} failed: {e}") from e
-            log.warning("optional scorer %r failed, its samples are marked missing: %s", sc.key, e)
-            return e
+            return self._failed(sc, e)
+
+    def _failed(self, sc: ScorerConfig, e: Exception) -> Exception:
+        """A scorer's error: a required one's stops training, an optional one's is returned
+        (its samples are marked missing)."""
+        if sc.required:
+            raise RewardFailure(f"required scorer {sc.key!r} failed: {e}") from e
+        log.warning("optional scorer %r failed, its samples are marked missing: %s", sc.key, e)
+        return e
 
     async def _run_groups(
         self, sc: ScorerConfig, scorer: GroupScorer, traj: Trajectory
-    ) -> ScoreResult:
+    ) -> ScoreResult | Exception:
         """``scorer`` on each group of ``traj`` (concurrently), joined back into (B,) rows. A
         group whose call fails, or returns the wrong shape, is missing (a required scorer
         stops training, naming the group); when every group fails the scorer has failed."""
+        try:
+            check_fields(scorer, traj)
+        except KeyError as e:
+            return self._failed(sc, e)
         ids = list(dict.fromkeys(traj.group.tolist()))  # groups in row order
         rows = [torch.nonzero(traj.group == g).flatten() for g in ids]
 
@@ -211,7 +218,9 @@ class RewardPool:
                 prompt = traj.prompts.texts[int(idx[0])]
                 why = f"group {g} ({len(idx)} samples of {prompt!r}): {res}"
                 if sc.required:
-                    raise RewardFailure(f"required group scorer {sc.key!r} failed on {why}")
+                    raise RewardFailure(
+                        f"required group scorer {sc.key!r} failed on {why}"
+                    ) from res
                 failed.append(why)
                 continue
             scores[idx], scored[idx] = res.scores.float(), True
@@ -219,7 +228,7 @@ class RewardPool:
             for k, v in res.metrics.items():  # group metrics, weighted by the group's rows
                 sums[k] = sums.get(k, 0.0) + v * len(idx)
         if failed and len(failed) == len(ids):
-            raise RuntimeError(f"every group failed; the first, {failed[0]}")
+            return self._failed(sc, RuntimeError(f"every group failed; the first, {failed[0]}"))
         for why in failed[:3]:
             log.warning("optional group scorer %r: its samples are marked missing: %s", sc.key, why)
         done = int(scored.sum()) or 1  # the weight of the returned groups' metrics

@@ -225,4 +225,14 @@ def test_pairwise_rank_with_the_shapes_verifier_prefers_the_right_image() -> Non
     traj = replace(traj, prompts=replace(traj.prompts, texts=(spec.text,) * 3))
     s = build_scorer("pairwise_rank", {"judge": "shapes", "judge_params": {"mode": "partial"}})
     res = asyncio.run(s.score_group(traj))
-    assert res.scores.tolist() == [0.25, 1.0, 0.25] and res.metrics["judge/accuracy"] == pytest.approx(1 / 3)
+    assert res.scores.tolist() == [0.25, 1.0, 0.25] and res.metrics[
+        "judge/accuracy"
+    ] == pytest.approx(1 / 3)
+
+
+def test_serve_reward_refuses_a_group_scorer_in_one_line(capsys) -> None:
+    from diffrl.cli import main
+
+    argv = ["serve-reward", "--scorer", "pairwise_rank", "--scorer-param", "judge=shapes"]
+    assert main([*argv, "--port", "1"]) == 2
+    assert "a group scorer is not served over HTTP" in capsys.readouterr().err
