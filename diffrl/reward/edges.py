@@ -55,7 +55,7 @@ class Sample:
     row: int  # its row in that micro-batch
     rows: int  # the micro-batch's rows
     ready_at: float  # time.time() when the rollout put it (its micro-batch decoded)
-    group_rows: int = 1  # rows of its micro-batch in its group (a micro-batch holds whole groups)
+    group_rows: int  # rows of its micro-batch in its group (a micro-batch holds whole groups)
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,16 @@ which GRPO then normalises in the group as any reward. A pointwise reward's smal
 blown up by the group's std ("illusory advantage"), become at most one rank apart here.
 
 ``pairwise_rank`` takes the preference from a pointwise judge, any per-sample scorer (the
-ShapesBench verifier, PickScore through ``clip``, an HTTP reward): x_i beats x_j when its
-score is higher, a tie is half a win, so w_i is the sample's rank in its group scaled to
-[0, 1] ("rank-based PickScore"). ``vlm_pairwise`` (in vlm.py) asks a VLM judge A-vs-B.
+ShapesBench verifier, ``pickscore``, an ``http`` reward): x_i beats x_j when its
+score is higher, a tie is half a win (diffrl's choice), so w_i is the sample's rank in its
+group scaled to [0, 1] ("rank-based PickScore"). ``vlm_pairwise`` (in vlm.py) asks a VLM judge A-vs-B.
 
-What the paper's reference does that diffrl does differently: its judge is a pairwise
+What the paper's reference does that diffrl does differently: its judge is a trained pairwise
 preference model (UnifiedReward-Think) asked about each pair; ``pairwise_rank`` derives every
 pair's preference from one pointwise score per sample (G judge calls, not G(G-1)/2), which is
-exact for a judge whose preferences are those of a score, and ``vlm_pairwise`` asks each pair
-in both orders (position bias cancels) where the paper asks once.
+exact for a judge whose preferences are those of a score; ``vlm_pairwise`` asks a general VLM
+served over the OpenAI API, by default about each pair in both orders so that a leaning to
+one position cancels (the reference's order handling was not checked here).
 """
 
 from __future__ import annotations
