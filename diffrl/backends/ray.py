@@ -210,6 +210,9 @@ class RewardHost(Host):
         setup_process(cfg, threads)
         self.pool = RewardPool(cfg.reward)
 
+    def describe(self) -> dict:
+        return {"groupwise": self.pool.groupwise}  # whole groups per call (reward/edges.py)
+
     async def score(self, traj: Trajectory):
         return await self.pool.score(traj)
 
@@ -432,8 +435,9 @@ class RemoteRewards:
 
     edges: Any = None  # one step's rollout -> reward -> controller, when not through here
 
-    def __init__(self, host) -> None:
+    def __init__(self, host, groupwise: bool = False) -> None:
         self.host = host
+        self.groupwise = groupwise  # the pool's: its calls must hold whole groups
 
     async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]:
         return await _await(self.host.score.remote(traj))
@@ -664,8 +668,7 @@ def build_ray(cfg: Config, start_group=None) -> Engines:
         info = _get(rollout_hosts[0].info.remote())
         for i, h in enumerate(rollout_hosts[1:], 1):  # contract 3 across replicas
             check_same_prompts(info, _get(h.info.remote()), f"rollout replica {i}")
-        _get(rewards_host.info.remote())
-        rewards = RemoteRewards(rewards_host)
+        rewards = RemoteRewards(rewards_host, _get(rewards_host.info.remote())["groupwise"])
         if cfg.ray.channel == "transferqueue":  # both edges on TransferQueue, past the controller
             from diffrl.backends.ray_edges import TransferQueueEdges
 

@@ -22,8 +22,11 @@
 
 Scorers are row-independent (each row's score depends on that row only; a model scorer's
 batched forward up to its kernels' batch-size rounding), so the rows equal those of scoring
-whole micro-batches. The channels may be the in-process ``Channel`` (``run_local``) or
-TransferQueue channels between processes (``backends/ray_edges.py``); this module only needs
+whole micro-batches. A ``groupwise`` pool (a group scorer, or ``reward.aggregate=gdpo``) is
+not: its calls take whole groups only (a sample waits until its group's rows are all here;
+a cap is rounded up to whole groups), and a pool without one streams per sample as before.
+The channels may be the in-process ``Channel`` (``run_local``) or TransferQueue channels
+between processes (``backends/ray_edges.py``); this module only needs
 ``put``/``put_many``/``get_ready``/``close``.
 """
 
@@ -52,6 +55,7 @@ class Sample:
     row: int  # its row in that micro-batch
     rows: int  # the micro-batch's rows
     ready_at: float  # time.time() when the rollout put it (its micro-batch decoded)
+    group_rows: int  # rows of its micro-batch in its group (a micro-batch holds whole groups)
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,11 @@ class PerSample:
 
     async def put(self, traj: Trajectory, version: int) -> None:
         now, n = time.time(), len(traj)
+        ids = traj.group.tolist()
+        size = {g: ids.count(g) for g in set(ids)}
         records = [
-            Sample(select_rows(traj, torch.tensor([i])), self.parts, i, n, now) for i in range(n)
+            Sample(select_rows(traj, torch.tensor([i])), self.parts, i, n, now, size[ids[i]])
+            for i in range(n)
         ]
         self.parts += 1
         await _put_many(self.out, records, version)
@@ -96,7 +103,8 @@ class PerSample:
 
 
 class ScoresTrajectories(Protocol):
-    """What ``score_ready`` needs of a reward engine."""
+    """What ``score_ready`` needs of a reward engine (and, optionally, ``groupwise``: True
+    when each call must hold whole groups)."""
 
     async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]: ...
 
@@ -105,25 +113,30 @@ async def score_ready(samples: Any, out: Any, rewards: ScoresTrajectories, cap: 
     """The reward side. Consumes ``samples``; waits for a sample when it holds none, else
     takes what is ready without waiting; scores the ready rows of the lowest-numbered micro-
     batch (at most ``cap``, 0 = all) in one pool call, and puts each scored row into ``out``.
-    Ends when ``samples`` is closed and every sample is scored; closes ``out`` however it
-    ends (a scorer's error then reaches the collector as a short stream)."""
+    For a ``groupwise`` pool only rows of whole groups are ready, and it waits for a sample
+    while no group is whole. Ends when ``samples`` is closed and every sample is scored (or,
+    groupwise, when only partial groups are left: the collector reports the cut); closes
+    ``out`` however it ends (a scorer's error then reaches the collector as a short stream)."""
     pending: dict[int, list[Sample]] = {}
     closed = False
+    whole = bool(getattr(rewards, "groupwise", False))
     try:
         while True:
             if not closed:
                 try:
-                    for s in await samples.get_ready(wait=not pending):
+                    ready = _ready_part(pending, whole)
+                    for s in await samples.get_ready(wait=ready is None):
                         pending.setdefault(s.part, []).append(s)
                 except ChannelClosed:
                     closed = True
-            if not pending:
+            part = _ready_part(pending, whole)
+            if part is None:
                 if closed:
                     return
                 continue
-            part = min(pending)
-            take = pending[part][: cap or None]
-            pending[part] = pending[part][len(take) :]
+            take = _take(pending[part], cap, whole)
+            taken = {id(s) for s in take}
+            pending[part] = [s for s in pending[part] if id(s) not in taken]
             if not pending[part]:
                 del pending[part]
             start = time.time()
@@ -143,6 +156,34 @@ async def score_ready(samples: Any, out: Any, rewards: ScoresTrajectories, cap: 
             await _put_many(out, scored, batch.traj.policy_version)
     finally:
         out.close()
+
+
+def _whole_groups(samples: list[Sample]) -> list[list[Sample]]:
+    """``samples`` (of one micro-batch) grouped by their group, in arrival order, keeping only
+    the groups whose rows are all here."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(int(s.traj.group[0]), []).append(s)
+    return [g for g in groups.values() if len(g) == g[0].group_rows]
+
+
+def _ready_part(pending: dict[int, list[Sample]], whole: bool) -> int | None:
+    """The lowest-numbered micro-batch with rows to score now (``whole``: a whole group)."""
+    ready = [p for p, got in pending.items() if not whole or _whole_groups(got)]
+    return min(ready) if ready else None
+
+
+def _take(samples: list[Sample], cap: int, whole: bool) -> list[Sample]:
+    """The rows of one pool call: the first ``cap`` (0 = all), or with ``whole`` the whole
+    groups, as many as fit in ``cap`` but at least one."""
+    if not whole:
+        return samples[: cap or None]
+    take: list[Sample] = []
+    for group in _whole_groups(samples):
+        if take and cap and len(take) + len(group) > cap:
+            break
+        take += group
+    return take
 
 
 def _row(batch: ScoredBatch, j: int, traj: Trajectory) -> ScoredBatch:

@@ -1,8 +1,15 @@
 """The scorer pool: runs every scorer concurrently on a trajectory and combines them.
 
-Combined reward = sum_k weight_k * score_k over valid samples. A ``required`` scorer that
-raises stops training with its error; an optional one that raises (or returns NaN) marks its
-samples missing (``valid=False``) so they are excluded from advantages, never scored 0.
+Combined reward = sum_k weight_k * score_k over valid samples (``reward.aggregate=sum``), or
+GDPO's sum of group-normalised scores (``gdpo``, reward/aggregate.py). A ``required`` scorer
+that raises stops training with its error; an optional one that raises (or returns NaN) marks
+its samples missing (``valid=False``) so they are excluded from advantages, never scored 0.
+
+A group scorer (``GroupScorer``) is called once per group of the trajectory (all G samples of
+one prompt), the groups concurrently; one that fails fails its group: a required one stops
+training naming the group's prompt, an optional one marks that group's samples missing. The
+pool is ``groupwise`` when it has a group scorer or aggregates with gdpo: it must then be
+handed whole groups (reward/edges.py cuts its pool calls at group boundaries).
 """
 
 from __future__ import annotations
@@ -17,16 +24,19 @@ import torch
 from torch import Tensor
 
 from diffrl.errors import DiffrlError, check, check_choice
+from diffrl.reward.aggregate import AGGREGATES, gdpo_combine
 from diffrl.reward.scorer import (
     REWARD_MODALITIES,
+    GroupScorer,
     Scorer,
     ScoreResult,
     check_fields,
+    is_group_scorer,
     missing_fields,
     producers_of,
 )
 from diffrl.reward.scorers import build_scorer
-from diffrl.types import MODALITIES, ScoredBatch, Trajectory
+from diffrl.types import MODALITIES, ScoredBatch, Trajectory, select_rows
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +83,12 @@ class RewardConfig:
     # rows per pool call (reward/edges.py): the ready rows of one rollout micro-batch, at most
     # this many (0 = all of them); a cap below the micro-batch starts scoring on its first rows
     max_batch: int = 0
+    # how the scorers' scores become one reward: sum (sum_k weight_k * score_k) or gdpo (each
+    # score normalised within its group first, then weighted and summed: reward/aggregate.py)
+    aggregate: str = "sum"
 
     def validate(self) -> None:
+        check_choice("aggregate", self.aggregate, AGGREGATES)
         check(len(self.scorers) > 0, "scorers", self.scorers, "at least one scorer")
         check(
             any(s.weight != 0 for s in self.scorers),
@@ -101,7 +115,7 @@ class RewardFailure(DiffrlError):
 class RewardPool:
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
-        self.scorers: list[tuple[ScorerConfig, Scorer]] = []
+        self.scorers: list[tuple[ScorerConfig, Scorer | GroupScorer]] = []
         for i, sc in enumerate(cfg.scorers):
             try:
                 self.scorers.append((sc, build_scorer(sc.name, sc.params)))
@@ -113,7 +127,16 @@ class RewardPool:
                     f"reward.scorers: scorer {sc.key!r} declares modality {declared!r}; a "
                     f"scorer's modality attribute is one of {list(REWARD_MODALITIES)}"
                 )
+            if cfg.aggregate == "gdpo" and sc.modality not in ("auto", "joint"):
+                raise DiffrlError(
+                    f"reward.scorers: scorer {sc.key!r} has modality {sc.modality!r}, but "
+                    "reward.aggregate=gdpo normalises each score as a whole (joint); use "
+                    "aggregate=sum for per-modality credit"
+                )
         self.dead_steps = {sc.key: 0 for sc in cfg.scorers}  # consecutive all-missing steps
+        # whole groups per call: a group scorer needs all its group's samples, and gdpo the
+        # group's statistics (edges.score_ready reads this)
+        self.groupwise = cfg.aggregate == "gdpo" or any(is_group_scorer(s) for _, s in self.scorers)
 
     def observe_step(self, scored: ScoredBatch) -> None:
         """After each RL step's scoring: count, per scorer, the steps running in which it gave
@@ -139,20 +162,79 @@ class RewardPool:
                     f"this run's family produces {sorted(produced)})"
                 )
 
-    async def _run(self, sc: ScorerConfig, scorer: Scorer, traj: Trajectory):
+    async def _run(self, sc: ScorerConfig, scorer: Scorer | GroupScorer, traj: Trajectory):
+        if is_group_scorer(scorer):
+            return await self._run_groups(sc, scorer, traj)  # type: ignore[arg-type]
         try:
             check_fields(scorer, traj)
-            result = await scorer.score(traj)
+            result = await scorer.score(traj)  # type: ignore[union-attr]
             if result.scores.shape != (len(traj),):
                 raise ValueError(
                     f"returned {tuple(result.scores.shape)} scores for {len(traj)} samples"
                 )
             return result
         except Exception as e:
-            if sc.required:
-                raise RewardFailure(f"required scorer {sc.key!r} failed: {e}") from e
-            log.warning("optional scorer %r failed, its samples are marked missing: %s", sc.key, e)
-            return e
+            return self._failed(sc, e)
+
+    def _failed(self, sc: ScorerConfig, e: Exception) -> Exception:
+        """A scorer's error: a required one's stops training, an optional one's is returned
+        (its samples are marked missing)."""
+        if sc.required:
+            raise RewardFailure(f"required scorer {sc.key!r} failed: {e}") from e
+        log.warning("optional scorer %r failed, its samples are marked missing: %s", sc.key, e)
+        return e
+
+    async def _run_groups(
+        self, sc: ScorerConfig, scorer: GroupScorer, traj: Trajectory
+    ) -> ScoreResult | Exception:
+        """``scorer`` on each group of ``traj`` (concurrently), joined back into (B,) rows. A
+        group whose call fails, or returns the wrong shape, is missing (a required scorer
+        stops training, naming the group); when every group fails the scorer has failed."""
+        try:
+            check_fields(scorer, traj)
+        except KeyError as e:
+            return self._failed(sc, e)
+        ids = list(dict.fromkeys(traj.group.tolist()))  # groups in row order
+        rows = [torch.nonzero(traj.group == g).flatten() for g in ids]
+
+        async def one(idx: Tensor) -> ScoreResult:
+            result = await scorer.score_group(select_rows(traj, idx))
+            if result.scores.shape != (len(idx),):
+                raise ValueError(
+                    f"returned {tuple(result.scores.shape)} scores for a group of {len(idx)}"
+                )
+            return result
+
+        results = await asyncio.gather(*(one(idx) for idx in rows), return_exceptions=True)
+        n = len(traj)
+        scores, valid = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bool)
+        scored = torch.zeros(n, dtype=torch.bool)  # rows whose group's call returned
+        sums: dict[str, float] = {}
+        failed: list[str] = []
+        for g, idx, res in zip(ids, rows, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, Exception):
+                    raise res  # cancellation, KeyboardInterrupt: not the scorer's failure
+                prompt = traj.prompts.texts[int(idx[0])]
+                why = f"group {g} ({len(idx)} samples of {prompt!r}): {res}"
+                if sc.required:
+                    raise RewardFailure(
+                        f"required group scorer {sc.key!r} failed on {why}"
+                    ) from res
+                failed.append(why)
+                continue
+            scores[idx], scored[idx] = res.scores.float(), True
+            valid[idx] = res.valid
+            for k, v in res.metrics.items():  # group metrics, weighted by the group's rows
+                sums[k] = sums.get(k, 0.0) + v * len(idx)
+        if failed and len(failed) == len(ids):
+            return self._failed(sc, RuntimeError(f"every group failed; the first, {failed[0]}"))
+        for why in failed[:3]:
+            log.warning("optional group scorer %r: its samples are marked missing: %s", sc.key, why)
+        done = int(scored.sum()) or 1  # the weight of the returned groups' metrics
+        metrics = {k: v / done for k, v in sums.items()}
+        metrics["failed_groups"] = len(failed) / max(len(ids), 1)
+        return ScoreResult(scores, valid & torch.isfinite(scores), metrics)
 
     async def score(self, traj: Trajectory) -> tuple[ScoredBatch, dict[str, float]]:
         """Consumes one trajectory; waits for every scorer; returns rewards and metrics."""
@@ -186,6 +268,10 @@ class RewardPool:
             if not isinstance(res, Exception):
                 for modality, part in modality_parts(sc, res, scorer).items():
                     by_modality[modality] += sc.weight * torch.nan_to_num(part * ok, nan=0.0)
+        if self.cfg.aggregate == "gdpo":
+            total = self._gdpo(traj, per_scorer, results, valid)
+            by_modality = {m: torch.zeros(n) for m in REWARD_MODALITIES}
+            by_modality["joint"] = total.clone()
         over = valid & ~torch.isfinite(total)
         if over.any():  # each weighted score fits float32, their sum does not
             raise RewardFailure(
@@ -197,6 +283,22 @@ class RewardPool:
         by_modality = {m: torch.where(valid, r, nan) for m, r in by_modality.items()}
         scored = ScoredBatch(traj, total, per_scorer, valid, by_modality)
         return scored, {**metrics, **reward_summary(scored)}
+
+    def _gdpo(self, traj: Trajectory, per_scorer, results, valid: Tensor) -> Tensor:
+        """(B,) float32 GDPO reward: each scorer's scores normalised in their groups (over
+        the samples valid for every scorer), weighted and summed. The call must hold whole
+        groups (``groupwise``: reward/edges.py cuts calls at group boundaries)."""
+        for (sc, _), res in zip(self.scorers, results, strict=True):
+            if isinstance(res, ScoreResult) and res.parts:
+                raise RewardFailure(
+                    f"scorer {sc.key!r} splits its score by modality, which "
+                    "reward.aggregate=gdpo cannot carry (it normalises each score as a whole); "
+                    "use reward.aggregate=sum"
+                )
+        keys = [sc.key for sc, _ in self.scorers]
+        scores = torch.stack([per_scorer[k] for k in keys], dim=1)  # (B, K), NaN where missing
+        weights = torch.tensor([sc.weight for sc, _ in self.scorers], dtype=torch.float64)
+        return gdpo_combine(scores, weights, traj.group, valid).float()
 
 
 def modality_parts(sc: ScorerConfig, result: ScoreResult, scorer: object) -> dict[str, Tensor]:

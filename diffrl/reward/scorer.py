@@ -1,5 +1,11 @@
-"""The scorer protocol and the registry's table (``register_scorer``; built by name in
+"""The scorer protocols and the registry's table (``register_scorer``; built by name in
 ``diffrl.reward.scorers``, which imports the built-in scorers).
+
+Two kinds of scorer: a ``Scorer`` grades each sample on its own (``score``: any rows, each
+row's score depends on that row only, so the pool may score rows as they are decoded); a
+``GroupScorer`` (``groupwise = True``) grades the G samples of one prompt together
+(``score_group``: exactly one whole group, one score per sample, e.g. win rates within the
+group), so the pool calls it once a group's samples are all decoded.
 
 A scorer declares which trajectory fields it reads (``needs``, e.g. {"image"}); the pool checks
 them at start-up against what the rollout produces, and again on every batch, so a missing
@@ -10,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -90,11 +96,25 @@ class Scorer(Protocol):
     async def score(self, traj: Trajectory) -> ScoreResult: ...
 
 
+@runtime_checkable
+class GroupScorer(Protocol):
+    name: str
+    needs: frozenset[str]
+    groupwise: bool  # True: the pool hands it whole groups, one at a time
+
+    async def score_group(self, traj: Trajectory) -> ScoreResult: ...
+
+
+def is_group_scorer(scorer: object) -> bool:
+    """Whether the pool must hand ``scorer`` whole groups (``score_group``)."""
+    return bool(getattr(scorer, "groupwise", False))
+
+
 def missing_fields(needs: frozenset[str], available: set[str]) -> list[str]:
     return sorted(needs - available)
 
 
-def check_fields(scorer: Scorer, traj: Trajectory) -> None:
+def check_fields(scorer: Scorer | GroupScorer, traj: Trajectory) -> None:
     missing = missing_fields(scorer.needs, set(traj.extra_fields))
     if missing:
         who = producers_of(missing)
@@ -110,7 +130,7 @@ def finite_result(scores: Tensor) -> ScoreResult:
     return ScoreResult(scores, torch.isfinite(scores))
 
 
-_SCORERS: dict[str, Callable[..., Scorer]] = {}
+_SCORERS: dict[str, Callable[..., Scorer | GroupScorer]] = {}
 
 
 def register_scorer(name: str):
@@ -119,3 +139,15 @@ def register_scorer(name: str):
         return factory
 
     return deco
+
+
+def build_scorer(name: str, params: dict[str, Any] | None = None) -> Scorer | GroupScorer:
+    if name not in _SCORERS:
+        raise KeyError(
+            f"unknown scorer {name!r}; registered: {sorted(_SCORERS)} (a task's own scorer, "
+            "e.g. shapes or avbench, is registered by importing diffrl.tasks)"
+        )
+    try:
+        return _SCORERS[name](**(params or {}))
+    except TypeError as e:
+        raise ValueError(f"bad params for scorer {name!r}: {e}") from None

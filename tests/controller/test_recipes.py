@@ -25,6 +25,7 @@ OWN_TEST = {"h3_t2va_nft.yaml", "h3_fl2va_nft.yaml"}  # test_h3_recipes.py
 OWN_TEST |= {"shapes_grpo_guard.yaml", "shapes_dppo.yaml"}
 # (shapes_opd: tests/algorithms/test_opd.py, with a teacher LoRA it writes)
 OWN_TEST |= {"shapes_opd.yaml"}
+OWN_TEST |= {"shapes_grpo_pref.yaml"}  # tests/reward/test_group_recipe.py (smallest size)
 
 
 def test_the_algorithm_recipes_ship() -> None:

@@ -12,16 +12,24 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from diffrl.reward.pool import RewardConfig, RewardPool, ScorerConfig
+from diffrl.reward.pool import RewardConfig, RewardFailure, RewardPool, ScorerConfig
 from diffrl.reward.scorers import build_scorer
-from diffrl.reward.scorers.vlm import TEMPLATES, chat_url, parse_score, parse_yesno
+from diffrl.reward.scorers.vlm import (
+    PAIRWISE_TEMPLATE,
+    TEMPLATES,
+    chat_url,
+    parse_choice,
+    parse_score,
+    parse_yesno,
+)
+from diffrl.types import Trajectory
 
 pytest.importorskip("httpx")
 starlette = pytest.importorskip("starlette")
@@ -49,7 +57,7 @@ class FakeJudge:
         self.attempts.clear()
         self.in_flight = self.max_in_flight = 0
 
-    async def reply(self, question: str) -> JSONResponse | str:
+    async def reply(self, question: str, images: list[str]) -> JSONResponse | str:
         key = next(
             (k for k in ("flaky", "busy", "slow", "broken", "bad request") if k in question), None
         )
@@ -67,6 +75,13 @@ class FakeJudge:
             return JSONResponse({"error": "image too large"}, status_code=400)
         if "wait" in question:
             await asyncio.sleep(0.05)
+        if "Answer A or B" in question:  # pairwise: the brighter image wins, as if it judged
+            if "biased" in question:
+                return "A"  # always the first: both orders must cancel it
+            if "dunno" in question:
+                return "Both look equally good."
+            a, b = (decode_png(u).mean() for u in images)
+            return "Image A." if a > b else "**B**"
         if "Reply with only a number" in question:
             return "Score: 8/10" if "octopus" in question else "0.75"
         if "circle" in question or key in ("flaky", "slow"):
@@ -82,8 +97,10 @@ class FakeJudge:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            question = body["messages"][-1]["content"][1]["text"]
-            out = await self.reply(question)
+            content = body["messages"][-1]["content"]
+            question = content[-1]["text"]
+            urls = [p["image_url"]["url"] for p in content if p["type"] == "image_url"]
+            out = await self.reply(question, urls)
         finally:
             self.in_flight -= 1
         if isinstance(out, JSONResponse):
@@ -288,3 +305,61 @@ def test_judge_url_credentials_never_appear_in_errors(media_traj, caplog) -> Non
     for text in (str(e.value), caplog.text, judge.url):
         assert "alice" not in text and "s3cret" not in text, text
     assert "***@127.0.0.1" in str(e.value)
+
+
+def group_traj(media_traj, text: str, brightness: list[int]):
+    """One group: ``text`` for every sample, each image flat at its brightness."""
+    imgs = torch.tensor(brightness, dtype=torch.uint8)[:, None, None, None].expand(-1, 4, 4, 3)
+    traj = media_traj([text] * len(brightness), image=imgs.contiguous())
+    return replace(traj, group=torch.zeros(len(brightness), dtype=torch.long))
+
+
+def pairwise(base_url: str, **params):
+    defaults = {"base_url": base_url, "model": "fake-vlm", "backoff": 0.01, "trust_env": False}
+    return build_scorer("vlm_pairwise", {**defaults, **params})
+
+
+def test_pairwise_judge_counts_wins_in_both_orders(judge, media_traj) -> None:
+    url, fake = judge
+    traj = group_traj(media_traj, "a red circle", [10, 200, 90, 40])
+    res = asyncio.run(pairwise(url).score_group(traj))
+    # each image beats the dimmer ones: wins / (2 * 3 games), in both orders
+    assert res.scores.tolist() == pytest.approx([0.0, 1.0, 2 / 3, 1 / 3]) and res.valid.all()
+    assert len(fake.requests) == 12  # G(G-1) ordered pairs
+    content = fake.requests[0]["messages"][-1]["content"]
+    assert [p["type"] for p in content] == ["image_url", "image_url", "text"]
+    assert content[-1]["text"] == PAIRWISE_TEMPLATE.format(prompt="a red circle")
+    assert res.metrics["first_frac"] == 0.5 and res.metrics["failed_frac"] == 0.0
+    fake.reset()
+    once = asyncio.run(pairwise(url, both_orders=False).score_group(traj))
+    assert once.scores.tolist() == res.scores.tolist() and len(fake.requests) == 6
+
+
+def test_pairwise_position_bias_cancels_and_shrugs_are_no_games(judge, media_traj) -> None:
+    url, _ = judge
+    biased = group_traj(media_traj, "a biased circle", [10, 200, 90])
+    res = asyncio.run(pairwise(url).score_group(biased))
+    assert res.scores.tolist() == [0.5, 0.5, 0.5] and res.metrics["first_frac"] == 1.0
+    one_way = asyncio.run(pairwise(url, both_orders=False).score_group(biased))
+    assert one_way.scores.tolist() == [1.0, 0.5, 0.0]  # (0,1) (0,2) (1,2): A always wins
+    shrug = asyncio.run(pairwise(url).score_group(group_traj(media_traj, "dunno", [1, 2])))
+    assert not shrug.valid.any() and shrug.metrics["unparsed_frac"] == 1.0
+    assert parse_choice("Answer: B") == 0.0 and parse_choice("image a") == 1.0
+    assert parse_choice("both") is None and parse_choice("") is None
+
+
+def test_pairwise_dead_judge_fails_the_group_in_the_pool(judge, media_traj) -> None:
+    url, _ = judge
+    good = group_traj(media_traj, "a red circle", [10, 200])
+    dead = replace(group_traj(media_traj, "broken", [10, 200]), group=torch.ones(2).long())
+    traj = Trajectory.concat([good, dead])
+    params = {"base_url": url, "model": "m", "backoff": 0.0, "max_retries": 0, "trust_env": False}
+    cfg = ScorerConfig("vlm_pairwise", required=False, params=params)
+    scored, metrics = asyncio.run(RewardPool(RewardConfig([cfg])).score(traj))
+    assert scored.valid.tolist() == [True, True, False, False]
+    assert scored.rewards[:2].tolist() == [0.0, 1.0]
+    assert metrics["reward/vlm_pairwise/failed_groups"] == 0.5
+    with pytest.raises(RewardFailure, match="group 1 .*'broken'.*no pair got a reply"):
+        asyncio.run(RewardPool(RewardConfig([replace(cfg, required=True)])).score(traj))
+    with pytest.raises(ValueError, match="answer"):
+        pairwise(url, answer="yesno")

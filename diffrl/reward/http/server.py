@@ -59,7 +59,7 @@ from diffrl.reward.http.guard import (
     uvicorn_config,
     wait_for_disconnect,
 )
-from diffrl.reward.scorer import Scorer, ScoreResult
+from diffrl.reward.scorer import Scorer, ScoreResult, is_group_scorer
 from diffrl.reward.scorers import build_scorer
 from diffrl.types import PromptBatch, Trajectory
 
@@ -574,6 +574,11 @@ def serve(
         scorer = build_scorer(scorer_name, given)
     except (KeyError, ValueError) as e:
         raise DiffrlError(f"--scorer {scorer_name}: {e}") from None
+    if is_group_scorer(scorer):  # the client splits a batch by --max-batch, not by group
+        raise DiffrlError(
+            f"--scorer {scorer_name}: a group scorer is not served over HTTP; run it in the "
+            "reward pool (reward.scorers), serving its per-sample judge here if it has one"
+        )
     effective = scorer_params(scorer, given)
     app = create_app(
         scorer,

@@ -1,4 +1,5 @@
-"""A vision-language model as judge, over any OpenAI-compatible chat completions API.
+"""A vision-language model as judge, over any OpenAI-compatible chat completions API: one
+image at a time (``vlm_judge``), or pairwise within a group (``vlm_pairwise``: A or B?).
 
 Each image goes, as a base64 PNG ``data:`` URL, to ``POST {base_url}/v1/chat/completions``
 (vLLM, SGLang, TGI, llama.cpp's server and hosted APIs all speak it) with a question made from
@@ -13,6 +14,13 @@ server. ``timeout`` bounds each whole request, so a server that trickles its rep
 time cannot hold a sample past it (httpx's own timeout is per read); a reply is read at most to
 ``MAX_REPLY_BYTES``; credentials in ``base_url`` never appear in a message. httpx is imported
 lazily so the package imports without it.
+
+``vlm_pairwise`` is a group scorer (reward/scorer.py): for the G images of one prompt it asks
+the judge about every pair, both images in one request (first = A, second = B), in both orders
+by default so that a judge's leaning to one position cancels; each sample's reward is its win
+rate over the comparisons that got a parsed answer (Pref-GRPO's, reward/scorers/pairwise.py).
+That is G(G-1) requests per group (G(G-1)/2 with ``both_orders=False``), under the same
+concurrency cap, time-outs and retries as ``vlm_judge``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from PIL import Image
 from diffrl.errors import check_choice
 from diffrl.reward.http.client import read_capped, redact_url, scrub
 from diffrl.reward.scorer import ScoreResult, register_scorer
+from diffrl.reward.scorers.pairwise import win_rates
 from diffrl.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,11 @@ TEMPLATES = {
         "between 0 and 1, where 1 is a perfect match."
     ),
 }
+
+PAIRWISE_TEMPLATE = (
+    'Both images were generated for the description "{prompt}". Which one matches it better, '
+    "the first (A) or the second (B)? Answer A or B."
+)
 
 MAX_REPLY_BYTES = 1 << 20  # a chat completion of a few tokens is ~1 kB
 
@@ -75,6 +89,17 @@ def parse_score(text: str) -> float | None:
 
 
 PARSERS = {"yesno": parse_yesno, "score": parse_score}
+
+
+def parse_choice(text: str) -> float | None:
+    """1.0 when the reply picks the first image (its first word is A, after an optional
+    ``Answer:`` or ``Image`` label), 0.0 for the second (B); None for anything else."""
+    words = _WORD.findall(text.lower())
+    while words[:1] in (["answer"], ["image"]):
+        words = words[1:]
+    if not words:
+        return None
+    return {"a": 1.0, "b": 0.0}.get(words[0])
 
 
 def chat_url(base_url: str) -> str:
@@ -181,19 +206,17 @@ class VlmJudgeScorer:
         self.extra_body = dict(extra_body or {})
         self.trust_env = trust_env
 
-    def request_body(self, image_url: str, prompt: str) -> dict[str, Any]:
+    def request_body(self, image_url: str | list[str], prompt: str) -> dict[str, Any]:
+        """The chat request: the image(s), in order, then the question."""
+        urls = [image_url] if isinstance(image_url, str) else image_url
         messages: list[dict[str, Any]] = []
         if self.system:
             messages.append({"role": "system", "content": self.system})
-        messages.append(
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": image_url}},
-                    {"type": "text", "text": self.template.format(prompt=prompt)},
-                ],
-            }
-        )
+        content: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": u}} for u in urls
+        ]
+        content.append({"type": "text", "text": self.template.format(prompt=prompt)})
+        messages.append({"role": "user", "content": content})
         return {
             **self.extra_body,
             "model": self.model,
@@ -255,23 +278,24 @@ class VlmJudgeScorer:
                     await asyncio.sleep(self.delay(attempt, retry_after))
         return Outcome(error=f"{error} (after {self.max_retries + 1} attempts)")
 
-    async def score(self, traj: Trajectory) -> ScoreResult:
+    async def ask_all(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
+        """Every request, at most ``max_concurrency`` at a time, over one connection pool."""
         import httpx
 
-        images = traj.extra_fields["image"].cpu().numpy()  # (B, H, W, 3) uint8
-        urls = await asyncio.to_thread(lambda: [png_data_url(img) for img in images])
         sem = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency)
         async with httpx.AsyncClient(
             timeout=self.timeout, headers=self.headers(), limits=limits, trust_env=self.trust_env
         ) as client:
-            outcomes = await asyncio.gather(
-                *(
-                    self.ask(client, sem, self.request_body(url, prompt))
-                    for url, prompt in zip(urls, traj.prompts.texts, strict=True)
-                )
-            )
-        return self.result(outcomes)
+            return list(await asyncio.gather(*(self.ask(client, sem, b) for b in bodies)))
+
+    async def score(self, traj: Trajectory) -> ScoreResult:
+        urls = await image_urls(traj)
+        bodies = [
+            self.request_body(url, prompt)
+            for url, prompt in zip(urls, traj.prompts.texts, strict=True)
+        ]
+        return self.result(await self.ask_all(bodies))
 
     def result(self, outcomes: list[Outcome]) -> ScoreResult:
         n = len(outcomes)
@@ -296,3 +320,73 @@ class VlmJudgeScorer:
             torch.isfinite(scores),
             {"failed_frac": len(failed) / max(n, 1), "unparsed_frac": len(unparsed) / max(n, 1)},
         )
+
+
+async def image_urls(traj: Trajectory) -> list[str]:
+    """The trajectory's images as PNG data URLs (encoded off the event loop)."""
+    images = traj.extra_fields["image"].cpu().numpy()  # (B, H, W, 3) uint8
+    return await asyncio.to_thread(lambda: [png_data_url(img) for img in images])
+
+
+@register_scorer("vlm_pairwise")
+class VlmPairwiseScorer:
+    """A group scorer: each image's win rate against the others of its group, as judged by a
+    VLM asked "A or B?" about each pair. Params: those of ``vlm_judge`` but ``answer`` (the
+    template, if given, has ``{prompt}`` and asks for A or B), plus ``both_orders`` (ask each
+    pair twice, swapped; default True). A reply that does not parse, or a request that fails,
+    is no game (the pair is not counted); an image with no game at all is missing. A group
+    where no request got a reply raises: the pool fails the group (a dead server)."""
+
+    needs = frozenset({"image"})
+    groupwise = True
+
+    def __init__(self, both_orders: bool = True, **params: Any) -> None:
+        if "answer" in params:
+            raise ValueError("vlm_pairwise takes no params.answer: its answer is A or B")
+        params.setdefault("template", PAIRWISE_TEMPLATE)
+        params.setdefault("name", "vlm_pairwise")
+        # the single-image judge's transport (retries, time-outs, concurrency cap, redaction),
+        # with its parser swapped for A-or-B
+        self.judge = VlmJudgeScorer(**params)
+        self.judge.parse, self.judge.answer = parse_choice, "A or B"
+        self.name = self.judge.name
+        self.both_orders = bool(both_orders)
+
+    async def score_group(self, traj: Trajectory) -> ScoreResult:
+        n = len(traj)
+        if len(set(traj.prompts.texts)) != 1:
+            raise ValueError(f"a group holds one prompt, got {sorted(set(traj.prompts.texts))}")
+        urls = await image_urls(traj)
+        prompt = traj.prompts.texts[0]
+        pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+        if not self.both_orders:
+            pairs = [(i, j) for i, j in pairs if i < j]
+        bodies = [self.judge.request_body([urls[i], urls[j]], prompt) for i, j in pairs]
+        outcomes = await self.judge.ask_all(bodies)
+        failed = [o for o in outcomes if o.error is not None]
+        if outcomes and len(failed) == len(outcomes):
+            raise RuntimeError(
+                f"VLM judge at {self.judge.url}: no pair got a reply: {failed[0].error}"
+            )
+        wins, games = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+        unparsed = 0
+        for (i, j), o in zip(pairs, outcomes, strict=True):
+            if o.value is None:
+                unparsed += o.error is None
+                continue
+            wins[i, j] += o.value  # 1: the first (i) won
+            wins[j, i] += 1.0 - o.value
+            games[i, j] += 1
+            games[j, i] += 1
+        if unparsed:
+            log.warning("VLM pairwise judge: %d replies were neither A nor B", unparsed)
+        rates = win_rates(wins, games)
+        judged = [o.value for o in outcomes if o.value is not None]
+        asked = max(len(outcomes), 1)
+        metrics = {
+            "failed_frac": len(failed) / asked,
+            "unparsed_frac": unparsed / asked,
+            # the judge's leaning to the first image (0.5 = none; both_orders cancels it)
+            "first_frac": sum(judged) / len(judged) if judged else float("nan"),
+        }
+        return ScoreResult(rates, torch.isfinite(rates), metrics)
