@@ -12,7 +12,8 @@ blown up by the group's std ("illusory advantage"), become at most one rank apar
 ``pairwise_rank`` takes the preference from a pointwise judge, any per-sample scorer (the
 ShapesBench verifier, ``pickscore``, an ``http`` reward): x_i beats x_j when its
 score is higher, a tie is half a win (diffrl's choice), so w_i is the sample's rank in its
-group scaled to [0, 1] ("rank-based PickScore"). ``vlm_pairwise`` (in vlm.py) asks a VLM judge A-vs-B.
+group scaled to [0, 1] ("rank-based PickScore"). ``vlm_pairwise`` (in vlm.py) asks a VLM
+judge A-vs-B.
 
 What the paper's reference does that diffrl does differently: its judge is a trained pairwise
 preference model (UnifiedReward-Think) asked about each pair; ``pairwise_rank`` derives every
