@@ -34,15 +34,10 @@ from torch import Tensor
 from diffrl.algorithms import flow_grpo
 from diffrl.algorithms.flow_grpo import GRPOConfig, StepTerms
 from diffrl.algorithms.registry import (
-    Algorithm,
-    Backward,
     Metrics,
-    Policy,
-    register_algorithm,
 )
 from diffrl.errors import check
 from diffrl.models.family import broadcast
-from diffrl.types import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -92,27 +87,5 @@ def dppo_objective(
     return per_row, ratio
 
 
-def loss(
-    policy: Policy,
-    batch: TrainBatch,
-    cfg: GRPOConfig,
-    gen: torch.Generator,
-    backward: Backward | None = None,
-) -> tuple[Tensor, Metrics]:
-    return flow_grpo.loss(policy, batch, cfg, gen, backward, objective=dppo_objective)
-
-
-ALGORITHM = register_algorithm(
-    Algorithm(
-        name="flow_dppo",
-        config_cls=DPPOConfig,
-        prepare=flow_grpo.prepare,
-        loss=loss,
-        weight_plan=flow_grpo.weight_plan,
-        train_cost=flow_grpo.train_cost,
-        needs_logprobs=True,
-        diagnostics=flow_grpo.consistency,
-        first_step_gate=flow_grpo.first_step_gate,
-        partial_backward=True,
-    )
-)
+ALGORITHM = flow_grpo.register_flow_grpo("flow_dppo", DPPOConfig, dppo_objective)
+loss = ALGORITHM.loss  # FlowGRPO's loss with this objective, for direct calls

@@ -604,17 +604,34 @@ def weight_plan(step: int, cfg: GRPOConfig) -> WeightPlan:
     return WeightPlan("default", refresh_old=0.0 if cfg.recomputes_old() else None)
 
 
-ALGORITHM = register_algorithm(
-    Algorithm(
-        name="flow_grpo",
-        config_cls=GRPOConfig,
-        prepare=prepare,
-        loss=loss,
-        weight_plan=weight_plan,
-        train_cost=train_cost,
-        needs_logprobs=True,
-        diagnostics=consistency,
-        first_step_gate=first_step_gate,
-        partial_backward=True,
+def register_flow_grpo(name: str, config_cls: type, objective=None) -> Algorithm:
+    """FlowGRPO under ``name``, or a variant of it that changes only the per-step
+    ``objective`` (GRPO-Guard, Flow-DPPO): its prepare, weight plan, costs, diagnostics and
+    first-step gate, and its loss with that objective."""
+
+    def variant_loss(
+        policy: Policy,
+        batch: TrainBatch,
+        cfg: GRPOConfig,
+        gen: torch.Generator,
+        backward: Backward | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        return loss(policy, batch, cfg, gen, backward, objective=objective)
+
+    return register_algorithm(
+        Algorithm(
+            name=name,
+            config_cls=config_cls,
+            prepare=prepare,
+            loss=loss if objective is None else variant_loss,
+            weight_plan=weight_plan,
+            train_cost=train_cost,
+            needs_logprobs=True,
+            diagnostics=consistency,
+            first_step_gate=first_step_gate,
+            partial_backward=True,
+        )
     )
-)
+
+
+ALGORITHM = register_flow_grpo("flow_grpo", GRPOConfig)

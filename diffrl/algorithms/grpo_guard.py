@@ -45,14 +45,9 @@ from torch import Tensor
 from diffrl.algorithms import flow_grpo
 from diffrl.algorithms.flow_grpo import GRPOConfig, StepTerms, clipped_objective
 from diffrl.algorithms.registry import (
-    Algorithm,
-    Backward,
     Metrics,
-    Policy,
-    register_algorithm,
 )
 from diffrl.models.family import broadcast
-from diffrl.types import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -84,27 +79,5 @@ def guard_objective(
     return per_row, ratio
 
 
-def loss(
-    policy: Policy,
-    batch: TrainBatch,
-    cfg: GRPOConfig,
-    gen: torch.Generator,
-    backward: Backward | None = None,
-) -> tuple[Tensor, Metrics]:
-    return flow_grpo.loss(policy, batch, cfg, gen, backward, objective=guard_objective)
-
-
-ALGORITHM = register_algorithm(
-    Algorithm(
-        name="grpo_guard",
-        config_cls=GuardConfig,
-        prepare=flow_grpo.prepare,
-        loss=loss,
-        weight_plan=flow_grpo.weight_plan,
-        train_cost=flow_grpo.train_cost,
-        needs_logprobs=True,
-        diagnostics=flow_grpo.consistency,
-        first_step_gate=flow_grpo.first_step_gate,
-        partial_backward=True,
-    )
-)
+ALGORITHM = flow_grpo.register_flow_grpo("grpo_guard", GuardConfig, guard_objective)
+loss = ALGORITHM.loss  # FlowGRPO's loss with this objective, for direct calls
