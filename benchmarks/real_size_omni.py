@@ -224,10 +224,13 @@ def main() -> None:
     p.add_argument("--height", type=int, default=0, help="frame height (0: square frames)")
     p.add_argument("--width", type=int, default=0)
     p.add_argument("--bare", action="store_true", help="time the bare forward+backward too")
+    p.add_argument("--no-cudnn-sdp", action="store_true", help="disable cuDNN attention")
     args = p.parse_args()
     if args.smoke:
         args.presets = list(SMOKE)
-    torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention's backward failed on torch 2.11
+    if args.no_cudnn_sdp:  # cuDNN's backward failed once (FLUX, H200, 2026-12-01); on the H100
+        # it ran at every real-size shape, H3's packed sequence at 1.76x FA2 (BENCHMARKS)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     rows = []
     for preset in args.presets:
         try:
