@@ -417,3 +417,18 @@ def images_to_uint8(x: Tensor) -> Tensor:
     return (
         ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
     )
+
+
+def text_to_bytes(texts: list[str]) -> Tensor:
+    """(B, N) uint8: each text's UTF-8 bytes, zero-padded to the longest; how a text answer (an
+    autoregressive family's media) rides in ``extra_fields["text"]``, a tensor like any other."""
+    raw = [t.encode() for t in texts]
+    out = torch.zeros(len(raw), max([1, *map(len, raw)]), dtype=torch.uint8)
+    for i, b in enumerate(raw):
+        out[i, : len(b)] = torch.tensor(list(b), dtype=torch.uint8)
+    return out
+
+
+def bytes_to_text(t: Tensor) -> list[str]:
+    """Inverse of ``text_to_bytes``: (B, N) uint8 -> B strings (trailing zero bytes dropped)."""
+    return [bytes(row.tolist()).rstrip(b"\0").decode() for row in t.cpu()]
