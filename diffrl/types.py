@@ -419,11 +419,15 @@ def images_to_uint8(x: Tensor) -> Tensor:
     )
 
 
-def text_to_bytes(texts: list[str]) -> Tensor:
-    """(B, N) uint8: each text's UTF-8 bytes, zero-padded to the longest; how a text answer (an
-    autoregressive family's media) rides in ``extra_fields["text"]``, a tensor like any other."""
+def text_to_bytes(texts: list[str], width: int = 0) -> Tensor:
+    """(B, N) uint8: each text's UTF-8 bytes, zero-padded to ``width`` (0: the longest); how a
+    text answer (an autoregressive family's media) rides in ``extra_fields["text"]``, a tensor
+    like any other. A fixed width lets micro-batches' records join row-wise."""
     raw = [t.encode() for t in texts]
-    out = torch.zeros(len(raw), max([1, *map(len, raw)]), dtype=torch.uint8)
+    longest = max([1, *map(len, raw)])
+    if width and longest > width:
+        raise ValueError(f"a text of {longest} bytes does not fit the width {width}")
+    out = torch.zeros(len(raw), width or longest, dtype=torch.uint8)
     for i, b in enumerate(raw):
         out[i, : len(b)] = torch.tensor(list(b), dtype=torch.uint8)
     return out

@@ -157,6 +157,9 @@ class ARFamily(Protocol):
 
     def decode_text(self, tokens: Tensor) -> list[str]: ...  # (B, T) completion ids -> answers
 
+    def condition_media(self, cond: Tensor) -> dict[str, Tensor]:  # PromptBatch.cond -> media
+        ...
+
     def latent_shape(self) -> tuple[int, ...]:  # (tokens,) the most one sample can hold
         ...
 

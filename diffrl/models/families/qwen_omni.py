@@ -158,6 +158,8 @@ class QwenOmniFamily:
         # tokens an answer never holds: the template's and the media placeholders (a sampled
         # <|audio_bos|> would make the thinker look for audio). Sampling and scoring both give
         # them probability 0, so the recorded log-probs stay the sampled distribution's
+        # the most bytes one token decodes to (and a space before it): the text field's width
+        self.token_bytes = 1 + max(len(t.encode()) for t in tokenizer.get_vocab())
         self.banned = sorted(
             {int(tokenizer.convert_tokens_to_ids(t)) for t in SPECIALS if t != IM_END}
         )
@@ -200,13 +202,18 @@ class QwenOmniFamily:
             images.append(torch.from_numpy(img).permute(2, 0, 1).float())
         return torch.stack(images)
 
+    def condition_media(self, cond: Tensor) -> dict[str, Tensor]:
+        """The prompts' images as media, exactly as encoded: ``image`` (B, H, W, 3) uint8."""
+        pixels = cond.detach().round().clamp(0, 255).to("cpu", torch.uint8)
+        return {"image": pixels.permute(0, 2, 3, 1).contiguous()}
+
     def vision_inputs(self, cond: Tensor | None) -> dict[str, Tensor]:
         """(B, 3, H, W) pixels -> the thinker's ``pixel_values`` and ``image_grid_thw``,
         through the model's own image processor."""
         if cond is None:
             return {}
-        pixels = cond.detach().round().clamp(0, 255).to("cpu", torch.uint8).permute(0, 2, 3, 1)
-        out = self.processor(images=[i.numpy() for i in pixels], return_tensors="pt")
+        images = self.condition_media(cond)["image"]
+        out = self.processor(images=[i.numpy() for i in images], return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     # --- the rollout's media ------------------------------------------------------------------
@@ -216,7 +223,8 @@ class QwenOmniFamily:
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     def decode(self, tokens: Tensor) -> dict[str, Tensor]:
-        return {"text": text_to_bytes(self.decode_text(tokens))}
+        # a fixed width for T tokens, so every micro-batch's field has the same shape
+        return {"text": text_to_bytes(self.decode_text(tokens), tokens.shape[1] * self.token_bytes)}
 
     def latent_shape(self) -> tuple[int, ...]:
         return (self.context,)  # the most tokens one sample can hold (the memory check's bound)
