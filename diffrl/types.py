@@ -345,7 +345,7 @@ def hash_cond_rows(cond: Tensor) -> tuple[str, ...]:
     float32), so a row hashes alike in any of them; any changed value changes it."""
     if not isinstance(cond, Tensor) or not cond.is_floating_point() or cond.ndim < 1:
         raise TypeError(f"cond must be a (B, ...) float tensor, got {type(cond).__name__}")
-    flat = cond.detach().to("cpu", torch.float32).reshape(len(cond), -1).numpy()
+    flat = cond.detach().to("cpu", torch.float32).flatten(1).numpy()  # (B, ...): B may be 0
     shape = repr(tuple(cond.shape[1:])).encode()
     rows = flat.astype("<f4", copy=False)
     return tuple(
