@@ -32,7 +32,7 @@ from diffrl.errors import check_choice
 from diffrl.models.family import IMAGE_MARKER
 from diffrl.reward.scorer import ScoreResult
 from diffrl.tasks.base import EvalResult, Prompt, TaskConfig, first_of_each_prompt
-from diffrl.tasks.shapes.prompts import COLORS, SHAPES, split_prompts
+from diffrl.tasks.shapes.prompts import COLORS, SHAPES, ShapesPrompt, split_prompts
 from diffrl.tasks.shapes.render import render
 from diffrl.tasks.shapes.verify import detect
 from diffrl.types import Trajectory, bytes_to_text
@@ -73,13 +73,14 @@ def parse(question: str) -> tuple[str, str]:
     raise ValueError(f"not a ShapesQA question: {question!r}")
 
 
-def questions(image: np.ndarray) -> list[str]:
-    """Every question ``image`` answers: its count, the colour of each shape it holds once,
-    the shape of each colour it holds once."""
-    found = detect(np.ascontiguousarray(image))
+def questions(prompt: ShapesPrompt) -> list[str]:
+    """Every question a render of ``prompt`` answers (the renderer draws exactly its objects,
+    checked by the verifier): the count, the colour of each shape it holds once, the shape of
+    each colour it holds once."""
+    objects = [o for o in prompt.objects for _ in range(o.count)]
     out = [COUNT_Q]
-    shapes = [d.shape for d in found]
-    colours = [d.color for d in found]
+    shapes = [o.shape for o in objects]
+    colours = [o.color for o in objects]
     out += [COLOUR_Q.format(s) for s in SHAPES if shapes.count(s) == 1]
     out += [SHAPE_Q.format(c) for c in COLORS if colours.count(c) == 1]
     return out
@@ -94,7 +95,7 @@ def items(split: str, size: int) -> tuple[tuple[str, np.ndarray], ...]:
         seed = int.from_bytes(hashlib.sha256(p.text.encode()).digest()[:4], "little")
         image = render(p, np.random.default_rng(seed), size)
         image.setflags(write=False)
-        out += [(q, image) for q in questions(image)]
+        out += [(q, image) for q in questions(p)]
     order = np.random.default_rng(0).permutation(len(out))
     return tuple(out[i] for i in order)
 

@@ -69,7 +69,16 @@ BUILTIN = {
 }
 PRESETS = {
     "qwen-omni-tiny": dict(
-        image_size=32, patch=4, merge=2, hidden=64, layers=2, heads=4, kv_heads=2, context=256
+        image_size=32,
+        patch=4,
+        merge=2,
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        context=256,
+        vision_hidden=32,
+        vision_depth=1,
     ),
 }
 
@@ -128,7 +137,8 @@ def tiny_config(tokenizer, p: dict):
             rope_scaling={"type": "default", "mrope_section": section},
         ),
         vision_config=dict(
-            depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+            depth=p["vision_depth"], hidden_size=p["vision_hidden"],
+            intermediate_size=2 * p["vision_hidden"], num_heads=2,
             out_hidden_size=p["hidden"], patch_size=p["patch"], spatial_merge_size=p["merge"],
             temporal_patch_size=2, fullatt_block_indexes=[0], window_size=p["image_size"],
         ),
