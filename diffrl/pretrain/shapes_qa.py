@@ -2,10 +2,11 @@
 teacher forcing on the train split's (question, image) -> answer pairs, stopped short of
 perfect so Omni-PPO has held-out accuracy to gain.
 
-``diffrl pretrain task=shapes_qa steps=300 batch=32 lr=2e-3 warmup=20`` writes it (~1 CPU
-minute); the file's metadata keeps the held-out accuracy it reached (greedy answers, scored by
-the task's own evaluator). The loss is the answer tokens' negative log-likelihood, computed by
-the family's own forward (the one the RL actor differentiates), end-of-turn included.
+Each step draws fresh renders of the train split's scenes (the RL task's items are one render
+per scene; the held-out scenes are never drawn). The file's metadata keeps the held-out
+accuracy it reached (greedy answers, scored by the task's own evaluator). The loss is the
+answer tokens' negative log-likelihood, computed by the family's own forward (the one the RL
+actor differentiates), end-of-turn included.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -24,7 +26,9 @@ from diffrl.pretrain.common import PretrainConfig, start_process, warmup_cosine
 from diffrl.rollout.ar import ARRolloutEngine
 from diffrl.rollout.engine import RolloutConfig
 from diffrl.tasks import TaskConfig, build_task
-from diffrl.tasks.shapes_qa import answer, items
+from diffrl.tasks.shapes.prompts import split_prompts
+from diffrl.tasks.shapes.render import render
+from diffrl.tasks.shapes_qa import answer, questions
 
 PRESET = "qwen-omni-tiny"
 ANSWER_TOKENS = 4  # the recipe's rollout.num_steps: one word and the end-of-turn fit
@@ -34,9 +38,7 @@ def pretrain_shapes_qa(cfg: PretrainConfig) -> Path:
     rng, device = start_process(cfg)
     model = load_model(ModelConfig(preset=cfg.preset or PRESET, weights=cfg.init), device)
     fam = model.family
-    task = build_task(TaskConfig(task="shapes_qa"))
-    train = prompt_set(task, model, task.prompts("train"))
-    targets = answer_tokens(fam, [answer(q, img) for q, img in items("train", fam.image_size)])
+    scenes = split_prompts("train")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.warmup, cfg.schedule_steps or cfg.steps)
@@ -44,11 +46,10 @@ def pretrain_shapes_qa(cfg: PretrainConfig) -> Path:
     t0 = time.time()
     bar = tqdm(range(cfg.steps), desc="pretrain shapes_qa")
     for _ in bar:
-        idx = torch.as_tensor(rng.choice(len(train), size=cfg.batch, replace=False))
-        batch = train.batch(idx)
-        tokens = targets[idx].to(device)
-        cond = batch.cond.to(device) if batch.cond is not None else None
-        logp = model(tokens, 1.0, batch.input_ids.to(device), cond)
+        questions, images, answers = fresh_items(scenes, cfg.batch, fam.image_size, rng)
+        tokens = answer_tokens(fam, answers).to(device)
+        cond = fam.encode_conditions([{"image": i} for i in images]).to(device)
+        logp = model(tokens, 1.0, fam.tokenize(questions).input_ids.to(device), cond)
         loss = -logp.sum() / (tokens != NO_TOKEN).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -71,6 +72,21 @@ def pretrain_shapes_qa(cfg: PretrainConfig) -> Path:
     save_weights(model, out, meta)
     print(f"wrote {out}: final loss {loss.item():.4f}, held-out {metrics}")
     return out
+
+
+def fresh_items(scenes: list, n: int, size: int, rng: np.random.Generator):
+    """``n`` new (question, image, answer) triples: a fresh render of a random train scene and
+    one of the questions it answers. Fresh renders every step (the task's items are one render
+    per scene) keep the base from memorising images instead of reading them."""
+    questions_, images, answers = [], [], []
+    for k in rng.choice(len(scenes), size=n):
+        image = render(scenes[k], rng, size)
+        asked = questions(scenes[k])
+        q = asked[rng.integers(len(asked))]
+        questions_.append(q)
+        images.append(image)
+        answers.append(answer(q, image))
+    return questions_, images, answers
 
 
 def answer_tokens(fam, answers: list[str]) -> torch.Tensor:
