@@ -15,6 +15,7 @@ RECIPES = {
     "diffusion_nft": "recipes/shapes_nft.yaml",
     "flow_grpo": "recipes/shapes_grpo.yaml",
     "diffusion_dpo": "recipes/shapes_dpo.yaml",
+    "omni_ppo": "recipes/omni_shapes_ppo.yaml",
 }
 
 

@@ -21,6 +21,7 @@ from diffrl.models.registry import PRESET_FAMILY
 RECIPES = sorted(p.name for p in (REPO_ROOT / "recipes").glob("*.yaml"))
 # recipes whose tiny run has its own test, with their own reward (CI time: ~15 s each here)
 OWN_TEST = {"h3_t2va_nft.yaml", "h3_fl2va_nft.yaml"}  # test_h3_recipes.py
+OWN_TEST |= {"omni_shapes_ppo.yaml"}  # an autoregressive family: test_omni_recipe.py
 
 
 def test_the_algorithm_recipes_ship() -> None:

@@ -65,20 +65,24 @@ QA_WORDS = (
 )  # fmt: skip
 
 BUILTIN = {
-    "builtin:shapes_omni": Builtin("shapes_omni.safetensors", "diffrl pretrain task=shapes_qa")
+    "builtin:shapes_omni": Builtin(
+        "shapes_omni.safetensors",
+        "diffrl pretrain task=shapes_qa steps=2000 batch=32 lr=1e-3 warmup=100 threads=1",
+        preset="qwen-omni-tiny",
+    )
 }
 PRESETS = {
     "qwen-omni-tiny": dict(
         image_size=32,
         patch=4,
         merge=2,
-        hidden=64,
+        hidden=128,
         layers=2,
         heads=4,
         kv_heads=2,
         context=256,
-        vision_hidden=32,
-        vision_depth=1,
+        vision_hidden=64,
+        vision_depth=2,
     ),
 }
 
