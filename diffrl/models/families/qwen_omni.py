@@ -22,8 +22,9 @@ convention, no latents. What it shares with them is the rest of the map:
 - **LoRA** through peft on the text decoder's attention projections (the audio encoder's
   Whisper-style ``self_attn.q/k/v_proj`` match too: with no audio input they get no gradient).
 
-Audio inputs are not wired yet: the thinker's audio tower is built and loaded, but no task
-feeds it features (``TODO`` in the family's ``encode_conditions``).
+Audio inputs are not wired yet: the thinker's audio tower is built and loaded, but
+``encode_conditions`` takes an image per prompt only (the Whisper features and the
+``<|AUDIO|>`` expansion are the next step).
 """
 
 from __future__ import annotations
