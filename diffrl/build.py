@@ -23,7 +23,13 @@ from diffrl.config import Config
 from diffrl.engines import ActorEngineProtocol, RewardEngineProtocol, RolloutEngineProtocol
 from diffrl.errors import CONTRACTS_LOG, ConfigError
 from diffrl.models.convention import ProbeReport, probe_convention
-from diffrl.models.family import EncodesClips, FamilyModel, HasMediaGeometry, TakesConditions
+from diffrl.models.family import (
+    EncodesClips,
+    FamilyModel,
+    HasMediaGeometry,
+    TakesConditions,
+    is_autoregressive,
+)
 from diffrl.models.probe import NoReference, ProbeResult, pipeline_parity
 from diffrl.models.registry import family as family_spec
 from diffrl.models.registry import load_model, lora_targets
@@ -36,6 +42,7 @@ from diffrl.parallel.sp import sp_hook
 from diffrl.parallel.tp_lora import tp_hook
 from diffrl.resources import check_model_fits
 from diffrl.reward.pool import RewardPool, close_pool
+from diffrl.rollout.ar import ARRolloutEngine
 from diffrl.rollout.engine import RolloutEngine
 from diffrl.rollout.samplers import euler_step, sigma_schedule
 from diffrl.sync.bound import BoundReport, check_bound, match_targets
@@ -97,6 +104,9 @@ def run_probe(cfg: Config, task: Task, model: FamilyModel) -> ProbeResult:
     truth, else a synthetic image through the family's encoder), which decides only on trained
     weights. Raises on a wrong convention. ``probe.mode=off`` is the one way to skip, and the
     skip is logged. Runs under a forked RNG: the run's own random draws are untouched."""
+    if is_autoregressive(model):  # contract 1 is about a time convention, which it has none of
+        contracts.info("time-convention probes: not applicable (autoregressive family)")
+        return ProbeResult(skipped=True)
     if cfg.probe.mode == "off":
         contracts.warning("time-convention probes skipped: probe.mode=off (see probe/skipped)")
         return ProbeResult(skipped=True)
@@ -234,8 +244,8 @@ class RolloutSide:
     train: PromptSet
     eval_set: PromptSet
     probe: ProbeResult
-    rollout: RolloutEngine
-    evaluator: RolloutEngine
+    rollout: RolloutEngine | ARRolloutEngine
+    evaluator: RolloutEngine | ARRolloutEngine
     etp: str = ""  # under parallel.etp > 1: what was sharded and encoded at start-up
 
 
@@ -289,7 +299,9 @@ def rollout_side(
         kw = dict(lora_rank=cfg.actor.lora.rank)
     elif ranks.rollout_tp:
         kw = dict(tp_mesh=ranks.tp_mesh, tp_plan=family_spec(cfg.model.resolved_family).tp_plan)
-    rollout = RolloutEngine(base, cfg.rollout, rollout_targets, device, **kw)
+    # an autoregressive family samples tokens: its own engine, behind the same Protocol
+    engine = ARRolloutEngine if is_autoregressive(base) else RolloutEngine
+    rollout = engine(base, cfg.rollout, rollout_targets, device, **kw)
     # held-out eval measures the policy itself: its own guidance, full precision, and independent
     # initial noise for every sample even when the rollout shares it within a group (DanceGRPO)
     eval_rollout = dataclasses.replace(
@@ -300,7 +312,7 @@ def rollout_side(
         tree_noise=False,
         ode_dtype="float32",
     )
-    evaluator = RolloutEngine(base, eval_rollout, rollout_targets, device, **kw)
+    evaluator = engine(base, eval_rollout, rollout_targets, device, **kw)
     if cfg.rollout.share_base:
         targets = [e.target for e in (rollout, evaluator)]
         held = sum(t.factor_bytes() for t in targets if isinstance(t, SharedBaseTarget))

@@ -345,7 +345,7 @@ def hash_cond_rows(cond: Tensor) -> tuple[str, ...]:
     float32), so a row hashes alike in any of them; any changed value changes it."""
     if not isinstance(cond, Tensor) or not cond.is_floating_point() or cond.ndim < 1:
         raise TypeError(f"cond must be a (B, ...) float tensor, got {type(cond).__name__}")
-    flat = cond.detach().to("cpu", torch.float32).reshape(len(cond), -1).numpy()
+    flat = cond.detach().to("cpu", torch.float32).flatten(1).numpy()  # (B, ...): B may be 0
     shape = repr(tuple(cond.shape[1:])).encode()
     rows = flat.astype("<f4", copy=False)
     return tuple(
@@ -417,3 +417,22 @@ def images_to_uint8(x: Tensor) -> Tensor:
     return (
         ((x.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
     )
+
+
+def text_to_bytes(texts: list[str], width: int = 0) -> Tensor:
+    """(B, N) uint8: each text's UTF-8 bytes, zero-padded to ``width`` (0: the longest); how a
+    text answer (an autoregressive family's media) rides in ``extra_fields["text"]``, a tensor
+    like any other. A fixed width lets micro-batches' records join row-wise."""
+    raw = [t.encode() for t in texts]
+    longest = max([1, *map(len, raw)])
+    if width and longest > width:
+        raise ValueError(f"a text of {longest} bytes does not fit the width {width}")
+    out = torch.zeros(len(raw), width or longest, dtype=torch.uint8)
+    for i, b in enumerate(raw):
+        out[i, : len(b)] = torch.tensor(list(b), dtype=torch.uint8)
+    return out
+
+
+def bytes_to_text(t: Tensor) -> list[str]:
+    """Inverse of ``text_to_bytes``: (B, N) uint8 -> B strings (trailing zero bytes dropped)."""
+    return [bytes(row.tolist()).rstrip(b"\0").decode() for row in t.cpu()]

@@ -522,6 +522,22 @@ class ActorEngine:
             v = self._velocity(x, sigma, input_ids, adapter, cond)
         return v.to(x.dtype)
 
+    def token_log_probs(
+        self,
+        tokens: Tensor,
+        temperature: Tensor | float,
+        input_ids: Tensor,
+        adapter: str | None = "default",
+        cond: Tensor | None = None,
+    ) -> Tensor:
+        """An autoregressive family's (B, T) per-token log-probs (its model's forward,
+        ``models/family.py`` ``ARModel``) under ``adapter`` (None = the reference): the same
+        adapter switching and autocast as ``velocity``, returned in float32."""
+        if self.cfg.autocast == "off":
+            return self._velocity(tokens, temperature, input_ids, adapter, cond).float()
+        with torch.autocast(self.device.type, dtype=getattr(torch, self.cfg.autocast)):
+            return self._velocity(tokens, temperature, input_ids, adapter, cond).float()
+
     def _velocity(self, x, sigma, input_ids, adapter, cond) -> Tensor:
         if adapter is None:
             with self.model.disable_adapter():

@@ -148,6 +148,72 @@ class HasModalities(Protocol):
         ...
 
 
+# --- autoregressive families: a kind of their own --------------------------------------------
+
+# where a prompt's image goes in its text: an AR family expands it into its own image tokens
+IMAGE_MARKER = "<image>"
+NO_TOKEN = -1  # a completion's ids after it ended (its first end-of-turn token), in x0
+
+
+@runtime_checkable
+class ARFamily(Protocol):
+    """An autoregressive (token-sampling) family, such as an omni thinker that reads text and
+    images and answers in text. It is a kind beside ``ModelFamily``, not one of them: it has no
+    time convention, no latents, no velocity. What carries over is the rest of the map:
+    prompts tokenized once (contract 3; here left-padded, so that a batch's completions start
+    in one column), LoRA targets named explicitly, weight sync into the rollout's copy
+    (contract 2), media in ``extra_fields`` (contract 4: the answer's text as UTF-8 bytes).
+
+    Its model (``ARModel`` below) samples completions as ``Trajectory.x0`` (B, T) int64 ids,
+    ``NO_TOKEN`` after the first end-of-turn, with their per-token log-probs recorded at
+    generation in ``Trajectory.log_probs`` (B, T)."""
+
+    name: str
+    native_convention: str  # "": no time convention (contract 1 does not apply)
+    lora_targets: tuple[str, ...]
+    media: frozenset[str]  # the extra_fields its rollout fills ("text", and "image" with one)
+
+    def tokenize(self, texts: Sequence[str]) -> TokenBatch: ...  # left-padded, template applied
+
+    def decode(self, tokens: Tensor) -> dict[str, Tensor]:  # (B, T) ids -> {"text": bytes}
+        ...
+
+    def decode_text(self, tokens: Tensor) -> list[str]: ...  # (B, T) completion ids -> answers
+
+    def condition_media(self, cond: Tensor) -> dict[str, Tensor]:  # PromptBatch.cond -> media
+        ...
+
+    def latent_shape(self) -> tuple[int, ...]:  # (tokens,) the most one sample can hold
+        ...
+
+    def serving_layout(self, model: nn.Module): ...  # -> SlotMap (contract 2)
+
+    def flops(self, batch: int) -> float: ...
+
+
+@runtime_checkable
+class ARModel(Protocol):
+    """What the engines call on an AR family's model (an ``nn.Module`` peft can wrap)."""
+
+    family: ARFamily
+
+    def sample(
+        self, input_ids: Tensor, cond: Tensor | None, max_tokens: int, greedy: bool, seed: int
+    ) -> tuple[Tensor, Tensor]:  # -> tokens (B, T) (NO_TOKEN after the end), log-probs (B, T)
+        ...
+
+    def forward(
+        self, tokens: Tensor, temperature: Tensor, input_ids: Tensor, cond: Tensor | None = None
+    ) -> Tensor:  # (B, T) log-probs of ``tokens`` after ``input_ids`` (0 where NO_TOKEN)
+        ...
+
+
+def is_autoregressive(model: nn.Module) -> bool:
+    """Whether ``model`` (a loaded model) samples tokens: its family is an ``ARFamily``
+    (``decode_text`` is what no diffusion family has)."""
+    return isinstance(getattr(model, "family", None), ARFamily)
+
+
 # --- the record a family module exports ------------------------------------------------------
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

@@ -9,10 +9,13 @@ from pathlib import Path
 from diffrl.pretrain.avbench import pretrain_avbench
 from diffrl.pretrain.common import PretrainConfig, load_pretrain_config
 from diffrl.pretrain.shapes import evaluate_checkpoint, pretrain_shapes
+from diffrl.pretrain.shapes_qa import pretrain_shapes_qa
 
 
 def pretrain(cfg: PretrainConfig) -> Path:
     """Pre-train the base that ``cfg.task`` names; returns the weights' path."""
+    if cfg.task == "shapes_qa":  # the tiny omni thinker (an autoregressive family)
+        return pretrain_shapes_qa(cfg)
     return pretrain_avbench(cfg) if cfg.task == "avbench" else pretrain_shapes(cfg)
 
 

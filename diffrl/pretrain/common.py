@@ -69,7 +69,8 @@ class PretrainConfig:
     init: str = ""
 
     def validate(self) -> None:
-        check(self.task in ("shapes", "avbench"), "task", self.task, "shapes | avbench")
+        tasks = ("shapes", "avbench", "shapes_qa")
+        check(self.task in tasks, "task", self.task, " | ".join(tasks))
         check(0 <= self.cond_prob <= 1, "cond_prob", self.cond_prob, "in [0, 1]")
         check(self.chunk >= 1, "chunk", self.chunk, "must be >= 1")
         check(self.audio_weight > 0, "audio_weight", self.audio_weight, "must be > 0")

@@ -26,6 +26,7 @@ from diffrl.tasks.base import (
     prompt_source,
 )
 from diffrl.tasks.shapes.scorer import ShapesScorer
+from diffrl.tasks.shapes_qa import ShapesQAScorer
 
 TASK_MODULES = {
     "shapes": "diffrl.tasks.shapes",
@@ -34,10 +35,11 @@ TASK_MODULES = {
     "avbench_fl2va": "diffrl.tasks.avbench",  # FL2VA: the same module, mode from cfg.task
     "avbench_i2av": "diffrl.tasks.avbench",  # I2AV (first frame): the same module
     "avbench_ref2va": "diffrl.tasks.avbench",  # Ref2VA: a reference image and soundtrack
+    "shapes_qa": "diffrl.tasks.shapes_qa",  # questions on ShapesBench images (AR families)
 }
 
 # scorer name (as recipes spell it) -> the task's scorer
-TASK_SCORERS = {"shapes": ShapesScorer, "avbench": AVBenchScorer}
+TASK_SCORERS = {"shapes": ShapesScorer, "avbench": AVBenchScorer, "shapes_qa": ShapesQAScorer}
 for _name, _scorer in TASK_SCORERS.items():
     register_scorer(_name)(_scorer)
 

@@ -20,6 +20,7 @@ RECIPES = {
     "awm": "recipes/shapes_awm.yaml",
     "dgpo": "recipes/shapes_dgpo.yaml",
     "opd": "recipes/shapes_opd.yaml",
+    "omni_ppo": "recipes/omni_shapes_ppo.yaml",
 }
 
 

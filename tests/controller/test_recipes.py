@@ -26,6 +26,7 @@ OWN_TEST |= {"shapes_grpo_guard.yaml", "shapes_dppo.yaml"}
 # (shapes_opd: tests/algorithms/test_opd.py, with a teacher LoRA it writes)
 OWN_TEST |= {"shapes_opd.yaml"}
 OWN_TEST |= {"shapes_grpo_pref.yaml"}  # tests/reward/test_group_recipe.py (smallest size)
+OWN_TEST |= {"omni_shapes_ppo.yaml"}  # an autoregressive family: test_omni_recipe.py
 
 
 def test_the_algorithm_recipes_ship() -> None:
