@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+from diffrl.models.family import ARFamily
 from diffrl.types import select_rows
 
 STAGES = ("encode", "rollout", "decode", "reward", "train")
@@ -200,7 +201,8 @@ class PipelinePerf:
       logged (FLOP/s only: a CPU's matmul rate is no ceiling the run is held to).
 
     Counts only where the rollout engine is in this process (it holds the model and its
-    family); on the Ray backend, or with an engine that holds neither, it logs nothing. The
+    family); on the Ray backend, with an engine that holds neither, or for an autoregressive
+    family, it logs nothing. The
     frozen stages are measured after the first step (``measure_frozen``) in a run of one
     process; under torchrun (where the encoders may be sharded collectives) they count 0.
     ``encode`` counts every prompt row the encode cache missed since the last step (a held-out
@@ -210,7 +212,10 @@ class PipelinePerf:
         self.parts = parts
         model = getattr(parts.rollout, "model", None)
         local = parts.cfg.run.backend == "local" and hasattr(parts.rollout, "family")
-        self.on = local and model is not None
+        # an autoregressive family (qwen_omni) samples tokens, not a denoising loop: the
+        # stage formulas here are the diffusion families'; it logs no perf/tflop
+        denoises = local and not isinstance(parts.rollout.family, ARFamily)
+        self.on = denoises and model is not None
         self.total = self.total_hw = 0.0
         self.frozen: FrozenFlops | None = None
         self.peak = 0.0
